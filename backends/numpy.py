@@ -1,0 +1,104 @@
+"""NumPy backend: fused unscale-and-check (compiled with numba when present), bfloat16 via ml_dtypes.
+
+On NumPy the state lives in host memory, so the scale update runs the readable rule of
+``polyamp.policy`` directly on the 0-d arrays: reading them costs no device sync.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from polyamp._hookspecs import hookimpl
+from polyamp.backends import _numpy_kernels
+from polyamp.policy import HostState, LossScaleState, next_host_state
+
+_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "int32": np.int32}
+
+
+@hookimpl
+def backend_info() -> dict[str, Any]:
+    return {"available": True, "reason": "", "version": np.__version__}
+
+
+@hookimpl
+def owns_array(array: Any) -> bool:
+    return isinstance(array, (np.ndarray, np.generic))
+
+
+@hookimpl
+def full(value: Any, dtype: str, like: Any) -> Any:
+    return np.full((), value, dtype=_DTYPES[dtype])
+
+
+@hookimpl
+def scale_array(array: Any, scale: Any) -> Any:
+    array = np.asarray(array)
+    if array.dtype == np.float32 or array.dtype == np.float64:
+        return array * scale
+    if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
+        return np.multiply(array, scale, dtype=np.float32).astype(array.dtype)
+    raise TypeError(
+        f"scale() needs a floating-point array, got dtype={array.dtype}; "
+        "scale the loss, which is floating point"
+    )
+
+
+@hookimpl
+def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
+    inv_scale = np.asarray(np.float32(1.0 / np.float64(scale)))
+    _numpy_kernels.unscale_and_check_(grads, inv_scale, found_inf)
+
+
+@hookimpl
+def all_finite(arrays: Sequence[Any]) -> Any:
+    return np.asarray(_numpy_kernels.all_finite(arrays))
+
+
+@hookimpl
+def cast(array: Any, dtype: str) -> Any:
+    return np.asarray(array).astype(_float_dtype(dtype))
+
+
+def _float_dtype(dtype: str) -> Any:
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as exc:
+            raise ImportError(
+                "bfloat16 on NumPy needs ml_dtypes: pip install 'polyamp[bfloat16]'"
+            ) from exc
+        return ml_dtypes.bfloat16
+    if dtype not in ("float32", "float16", "float64"):
+        raise ValueError(
+            f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}"
+        )
+    return _DTYPES[dtype]
+
+
+@hookimpl
+def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
+    scale, growth, backoff = state
+    host = HostState(float(scale), int(growth), int(backoff))
+    new = next_host_state(host, bool(found_inf != 0), config)
+    scale[...], growth[...], backoff[...] = new
+    return LossScaleState(scale, growth, backoff)
+
+
+@hookimpl
+def read_flag(found_inf: Any) -> bool:
+    return bool(found_inf != 0)
+
+
+@hookimpl
+def to_host(array: Any) -> float | int:
+    return np.asarray(array).item()
+
+
+def is_bfloat16(array: Any) -> bool:
+    """Whether ``array`` holds ml_dtypes.bfloat16 (without importing ml_dtypes)."""
+    mod = sys.modules.get("ml_dtypes")
+    return mod is not None and getattr(array, "dtype", None) == mod.bfloat16

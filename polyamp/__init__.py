@@ -1,0 +1,66 @@
+"""polyamp: dynamic loss scaling and mixed precision over NumPy, CuPy and PyTorch arrays.
+
+Importing polyamp imports neither torch nor cupy; backends are found when a scaler is built.
+"""
+
+from ._errors import (
+    BackendError,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    ConfigError,
+    ForeignArrayError,
+    PolyampError,
+    StateDictError,
+)
+from ._registry import available_backends, get_backend, register_backend
+from .backend import Backend, BackendInfo
+from .config import LossScaleConfig
+from .engine import LossScaler, ScalerStateError, StepResult
+from .noop import NoOpLossScaler
+from .parameter import Parameter
+from .policy import HostState, LossScaleState, next_host_state, next_state
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BackendInfo",
+    "BackendNotFoundError",
+    "BackendUnavailableError",
+    "ConfigError",
+    "ForeignArrayError",
+    "GradScaler",
+    "HostState",
+    "LossScaleConfig",
+    "LossScaleState",
+    "LossScaler",
+    "NoOpLossScaler",
+    "Parameter",
+    "PolyampError",
+    "ScalerStateError",
+    "StateDictError",
+    "StepResult",
+    "available_backends",
+    "get_backend",
+    "make_scaler",
+    "next_host_state",
+    "next_state",
+    "register_backend",
+    "__version__",
+]
+
+
+def make_scaler(
+    config: LossScaleConfig | None = None, backend: str | None = None, enabled: bool = True
+) -> LossScaler | NoOpLossScaler:
+    """A :class:`LossScaler`, or the :class:`NoOpLossScaler` when ``enabled`` is False."""
+    return (LossScaler if enabled else NoOpLossScaler)(config, backend)
+
+
+def __getattr__(name: str):  # lazy: the facade module stays out of a bare import
+    if name == "GradScaler":
+        from polyamp.compat.torch import GradScaler
+
+        return GradScaler
+    raise AttributeError(f"module 'polyamp' has no attribute {name!r}")

@@ -1,0 +1,44 @@
+"""polyamp's exceptions, raised at the public boundary and worded for the user.
+
+Hierarchy::
+
+    PolyampError                      base of everything polyamp raises on purpose
+    ├── ConfigError(ValueError)       a config or argument value is out of range
+    ├── BackendError(RuntimeError)    backend choice went wrong
+    │   ├── BackendNotFoundError      the name matches no installed backend
+    │   └── BackendUnavailableError   installed, but cannot run here (no device, no library)
+    ├── ForeignArrayError(TypeError)  arrays the chosen backend cannot hold
+    └── StateDictError(ValueError)    a state_dict or checkpoint that cannot be loaded
+
+Every message names the parameter, the value received and what to do instead.
+"""
+
+from __future__ import annotations
+
+
+class PolyampError(Exception):
+    """Base class of the errors polyamp raises on purpose."""
+
+
+class ConfigError(PolyampError, ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+class BackendError(PolyampError, RuntimeError):
+    """Choosing or running a backend failed."""
+
+
+class BackendNotFoundError(BackendError):
+    """The requested backend name matches no installed backend plugin."""
+
+
+class BackendUnavailableError(BackendError):
+    """The requested backend is installed but cannot run here."""
+
+
+class ForeignArrayError(PolyampError, TypeError):
+    """The chosen backend cannot hold the arrays it was given."""
+
+
+class StateDictError(PolyampError, ValueError):
+    """A state_dict or checkpoint is malformed or incompatible."""

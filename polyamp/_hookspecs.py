@@ -1,0 +1,92 @@
+"""The whole backend plugin contract, one docstring-only hookspec per kernel.
+
+A backend is a plain module of ``@hookimpl`` functions registered under the ``polyamp``
+entry-point group (the built-ins too). polyamp binds one plugin's functions directly when
+a scaler is built, so a per-step call costs a plain Python call, not a hook dispatch.
+Hooks marked *optional* fall back to the generic array-API backend.
+
+Arrays: ``scale`` is a 0-d float32 array, trackers are 0-d int32 arrays and ``found_inf``
+is a 0-d float32 array (non-zero after an overflow), all on the gradients' device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pluggy
+
+PROJECT = "polyamp"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+REQUIRED_HOOKS = (
+    "backend_info",
+    "owns_array",
+    "full",
+    "unscale_and_check",
+    "update_scale",
+    "read_flag",
+)
+OPTIONAL_HOOKS = ("scale_array", "all_finite", "cast", "to_host")
+
+
+@hookspec
+def backend_info() -> dict[str, Any]:
+    """Describe the backend: ``{"available": bool, "reason": str, "version": str | None}``.
+
+    Called by ``available_backends()`` and when a scaler is built; may import the library.
+    """
+
+
+@hookspec
+def owns_array(array: Any) -> bool:
+    """Whether ``array`` belongs to this backend; must not import anything (use sys.modules)."""
+
+
+@hookspec
+def full(value: Any, dtype: str, like: Any) -> Any:
+    """A new 0-d array of ``dtype`` ("float32" or "int32") on the device of ``like``."""
+
+
+@hookspec
+def scale_array(array: Any, scale: Any) -> Any:
+    """``array * scale`` in ``array``'s own dtype and device (the loss scaling itself)."""
+
+
+@hookspec
+def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
+    """Multiply every gradient in place by float32(1 / float64(scale)); OR overflow into found_inf.
+
+    Fused: each gradient is read once; ``found_inf`` is set to 1 when any input value is
+    inf or nan, and never cleared. No host synchronisation.
+    """
+
+
+@hookspec
+def all_finite(arrays: Sequence[Any]) -> Any:
+    """A 0-d boolean array: True when every value of every array is finite (no host read)."""
+
+
+@hookspec
+def cast(array: Any, dtype: str) -> Any:
+    """``array`` converted to "float32", "float16" or "bfloat16" (a new array)."""
+
+
+@hookspec
+def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
+    """Advance the scale state by one step on the device and return the new state.
+
+    ``state`` is a ``polyamp.policy.LossScaleState``; the kernel must agree with
+    ``polyamp.policy.next_host_state``. It may update the arrays in place and return them.
+    """
+
+
+@hookspec
+def read_flag(found_inf: Any) -> bool:
+    """Read ``found_inf`` on the host: the one device synchronisation of a step."""
+
+
+@hookspec
+def to_host(array: Any) -> float | int:
+    """A 0-d array as a Python number (for state_dict and logging; synchronises)."""

@@ -1,0 +1,180 @@
+"""Backend discovery and choice: pluggy plugins from the ``polyamp`` entry-point group.
+
+Choice, first that applies: the ``backend=`` argument; ``POLYAMP_BACKEND`` (read when a
+scaler is built; empty means unset); the library of the arrays; ``numpy``. Nothing here
+imports torch or cupy: plugins look arrays up in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Iterable
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from . import _hookspecs
+from ._errors import BackendNotFoundError, BackendUnavailableError, ForeignArrayError
+from .backend import Backend, BackendInfo
+
+ENV_VAR = "POLYAMP_BACKEND"
+DEFAULT_BACKEND = "numpy"
+GENERIC_BACKEND = "array_api"
+_lock = threading.Lock()
+
+
+class _Plugins:
+    """The plugin manager plus the entry points that failed to load (and why)."""
+
+    def __init__(self) -> None:
+        self.manager = pluggy.PluginManager(_hookspecs.PROJECT)
+        self.manager.add_hookspecs(_hookspecs)
+        self.broken: dict[str, str] = {}
+        seen: set[str] = set()
+        for ep in entry_points(group=_hookspecs.PROJECT):
+            if ep.name in seen:
+                continue
+            seen.add(ep.name)
+            try:
+                self.register(ep.load(), ep.name)
+            except Exception as exc:  # a broken plugin must not break discovery
+                self.broken[ep.name] = f"plugin failed to load: {type(exc).__name__}: {exc}"
+
+    def register(self, module: Any, name: str) -> None:
+        """Register one plugin module after checking it implements the required hooks."""
+        missing = [h for h in _hookspecs.REQUIRED_HOOKS if not callable(getattr(module, h, None))]
+        if missing:
+            raise TypeError(f"backend plugin {name!r} lacks required hooks {missing}")
+        self.manager.register(module, name=name)
+
+    def names(self) -> list[str]:
+        """Registered backend names, the generic array-API backend last."""
+        names = [n for n, _ in self.manager.list_name_plugin()]
+        return sorted(names, key=lambda n: n == GENERIC_BACKEND)
+
+
+@functools.lru_cache(maxsize=None)
+def _plugins() -> _Plugins:
+    return _Plugins()
+
+
+def register_backend(module: Any, name: str) -> None:
+    """Register a backend module at run time (the entry-point group is the usual way)."""
+    with _lock:
+        _plugins().register(module, name)
+        _bound.cache_clear()
+
+
+def available_backends() -> list[BackendInfo]:
+    """Every installed backend with its availability, the reason if unavailable, and version."""
+    plugins = _plugins()
+    infos = [_info(name) for name in plugins.names()]
+    infos += [BackendInfo(n, False, why, None) for n, why in sorted(plugins.broken.items())]
+    return infos
+
+
+def _info(name: str) -> BackendInfo:
+    module = _plugins().manager.get_plugin(name)
+    try:
+        raw = module.backend_info()
+    except Exception as exc:
+        return BackendInfo(name, False, f"backend_info() failed: {type(exc).__name__}: {exc}", None)
+    return BackendInfo(name, bool(raw["available"]), str(raw.get("reason", "")), raw.get("version"))
+
+
+def _summary() -> str:
+    parts = []
+    for info in available_backends():
+        parts.append(info.name if info.available else f"{info.name} (unavailable: {info.reason})")
+    return ", ".join(parts) or "none (is polyamp installed? run: pip install -e .)"
+
+
+def get_backend(name: str, source: str = "backend=") -> Backend:
+    """The bound backend called ``name``; ``source`` says who asked, for the error message."""
+    plugins = _plugins()
+    if name in plugins.broken:
+        raise BackendUnavailableError(
+            f"backend {name!r} (asked for by {source}) is installed but {plugins.broken[name]}. "
+            f"Installed backends: {_summary()}."
+        )
+    if plugins.manager.get_plugin(name) is None:
+        raise BackendNotFoundError(
+            f"unknown polyamp backend {name!r} (asked for by {source}). Installed backends: "
+            f"{_summary()}. Fix: use one of these names, or install the plugin that provides "
+            f"{name!r} (it registers under the 'polyamp' entry-point group)."
+        )
+    return _bound(name, source)
+
+
+@functools.lru_cache(maxsize=None)
+def _bound(name: str, source: str) -> Backend:
+    info = _info(name)
+    if not info.available:
+        raise BackendUnavailableError(
+            f"backend {name!r} (asked for by {source}) is unavailable: {info.reason}. "
+            f"Installed backends: {_summary()}. Fix: choose an available backend with "
+            f"backend=... or {ENV_VAR}=..., or make {name!r} available."
+        )
+    module = _plugins().manager.get_plugin(name)
+    generic = _plugins().manager.get_plugin(GENERIC_BACKEND)
+    hooks = {}
+    for hook in _hookspecs.REQUIRED_HOOKS[1:] + _hookspecs.OPTIONAL_HOOKS:
+        impl = getattr(module, hook, None) or getattr(generic, hook, None)
+        if impl is None:
+            raise BackendUnavailableError(f"backend {name!r} lacks hook {hook!r}")
+        hooks[hook] = impl
+    return Backend(name=name, version=info.version, plugin=module, **hooks)
+
+
+def requested_backend(backend: str | None) -> tuple[str | None, str]:
+    """The backend name asked for by argument or environment, and which of them asked."""
+    if backend is not None:
+        if not isinstance(backend, str) or not backend:
+            raise BackendNotFoundError(
+                f"backend must be a non-empty backend name such as 'numpy', got backend={backend!r}"
+            )
+        return backend, "backend="
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        return env, f"{ENV_VAR}={env}"
+    return None, ""
+
+
+def backend_for_array(array: Any) -> Backend:
+    """The backend that owns ``array`` (plugins in order, generic last); numpy for Python data."""
+    plugins = _plugins()
+    for name in plugins.names():
+        module = plugins.manager.get_plugin(name)
+        if module.owns_array(array):
+            return get_backend(name, f"an array of type {type(array).__module__}.{type(array).__name__}")
+    if isinstance(array, (int, float, list, tuple)):
+        return get_backend(DEFAULT_BACKEND, "default")
+    raise ForeignArrayError(
+        f"no installed polyamp backend can hold an array of type "
+        f"{type(array).__module__}.{type(array).__name__}. Installed backends: {_summary()}. "
+        "Fix: pass arrays of one of these libraries, or install a backend plugin for yours."
+    )
+
+
+def check_owned(backend: Backend, array: Any, what: str) -> None:
+    """Raise ForeignArrayError when ``backend`` cannot hold ``array``."""
+    if not backend.owns_array(array):
+        raise ForeignArrayError(
+            f"{what} is a {type(array).__module__}.{type(array).__name__}, which backend "
+            f"{backend.name!r} cannot hold. Fix: pass backend= for that library "
+            f"(installed: {_summary()}), or unset {ENV_VAR}."
+        )
+
+
+def first_array(tree: Iterable[Any] | Any) -> Any:
+    """The first array in a nested list/tuple (None when there is none)."""
+    if isinstance(tree, (list, tuple)):
+        for item in tree:
+            found = first_array(item)
+            if found is not None:
+                return found
+        return None
+    return tree

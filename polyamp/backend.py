@@ -1,0 +1,38 @@
+"""A backend bound for use: one plugin's kernels as plain attributes, ready for the hot path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, NamedTuple
+
+
+class BackendInfo(NamedTuple):
+    """What ``polyamp.available_backends()`` reports for one installed backend."""
+
+    name: str
+    available: bool
+    reason: str
+    version: str | None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend's kernels, bound once so each per-step call is a plain function call."""
+
+    name: str
+    version: str | None
+    plugin: ModuleType
+    owns_array: Callable[[Any], bool]
+    full: Callable[[Any, str, Any], Any]
+    scale_array: Callable[[Any, Any], Any]
+    unscale_and_check: Callable[[Sequence[Any], Any, Any], None]
+    all_finite: Callable[[Sequence[Any]], Any]
+    cast: Callable[[Any, str], Any]
+    update_scale: Callable[[Any, Any, Any], Any]
+    read_flag: Callable[[Any], bool]
+    to_host: Callable[[Any], float | int]
+
+    def __repr__(self) -> str:
+        return f"<polyamp backend {self.name!r} {self.version or ''}>".replace(" >", ">")

@@ -1,0 +1,101 @@
+"""The loss-scale configuration: a frozen, validated dataclass shared by every backend."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+from ._errors import ConfigError
+
+ProductDtype = Literal["float64", "float32"]
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """How the loss scale moves: torch's growth_interval and paddle's decr_every_n_nan_or_inf.
+
+    ``backoff_interval=1`` is torch's rule; ``backoff_interval=n`` is paddle's
+    ``decr_every_n_nan_or_inf=n``. ``product_dtype`` is the precision of scale*factor
+    before rounding to float32: "float64" as torch does, "float32" as paddle does.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    backoff_interval: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
+    dynamic: bool = True
+    product_dtype: ProductDtype = "float64"
+
+    def __post_init__(self) -> None:
+        _check_positive_finite("init_scale", self.init_scale)
+        _check_number("growth_factor", self.growth_factor)
+        if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
+            raise ConfigError(
+                f"growth_factor must be a finite number > 1, got growth_factor={self.growth_factor!r}"
+            )
+        _check_number("backoff_factor", self.backoff_factor)
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ConfigError(
+                f"backoff_factor must be in (0, 1), got backoff_factor={self.backoff_factor!r}"
+            )
+        _check_interval("growth_interval", self.growth_interval)
+        _check_interval("backoff_interval", self.backoff_interval)
+        if self.min_scale is not None:
+            _check_positive_finite("min_scale", self.min_scale)
+        if self.max_scale is not None:
+            _check_positive_finite("max_scale", self.max_scale)
+        if (
+            self.min_scale is not None
+            and self.max_scale is not None
+            and self.min_scale > self.max_scale
+        ):
+            raise ConfigError(
+                f"min_scale must be <= max_scale, got min_scale={self.min_scale!r} "
+                f"and max_scale={self.max_scale!r}"
+            )
+        if not isinstance(self.dynamic, bool):
+            raise ConfigError(f"dynamic must be True or False, got dynamic={self.dynamic!r}")
+        if self.product_dtype not in ("float64", "float32"):
+            raise ConfigError(
+                "product_dtype must be 'float64' (torch) or 'float32' (paddle), "
+                f"got product_dtype={self.product_dtype!r}"
+            )
+
+    def replace(self, **changes: Any) -> LossScaleConfig:
+        """A copy with some fields changed, validated like a new config."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name; derived from the dataclass so no field can be forgotten."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LossScaleConfig:
+        """Rebuild a config from :meth:`to_dict`; unknown keys are an error, missing ones default."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown LossScaleConfig field(s) {unknown}; expected some of {sorted(known)}"
+            )
+        return cls(**data)
+
+
+def _check_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a real number, got {name}={value!r}")
+
+
+def _check_positive_finite(name: str, value: Any) -> None:
+    _check_number(name, value)
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be finite and > 0, got {name}={value!r}")
+
+
+def _check_interval(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")

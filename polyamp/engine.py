@@ -1,0 +1,252 @@
+"""The stateful loss scaler every facade maps onto: ``scale / unscale_ / step / update``.
+
+Device work goes through the bound backend; the only host read of a step is the skip
+decision in :meth:`LossScaler.step`. State lives in three 0-d arrays on the gradients'
+device, created on first use (as torch does), plus host counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import _registry, checkpoint
+from ._errors import PolyampError
+from .backend import Backend
+from .config import LossScaleConfig
+from .policy import HostState, LossScaleState
+
+logger = logging.getLogger("polyamp")
+
+
+class ScalerStateError(PolyampError, RuntimeError):
+    """A method was called out of order (e.g. update() with no inf check recorded)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one :meth:`LossScaler.step` did; ``skipped`` was read on the host (the one sync)."""
+
+    skipped: bool
+    scale_before: Any
+    scale_after: Any
+
+    @property
+    def applied(self) -> bool:
+        """True when the optimizer step ran."""
+        return not self.skipped
+
+
+class LossScaler:
+    """Dynamic loss scaling over any backend: torch's and paddle's rule in one engine.
+
+    ``backend`` (or ``POLYAMP_BACKEND``) picks the kernels now; otherwise the first arrays
+    seen pick them. Errors about the backend are raised here, before any state changes.
+    """
+
+    enabled = True
+
+    def __init__(self, config: LossScaleConfig | None = None, backend: str | None = None) -> None:
+        if config is None:
+            config = LossScaleConfig()
+        if not isinstance(config, LossScaleConfig):
+            raise TypeError(
+                f"config must be a polyamp.LossScaleConfig, got config={config!r}; "
+                "build one with polyamp.LossScaleConfig(init_scale=..., ...)"
+            )
+        self._config = config
+        name, source = _registry.requested_backend(backend)
+        self._backend: Backend | None = _registry.get_backend(name, source) if name else None
+        self._state: LossScaleState | None = None
+        self._host = HostState(float(config.init_scale), 0, 0)
+        self._pending: Any = None
+        self.steps = 0
+        self.skipped_steps = 0
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def config(self) -> LossScaleConfig:
+        """The immutable config in force; change it with :meth:`reconfigure`."""
+        return self._config
+
+    @property
+    def backend(self) -> Backend | None:
+        """The bound backend, or None until the first arrays decide it."""
+        return self._backend
+
+    @property
+    def state(self) -> LossScaleState | None:
+        """The device state arrays, or None before the first array is seen."""
+        return self._state
+
+    @property
+    def has_pending_check(self) -> bool:
+        """Whether an inf check was recorded since the last update()."""
+        return self._pending is not None
+
+    def reconfigure(self, **changes: Any) -> LossScaleConfig:
+        """Replace some config fields (validated first: a bad value changes nothing)."""
+        self._config = self._config.replace(**changes)
+        return self._config
+
+    # -- state set-up -----------------------------------------------------------------
+    def bind(self, array: Any) -> Backend:
+        """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
+        backend = self._backend
+        if backend is None:
+            backend = self._backend = _registry.backend_for_array(array)
+        elif self._state is None:
+            _registry.check_owned(backend, array, "the array given to the scaler")
+        if self._state is None:
+            self._make_state(backend, array)
+        return backend
+
+    def _ready_backend(self) -> Backend:
+        """The backend and state, defaulting to numpy when no array has been seen yet."""
+        if self._backend is None:
+            self._backend = _registry.get_backend(_registry.DEFAULT_BACKEND, "default")
+        if self._state is None:
+            self._make_state(self._backend, None)
+        return self._backend
+
+    def _make_state(self, backend: Backend, like: Any) -> None:
+        scale, growth, backoff = self._host
+        self._state = LossScaleState(
+            backend.full(scale, "float32", like),
+            backend.full(growth, "int32", like),
+            backend.full(backoff, "int32", like),
+        )
+
+    # -- the four verbs ---------------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        """``outputs * scale`` for an array or a nested list/tuple of arrays."""
+        first = _registry.first_array(outputs)
+        if first is None:
+            return outputs
+        backend = self.bind(first)
+        scale = self._state.scale  # type: ignore[union-attr]
+        return _map_tree(outputs, lambda a: backend.scale_array(a, scale))
+
+    def unscale_(self, grads: Iterable[Any]) -> Any:
+        """Divide ``grads`` in place by the scale; return this call's device overflow flag.
+
+        The flag is also added to the iteration's pending check that :meth:`update` uses.
+        No host synchronisation.
+        """
+        grads = [g for g in grads if g is not None]
+        backend = self.bind(grads[0]) if grads else self._ready_backend()
+        state = self._state
+        found = backend.full(0.0, "float32", state.scale)  # type: ignore[union-attr]
+        if grads:
+            backend.unscale_and_check(grads, state.scale, found)  # type: ignore[union-attr]
+        self._pending = found if self._pending is None else self._pending + found
+        return found
+
+    def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
+        """Unscale (unless done this iteration), run ``step_fn`` if finite, update the scale.
+
+        Reads the overflow flag on the host: the one synchronisation of an iteration.
+        """
+        if self._pending is None:
+            self.unscale_(grads)
+        backend = self._backend
+        skipped = backend.read_flag(self._pending)  # type: ignore[union-attr]
+        before = self._state.scale + 0  # a copy: kernels may update in place
+        if not skipped:
+            step_fn()
+        self.update()
+        self.steps += 1
+        self.skipped_steps += int(skipped)
+        if skipped and logger.isEnabledFor(logging.INFO):
+            self._log_overflow(before)
+        return StepResult(skipped, before, self._state.scale)  # type: ignore[union-attr]
+
+    def update(self, found_inf: Any = None) -> None:
+        """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync."""
+        flag = self._pending if found_inf is None else found_inf
+        if flag is None:
+            raise ScalerStateError(
+                "update() found no inf checks recorded this iteration. Fix: call "
+                "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
+            )
+        backend = self._ready_backend()
+        self._state = backend.update_scale(self._state, flag, self._config)
+        self._pending = None
+
+    def set_scale(self, value: Any) -> None:
+        """Set the scale (a number, or a 1-element array copied on device); trackers kept."""
+        state, backend = self._state, self._backend
+        if state is not None and hasattr(value, "shape") and backend.owns_array(value):
+            new_scale = backend.full(0.0, "float32", state.scale)
+            new_scale[...] = value.reshape(())
+            self._state = state._replace(scale=new_scale)
+        elif state is not None:
+            self._state = state._replace(scale=backend.full(float(value), "float32", state.scale))
+        else:
+            self._host = self._host._replace(scale=float(value))
+        self._pending = None
+
+    # -- reading back (host syncs) ----------------------------------------------------
+    def host_state(self) -> HostState:
+        """The state as Python numbers: a device sync when the state lives on a GPU."""
+        if self._state is None:
+            return self._host
+        to_host = self._backend.to_host  # type: ignore[union-attr]
+        scale, growth, backoff = self._state
+        return HostState(float(to_host(scale)), int(to_host(growth)), int(to_host(backoff)))
+
+    def get_scale(self) -> float:
+        """The current scale as a float (a device sync)."""
+        return self.host_state().scale
+
+    def _log_overflow(self, before: Any) -> None:
+        to_host = self._backend.to_host  # type: ignore[union-attr]
+        old, new = float(to_host(before)), self.get_scale()
+        if new != old:
+            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g", old, new)
+        else:
+            logger.info(
+                "overflow in gradients: step skipped, loss scale kept at %g "
+                "(absorbed by backoff_interval=%d)", old, self._config.backoff_interval,
+            )
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """A versioned, JSON-safe dict of config, state and counters (a device sync)."""
+        return checkpoint.to_state_dict(self._config, self.host_state(), self.steps, self.skipped_steps)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output; validated whole before anything changes."""
+        config, host, steps, skipped = checkpoint.from_state_dict(state_dict)
+        new_state = None
+        if self._state is not None:
+            like, full = self._state.scale, self._backend.full  # type: ignore[union-attr]
+            new_state = LossScaleState(
+                full(host.scale, "float32", like),
+                full(host.growth_tracker, "int32", like),
+                full(host.backoff_tracker, "int32", like),
+            )
+        self._config, self._host, self._state = config, host, new_state
+        self.steps, self.skipped_steps, self._pending = steps, skipped, None
+
+    def save(self, path: str) -> None:
+        """Write :meth:`state_dict` to ``path`` atomically (gzip when it ends in .gz)."""
+        checkpoint.write(path, self.state_dict())
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint written by :meth:`save`."""
+        self.load_state_dict(checkpoint.read(path))
+
+    def __repr__(self) -> str:
+        name = self._backend.name if self._backend else "undecided"
+        return f"LossScaler(backend={name!r}, config={self._config!r})"
+
+
+def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply ``fn`` to every array of a nested list/tuple, keeping the structure."""
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tree(t, fn) for t in tree)
+    return fn(tree)
+

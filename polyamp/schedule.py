@@ -1,0 +1,17 @@
+"""Stepping an LR scheduler only after an applied optimizer step.
+
+torch warns "Detected call of lr_scheduler.step() before optimizer.step()" when the
+first step was skipped for overflow, and a skipped step should not advance the schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def step_if_applied(scheduler: Any, skipped: bool | None, *args: Any, **kwargs: Any) -> bool:
+    """Call ``scheduler.step()`` unless the last optimizer step was skipped; True if it ran."""
+    if skipped:
+        return False
+    scheduler.step(*args, **kwargs)
+    return True

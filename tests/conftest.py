@@ -1,0 +1,69 @@
+"""Shared fixtures: a backend fixture over every backend that can run here, and array makers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import polyamp
+
+
+def _available(name: str) -> bool:
+    return any(i.name == name and i.available for i in polyamp.available_backends())
+
+
+def _maker(name: str):
+    """A function turning a NumPy array into the named backend's array type."""
+    if name == "numpy":
+        return lambda a: np.array(a, copy=True)
+    if name == "torch":
+        torch = pytest.importorskip("torch")
+        return lambda a: torch.from_numpy(np.array(a, copy=True))
+    if name == "array_api":
+        xps = pytest.importorskip("array_api_strict")
+        return lambda a: xps.asarray(np.array(a, copy=True))
+    if name == "cupy":
+        cp = pytest.importorskip("cupy")
+        return lambda a: cp.asarray(a)
+    raise ValueError(name)
+
+
+def _to_numpy(a):
+    if hasattr(a, "get"):  # cupy
+        return a.get()
+    if hasattr(a, "numpy"):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
+BACKENDS = ["numpy", "torch", "array_api", "cupy"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_name(request):
+    """Each backend that can run on this machine (others skip, saying why)."""
+    name = request.param
+    info = {i.name: i for i in polyamp.available_backends()}.get(name)
+    if info is None or not info.available:
+        pytest.skip(f"backend {name!r} unavailable: {info.reason if info else 'not installed'}")
+    if name == "cupy":
+        request.applymarker(pytest.mark.gpu)
+    return name
+
+
+@pytest.fixture
+def make_array(backend_name):
+    """Turn a NumPy array into the current backend's array type."""
+    return _maker(backend_name)
+
+
+@pytest.fixture
+def to_numpy():
+    """Bring any backend's array back to NumPy for comparison."""
+    return _to_numpy
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_env(monkeypatch):
+    """Tests start with POLYAMP_BACKEND unset unless they set it."""
+    monkeypatch.delenv("POLYAMP_BACKEND", raising=False)

@@ -1,0 +1,60 @@
+"""LossScaleConfig validation and serialisation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from polyamp import ConfigError, LossScaleConfig
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("init_scale", 0.0), ("init_scale", -1.0), ("init_scale", math.inf), ("init_scale", "1"),
+        ("growth_factor", 1.0), ("growth_factor", 0.5), ("growth_factor", math.inf),
+        ("backoff_factor", 1.0), ("backoff_factor", 0.0), ("backoff_factor", 1.5),
+        ("growth_interval", 0), ("growth_interval", 1.5), ("growth_interval", True),
+        ("backoff_interval", 0), ("backoff_interval", "2"),
+        ("min_scale", 0.0), ("max_scale", math.nan), ("dynamic", 1),
+        ("product_dtype", "float16"),
+    ],
+)
+def test_invalid_values_name_field_and_value(field, value):
+    with pytest.raises(ConfigError) as info:
+        LossScaleConfig(**{field: value})
+    assert field in str(info.value) and repr(value) in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_min_above_max_is_refused():
+    with pytest.raises(ConfigError, match="min_scale must be <= max_scale"):
+        LossScaleConfig(min_scale=4.0, max_scale=2.0)
+
+
+def test_frozen_and_replace_validates():
+    config = LossScaleConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.init_scale = 1.0  # type: ignore[misc]
+    with pytest.raises(ConfigError):
+        config.replace(growth_factor=0.9)
+    assert config.replace(growth_interval=5).growth_interval == 5
+
+
+def test_round_trip_covers_every_field():
+    config = LossScaleConfig(
+        init_scale=3.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7,
+        backoff_interval=3, min_scale=1.0, max_scale=1024.0, dynamic=False, product_dtype="float32",
+    )
+    data = config.to_dict()
+    assert set(data) == {f.name for f in dataclasses.fields(LossScaleConfig)}
+    assert LossScaleConfig.from_dict(data) == config
+    for f in dataclasses.fields(LossScaleConfig):  # every field is non-default above
+        assert getattr(config, f.name) != f.default, f.name
+
+
+def test_from_dict_refuses_unknown_keys():
+    with pytest.raises(ConfigError, match="unknown LossScaleConfig field"):
+        LossScaleConfig.from_dict({"init_scale": 2.0, "bogus": 1})

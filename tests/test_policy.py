@@ -1,0 +1,139 @@
+"""The loss-scale rule: every implementation against a plain-Python model of DESIGN.md's rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import polyamp
+from polyamp import HostState, LossScaleConfig, LossScaleState, next_host_state, next_state
+
+
+def model_run(config: LossScaleConfig, overflows: list[bool]) -> list[tuple[float, int, int]]:
+    """DESIGN.md's pseudo-code, written out independently with float32 rounding."""
+    scale, growth, backoff = np.float32(config.init_scale), 0, 0
+    wide = np.float64 if config.product_dtype == "float64" else np.float32
+    out = []
+    for found in overflows:
+        if config.dynamic and found:
+            growth = 0
+            backoff += 1
+            if backoff == config.backoff_interval:
+                scale = np.float32(wide(scale) * wide(config.backoff_factor))
+                if config.min_scale is not None and scale < np.float32(config.min_scale):
+                    scale = np.float32(config.min_scale)
+                backoff = 0
+        elif config.dynamic:
+            backoff = 0
+            growth += 1
+            if growth == config.growth_interval:
+                new = np.float32(wide(scale) * wide(config.growth_factor))
+                if np.isfinite(new):
+                    if config.max_scale is not None and new > np.float32(config.max_scale):
+                        new = np.float32(config.max_scale)
+                    scale = new
+                growth = 0
+        out.append((float(scale), growth, backoff))
+    return out
+
+
+@st.composite
+def configs(draw):
+    lo = draw(st.one_of(st.none(), st.sampled_from([1.0, 2.0**-3, 128.0])))
+    hi = draw(st.one_of(st.none(), st.sampled_from([2.0**18, 2.0**20, 3e38])))
+    if lo is not None and hi is not None and lo > hi:
+        lo, hi = hi, lo
+    return LossScaleConfig(
+        init_scale=draw(st.sampled_from([2.0**16, 1.0, 3.0, 2.0**120, 1e-3])),
+        growth_factor=draw(st.sampled_from([2.0, 1.5, 3.0, 1.0001])),
+        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.7, 0.999])),
+        growth_interval=draw(st.integers(1, 5)),
+        backoff_interval=draw(st.integers(1, 4)),
+        min_scale=lo,
+        max_scale=hi,
+        dynamic=draw(st.booleans()),
+        product_dtype=draw(st.sampled_from(["float64", "float32"])),
+    )
+
+
+overflow_seqs = st.lists(st.booleans(), min_size=1, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(config=configs(), overflows=overflow_seqs)
+def test_host_rule_matches_model(config, overflows):
+    state = HostState(float(np.float32(config.init_scale)))
+    got = []
+    for found in overflows:
+        state = next_host_state(state, found, config)
+        got.append(tuple(state))
+    assert got == model_run(config, overflows)
+
+
+@settings(max_examples=100, deadline=None)
+@given(config=configs(), overflows=overflow_seqs)
+def test_array_rule_matches_model_numpy_and_strict(config, overflows):
+    import array_api_compat.numpy as xnp
+    import array_api_strict as xps
+
+    for xp in (xnp, xps):
+        state = LossScaleState(
+            xp.asarray(config.init_scale, dtype=xp.float32),
+            xp.asarray(0, dtype=xp.int32),
+            xp.asarray(0, dtype=xp.int32),
+        )
+        got = []
+        for found in overflows:
+            state = next_state(state, xp.asarray(float(found), dtype=xp.float32), config, xp)
+            got.append((float(state.scale), int(state.growth_tracker), int(state.backoff_tracker)))
+            assert state.scale.dtype == xp.float32 and state.growth_tracker.dtype == xp.int32
+        assert got == model_run(config, overflows)
+
+
+@settings(max_examples=40, deadline=None)
+@given(config=configs(), overflows=overflow_seqs)
+def test_every_backend_kernel_matches_model(config, overflows):
+    for info in polyamp.available_backends():
+        if not info.available:
+            continue
+        backend = polyamp.get_backend(info.name)
+        like = _like(info.name)
+        state = LossScaleState(
+            backend.full(config.init_scale, "float32", like),
+            backend.full(0, "int32", like),
+            backend.full(0, "int32", like),
+        )
+        got = []
+        for found in overflows:
+            flag = backend.full(1.0 if found else 0.0, "float32", like)
+            state = backend.update_scale(state, flag, config)
+            got.append(tuple(backend.to_host(a) for a in state))
+        assert got == model_run(config, overflows), info.name
+
+
+def _like(name):
+    if name == "torch":
+        import torch
+
+        return torch.zeros(())
+    if name == "array_api":
+        import array_api_strict
+
+        return array_api_strict.zeros(())
+    if name == "cupy":
+        import cupy
+
+        return cupy.zeros(())
+    return np.zeros((), np.float32)
+
+
+@pytest.mark.parametrize("found_value", [1.0, 2.0, 3.0])
+def test_found_inf_counts_as_overflow_when_summed(found_value):
+    config = LossScaleConfig(init_scale=8.0)
+    backend = polyamp.get_backend("numpy")
+    state = LossScaleState(*(backend.full(v, d, None) for v, d in
+                             [(8.0, "float32"), (0, "int32"), (0, "int32")]))
+    state = backend.update_scale(state, backend.full(found_value, "float32", None), config)
+    assert backend.to_host(state.scale) == 4.0
