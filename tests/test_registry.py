@@ -1,0 +1,105 @@
+"""Backend discovery and choice: argument, POLYAMP_BACKEND, arrays, default; clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import polyamp
+from polyamp import (
+    BackendNotFoundError,
+    BackendUnavailableError,
+    ForeignArrayError,
+    LossScaler,
+)
+
+
+def test_available_backends_lists_builtins():
+    infos = {i.name: i for i in polyamp.available_backends()}
+    assert {"numpy", "torch", "array_api"} <= set(infos)
+    assert infos["numpy"].available and infos["numpy"].version == np.__version__
+    for info in infos.values():
+        assert info.available or info.reason
+
+
+def test_argument_beats_environment(monkeypatch):
+    monkeypatch.setenv("POLYAMP_BACKEND", "torch")
+    assert LossScaler(backend="numpy").backend.name == "numpy"
+    assert LossScaler().backend.name == "torch"
+
+
+def test_empty_environment_means_unset(monkeypatch):
+    monkeypatch.setenv("POLYAMP_BACKEND", "  ")
+    scaler = LossScaler()
+    assert scaler.backend is None
+    scaler.scale(np.float32(1.0))
+    assert scaler.backend.name == "numpy"
+
+
+def test_arrays_choose_backend():
+    torch = pytest.importorskip("torch")
+    scaler = LossScaler()
+    scaler.scale(torch.ones(()))
+    assert scaler.backend.name == "torch"
+
+
+def test_default_is_numpy():
+    scaler = LossScaler()
+    scaler.update(found_inf=np.float32(0.0))
+    assert scaler.backend.name == "numpy"
+
+
+def test_unknown_backend_error_says_what_and_how(monkeypatch):
+    monkeypatch.setenv("POLYAMP_BACKEND", "jax-ish")
+    with pytest.raises(BackendNotFoundError) as info:
+        LossScaler()
+    text = str(info.value)
+    assert "'jax-ish'" in text and "POLYAMP_BACKEND=jax-ish" in text
+    assert "numpy" in text and "Fix:" in text
+
+
+def test_foreign_arrays_are_refused():
+    torch = pytest.importorskip("torch")
+    scaler = LossScaler(backend="numpy")
+    with pytest.raises(ForeignArrayError) as info:
+        scaler.scale(torch.ones(()))
+    assert "torch.Tensor" in str(info.value) and "'numpy'" in str(info.value)
+    assert scaler.state is None  # nothing changed
+
+
+def test_unavailable_plugin_is_reported_and_refused():
+    from polyamp._hookspecs import hookimpl
+
+    plugin = types.ModuleType("fake_gpu_backend")
+
+    @hookimpl
+    def backend_info():
+        return {"available": False, "reason": "no device found", "version": "0.0"}
+
+    plugin.backend_info = backend_info
+    for hook in ("owns_array", "full", "unscale_and_check", "update_scale", "read_flag"):
+        setattr(plugin, hook, hookimpl(lambda *a, **k: False))
+    polyamp.register_backend(plugin, "fakegpu")
+    info = {i.name: i for i in polyamp.available_backends()}["fakegpu"]
+    assert not info.available and info.reason == "no device found"
+    with pytest.raises(BackendUnavailableError, match="no device found"):
+        LossScaler(backend="fakegpu")
+
+
+def test_plugin_missing_hooks_is_refused():
+    with pytest.raises(TypeError, match="lacks required hooks"):
+        polyamp.register_backend(types.ModuleType("empty"), "empty")
+
+
+def test_import_is_cheap():
+    code = (
+        "import sys, numpy as np, polyamp; s = polyamp.LossScaler(); "
+        "s.scale(np.ones(1, np.float32)); s.step([np.ones(1, np.float32)], lambda: None); "
+        "print(','.join(m for m in ('torch', 'cupy', 'paddle') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
