@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from polyamp.backends import _numpy_kernels
 
 from polyamp._hookspecs import hookimpl
-from polyamp.backends import _numpy_kernels
 from polyamp.policy import HostState, LossScaleState, next_host_state
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "int32": np.int32}

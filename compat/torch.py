@@ -25,7 +25,9 @@ from ._torch_state import check_new_scale, is_array, is_fp16, load_torch_state, 
 
 __all__ = ["GradScaler", "OptState"]
 
-_NOT_SCALED = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+_NOT_SCALED = (
+    "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+)
 
 
 class OptState(Enum):

@@ -56,7 +56,7 @@ class _Plugins:
         return sorted(names, key=lambda n: n == GENERIC_BACKEND)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plugins() -> _Plugins:
     return _Plugins()
 
@@ -109,7 +109,7 @@ def get_backend(name: str, source: str = "backend=") -> Backend:
     return _bound(name, source)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bound(name: str, source: str) -> Backend:
     info = _info(name)
     if not info.available:

@@ -38,8 +38,8 @@ def test_overflow_skips_and_backs_off(backend_name, make_array, to_numpy):
     scaler = LossScaler(LossScaleConfig(init_scale=8.0))
     scaler.scale(make_array(np.float32(1.0)))
     for bad in (np.inf, -np.inf, np.nan):
-        calls = []
-        result = scaler.step(_grads(make_array, [[1.0], [2.0, bad]]), lambda: calls.append(1))
+        calls: list[int] = []
+        result = scaler.step(_grads(make_array, [[1.0], [2.0, bad]]), lambda c=calls: c.append(1))
         assert result.skipped and calls == []
         assert float(to_numpy(result.scale_after)) == float(to_numpy(result.scale_before)) / 2
     assert scaler.skipped_steps == 3 and scaler.steps == 3
