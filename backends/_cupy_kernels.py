@@ -139,6 +139,11 @@ __host__ __device__ inline bool unscale_thread(const i64* table, int n_tensors, 
   return bad;
 }
 
+// After the block's OR: one store of 1.0 by the leader thread; the flag is never cleared.
+__host__ __device__ inline void publish_flag(bool block_bad, bool leader, float* found_inf) {
+  if (block_bad && leader) *found_inf = 1.0f;
+}
+
 }  // namespace polyamp
 
 #ifndef POLYAMP_HOST_ONLY
@@ -149,7 +154,7 @@ __host__ __device__ inline bool unscale_thread(const i64* table, int n_tensors, 
     const bool bad = polyamp::unscale_thread<T>(table, n_tensors, n_chunks, chunk, scale,   \
                                                 check_only, blockIdx.x, gridDim.x,          \
                                                 threadIdx.x, blockDim.x);                   \
-    if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;                       \
+    polyamp::publish_flag(__syncthreads_or(bad), threadIdx.x == 0, found_inf);              \
   }
 #else
 #define POLYAMP_UNSCALE_KERNEL(NAME, T)

@@ -14,7 +14,7 @@ static void run_unscale(const long long* table, int n_tensors, long long n_chunk
       bad |= polyamp::unscale_thread<T>(table, n_tensors, n_chunks, chunk, scale, check_only,
                                         b, n_blocks, t, n_threads);
     }
-    if (bad) *found_inf = 1.0f;
+    polyamp::publish_flag(bad, true, found_inf);
   }
 }
 
