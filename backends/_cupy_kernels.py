@@ -324,8 +324,9 @@ def kernel(name: str, device: int) -> Any:
     module = _compiled.get(key)
     if module is None:
         with _compile_lock:
-            module = _compiled.get(key) or _compile(module_name, device)
-            _compiled[key] = module
+            module = _compiled.get(key)
+            if module is None:
+                module = _compiled[key] = _compile(module_name, device)
     return module.get_function(name)
 
 

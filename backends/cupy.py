@@ -91,6 +91,8 @@ def _device_of(like: Any) -> int | None:
         return None
     if owns_array(like):
         return like.device.id
+    if hasattr(like, "__dlpack_device__") and _cupy_launch.is_cuda_array(like):
+        return int(like.__dlpack_device__()[1])
     if _cupy_launch.is_cuda_array(like):
         return _cupy_launch.as_cupy(like).device.id
     raise TypeError(
