@@ -9,8 +9,9 @@
   torch backend. Once cupy is *chosen* (``backend="cupy"`` or ``POLYAMP_BACKEND=cupy``) its
   ``accepts_array`` hook also takes CUDA arrays exposing ``__dlpack__`` or
   ``__cuda_array_interface__`` (CUDA torch tensors, numba arrays, ...): they are unscaled in
-  place through zero-copy ``cupy.from_dlpack`` views, ``scale`` returns the input's own type
-  (torch autograd keeps working) and the scaler state lives in cupy arrays on that device.
+  place through zero-copy ``cupy.from_dlpack`` views, ``scale`` and ``cast`` return arrays of
+  the input's own library (torch autograd keeps working) and the scaler state lives in cupy
+  arrays on that device. See docs/backends/cupy.md.
   Kernels run on cupy's current stream: if your framework works on another stream, run the
   step inside ``cupy.cuda.ExternalStream(...)`` for it.
 * bfloat16: cupy >= 14 holds it as ``ml_dtypes.bfloat16`` (the dtype the NumPy backend uses);
@@ -136,7 +137,7 @@ def all_finite(arrays: Sequence[Any]) -> Any:
     return _cupy_launch.all_finite(arrays)
 
 
-def _bfloat16() -> Any:
+def bfloat16_dtype() -> Any:
     """ml_dtypes.bfloat16 when this cupy can hold it (cupy >= 14), else a clear error."""
     cupy = _cupy()
     major = int(cupy.__version__.split(".")[0])
@@ -165,7 +166,7 @@ def cast(array: Any, dtype: str) -> Any:
         xp = array_api_compat.array_namespace(array)
         return xp.astype(array, getattr(xp, dtype))
     cupy = _cupy()
-    return array.astype(_bfloat16() if dtype == "bfloat16" else getattr(cupy, dtype))
+    return array.astype(bfloat16_dtype() if dtype == "bfloat16" else getattr(cupy, dtype))
 
 
 @hookimpl

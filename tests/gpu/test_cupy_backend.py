@@ -38,7 +38,7 @@ def host_dtype(kind):
     """The NumPy dtype for ``kind``; bfloat16 skips where this cupy cannot hold it."""
     if kind == "bfloat16":
         try:
-            return np.dtype(cupy_backend._bfloat16())
+            return np.dtype(cupy_backend.bfloat16_dtype())
         except TypeError as exc:
             pytest.skip(str(exc))
     return np.dtype(kind)
