@@ -1,7 +1,9 @@
 """PyTorch backend: torch's own fused kernels, grouped per (device, dtype); torch imported lazily.
 
 ``torch._amp_foreach_non_finite_check_and_unscale_`` unscales a whole group in one call and
-``torch._amp_update_scale_`` runs torch's rule on the device when ``backoff_interval`` is 1.
+``torch._amp_update_scale_`` runs torch's rule on the device when ``backoff_interval`` is 1;
+other configs run :func:`polyamp.policy.next_state` as tensor ops. Nothing here reads a
+device value back except :func:`read_flag` and :func:`to_host`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState, next_state
+
+_CASTS = ("float32", "float16", "bfloat16", "float64")
 
 
 def _torch() -> Any:
@@ -51,25 +55,40 @@ def scale_array(array: Any, scale: Any) -> Any:
     return array * scale.to(device=array.device, non_blocking=True)
 
 
+def group_by_device_and_dtype(tensors: list[Any]) -> list[tuple[Any, list[Any]]]:
+    """``[(device, tensors)]`` with one list per (device, dtype), first-seen order.
+
+    One C++ pass (the grouping torch's foreach optimizers use) instead of a Python loop.
+    """
+    torch = _torch()
+    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)
+    return [(device, lists[0]) for (device, _), (lists, _) in grouped.items()]
+
+
+def _dense(grads: Sequence[Any]) -> list[Any]:
+    """Sparse gradients replaced by their values (unscaled in place, as torch does)."""
+    if any([g.is_sparse for g in grads]):
+        return [g._values() if g.is_sparse else g for g in grads]
+    return grads if isinstance(grads, list) else list(grads)
+
+
 @hookimpl
 def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
     torch = _torch()
-    inv_scale = scale.double().reciprocal().float()
-    groups: dict[tuple[Any, Any], list[Any]] = {}
-    for grad in grads:
-        if grad.is_sparse:
-            grad = grad._values()
-        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    if not grads:
+        return
+    # float32(1 / float64(scale)): FP32 division is imprecise under some compile options.
+    inv_scale = scale.double().reciprocal_().float()
     home = found_inf.device
     with torch.no_grad():
-        for (device, _), group in groups.items():
+        for device, group in group_by_device_and_dtype(_dense(grads)):
             if device == home:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
-            else:
-                flag = torch.zeros((), dtype=torch.float32, device=device)
-                inv = inv_scale.to(device, non_blocking=True)
-                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
-                found_inf.add_(flag.to(home, non_blocking=True)).clamp_(max=1.0)
+                continue
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            inv = inv_scale.to(device, non_blocking=True)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+            torch.maximum(found_inf, flag.to(home, non_blocking=True), out=found_inf)
 
 
 @hookimpl
@@ -77,15 +96,18 @@ def all_finite(arrays: Sequence[Any]) -> Any:
     torch = _torch()
     if not arrays:
         return torch.tensor(True)
-    flags = [torch.isfinite(a).all().to(arrays[0].device) for a in arrays]
+    home = arrays[0].device
+    flags = [torch.isfinite(a).all().to(home, non_blocking=True) for a in arrays]
     return torch.stack(flags).all()
 
 
 @hookimpl
 def cast(array: Any, dtype: str) -> Any:
     torch = _torch()
-    if dtype not in ("float32", "float16", "bfloat16", "float64"):
-        raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}")
+    if dtype not in _CASTS:
+        raise ValueError(
+            f"dtype must be one of {', '.join(map(repr, _CASTS))}, got dtype={dtype!r}"
+        )
     return array.to(getattr(torch, dtype))
 
 
@@ -102,13 +124,14 @@ def _torch_rule(config: Any) -> bool:
 
 @hookimpl
 def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
-    torch = _torch()
     scale, growth, backoff = state
     if _torch_rule(config):
-        torch._amp_update_scale_(
+        _torch()._amp_update_scale_(
             scale, growth, found_inf,
             config.growth_factor, config.backoff_factor, config.growth_interval,
         )
+        return state
+    if not config.dynamic:
         return state
     import array_api_compat.torch as xp
 

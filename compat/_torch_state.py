@@ -11,14 +11,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from polyamp import checkpoint
 from polyamp._errors import StateDictError
 from polyamp.engine import LossScaler
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_NEW_SCALE = (
+NEW_SCALE = (
     "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
     "torch.FloatTensor with requires_grad=False."
 )
+
+
+class StateDictKeyError(StateDictError, KeyError):
+    """A torch-format state dict lacks a key; a KeyError as torch raises, and a StateDictError."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])
 
 
 def to_torch_state(engine: LossScaler) -> dict[str, Any]:
@@ -42,45 +50,63 @@ def to_torch_state(engine: LossScaler) -> dict[str, Any]:
 
 
 def load_torch_state(engine: LossScaler, state: dict[str, Any]) -> None:
-    """Load a torch-format state dict into ``engine``; nothing changes if it is invalid."""
+    """Load a torch-format (or polyamp engine) state dict into ``engine``; all or nothing.
+
+    Validated completely before anything changes: a bad dict leaves the scaler as it was.
+    """
+    if state.get("format") == checkpoint.FORMAT:
+        engine.load_state_dict(state)
+        return
     missing = [k for k in TORCH_KEYS if k not in state]
     if missing:
-        raise StateDictError(
-            f"GradScaler state_dict lacks key(s) {missing}; expected torch's keys {list(TORCH_KEYS)}"
+        raise StateDictKeyError(
+            f"GradScaler state_dict lacks key(s) {missing}; expected torch's keys "
+            f"{list(TORCH_KEYS)} as written by GradScaler.state_dict()"
         )
     full = engine.state_dict()
-    full["config"].update(
-        growth_factor=float(state["growth_factor"]),
-        backoff_factor=float(state["backoff_factor"]),
-        growth_interval=int(state["growth_interval"]),
-        backoff_interval=int(state.get("backoff_interval", 1)),
-        min_scale=state.get("min_scale"),
-        max_scale=state.get("max_scale"),
-    )
-    full["scale"] = float(state["scale"])
-    full["growth_tracker"] = int(state["_growth_tracker"])
-    full["backoff_tracker"] = int(state.get("_backoff_tracker", 0))
+    try:
+        full["config"].update(
+            growth_factor=float(state["growth_factor"]),
+            backoff_factor=float(state["backoff_factor"]),
+            growth_interval=int(state["growth_interval"]),
+            backoff_interval=int(state.get("backoff_interval", 1)),
+            min_scale=state.get("min_scale"),
+            max_scale=state.get("max_scale"),
+        )
+        full["scale"] = float(state["scale"])
+        full["growth_tracker"] = int(state["_growth_tracker"])
+        full["backoff_tracker"] = int(state.get("_backoff_tracker", 0))
+    except (TypeError, ValueError) as exc:
+        raise StateDictError(f"GradScaler state_dict has a value of a wrong type: {exc}") from None
     engine.load_state_dict(full)
 
 
 def is_array(value: Any) -> bool:
     """An array/tensor leaf (not a list, tuple or other container)."""
-    return hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, (list, tuple))
+    return (
+        hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, (list, tuple))
+    )
 
 
-def is_fp16(array: Any) -> bool:
-    """Whether ``array`` holds IEEE float16 (torch.float16 or numpy/cupy float16)."""
-    return str(array.dtype).rsplit(".", 1)[-1] == "float16"
+def _numel(array: Any) -> int:
+    numel = getattr(array, "numel", None)
+    return int(numel() if callable(numel) else getattr(array, "size", 1))
 
 
 def check_new_scale(new_scale: Any, device: str) -> None:
     """torch's checks on a tensor passed to update(new_scale): AssertionError when they fail."""
-    dev = getattr(new_scale, "device", None)
-    dev_type = getattr(dev, "type", None)
+    number = isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool)
+    if not (number or is_array(new_scale)):
+        raise TypeError(
+            "new_scale must be a float or a 1-element tensor/array, got "
+            f"new_scale={new_scale!r} ({type(new_scale).__name__}); pass e.g. update(1024.0)"
+        )
+    if number:
+        return
+    dev_type = getattr(getattr(new_scale, "device", None), "type", None)
     if dev_type is not None and dev_type != device:
-        raise AssertionError(_NEW_SCALE)
-    if int(getattr(new_scale, "size", 1) if not callable(getattr(new_scale, "numel", None))
-           else new_scale.numel()) != 1:
-        raise AssertionError(_NEW_SCALE)
+        raise AssertionError(NEW_SCALE)
+    if _numel(new_scale) != 1:
+        raise AssertionError(NEW_SCALE)
     if getattr(new_scale, "requires_grad", False) is True:
-        raise AssertionError(_NEW_SCALE)
+        raise AssertionError(NEW_SCALE)
