@@ -8,6 +8,7 @@ device value back except :func:`read_flag` and :func:`to_host`.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -46,8 +47,9 @@ def owns_array(array: Any) -> bool:
 @hookimpl
 def full(value: Any, dtype: str, like: Any) -> Any:
     torch = _torch()
-    device = like.device if like is not None else "cpu"
-    return torch.full((), value, dtype=getattr(torch, dtype), device=device)
+    if like is None:
+        return torch.full((), value, dtype=getattr(torch, dtype))
+    return like.new_full((), value, dtype=getattr(torch, dtype))
 
 
 @hookimpl
@@ -72,15 +74,24 @@ def _dense(grads: Sequence[Any]) -> list[Any]:
     return grads if isinstance(grads, list) else list(grads)
 
 
+def inverse_scale(scale: Any) -> Any:
+    """float32(1 / float64(scale)), exactly as torch computes it (three small kernels).
+
+    FP32 division can be imprecise under some compile options, so the reciprocal is float64.
+    """
+    return scale.double().reciprocal_().float()
+
+
 @hookimpl
 def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
-    torch = _torch()
     if not grads:
         return
-    # float32(1 / float64(scale)): FP32 division is imprecise under some compile options.
-    inv_scale = scale.double().reciprocal_().float()
+    torch = _torch()
+    inv_scale = inverse_scale(scale)
     home = found_inf.device
-    with torch.no_grad():
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() without the context-manager cost
+    try:
         for device, group in group_by_device_and_dtype(_dense(grads)):
             if device == home:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
@@ -89,6 +100,8 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
             inv = inv_scale.to(device, non_blocking=True)
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
             torch.maximum(found_inf, flag.to(home, non_blocking=True), out=found_inf)
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
 
 
 @hookimpl
@@ -111,6 +124,7 @@ def cast(array: Any, dtype: str) -> Any:
     return array.to(getattr(torch, dtype))
 
 
+@functools.lru_cache(maxsize=64)
 def _torch_rule(config: Any) -> bool:
     """Whether torch's own fused update implements ``config`` exactly."""
     return (
