@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from polyamp.compat.torch import GradScaler as PolyampGradScaler
 
 SHAPES = [(10, 1_000), (100, 1_000), (1_000, 100), (10, 1_000_000)]
@@ -69,7 +68,7 @@ def bench_shape(n: int, size: int, reps: int, make_opt: Callable) -> tuple[float
     for rep in range(reps):
         for side in sides if rep % 2 == 0 else sides[::-1]:
             side.run(source, iters)
-    same = all(torch.equal(a, b) for a, b in zip(sides[0].params, sides[1].params))
+    same = all(torch.equal(a, b) for a, b in zip(sides[0].params, sides[1].params, strict=True))
     same = same and sides[0].scaler.get_scale() == sides[1].scaler.get_scale()
     torch_us, polyamp_us = (statistics.median(side.times) for side in sides)
     return torch_us, polyamp_us, same
