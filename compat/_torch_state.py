@@ -64,21 +64,31 @@ def load_torch_state(engine: LossScaler, state: dict[str, Any]) -> None:
             f"{list(TORCH_KEYS)} as written by GradScaler.state_dict()"
         )
     full = engine.state_dict()
-    try:
-        full["config"].update(
-            growth_factor=float(state["growth_factor"]),
-            backoff_factor=float(state["backoff_factor"]),
-            growth_interval=int(state["growth_interval"]),
-            backoff_interval=int(state.get("backoff_interval", 1)),
-            min_scale=state.get("min_scale"),
-            max_scale=state.get("max_scale"),
-        )
-        full["scale"] = float(state["scale"])
-        full["growth_tracker"] = int(state["_growth_tracker"])
-        full["backoff_tracker"] = int(state.get("_backoff_tracker", 0))
-    except (TypeError, ValueError) as exc:
-        raise StateDictError(f"GradScaler state_dict has a value of a wrong type: {exc}") from None
+    full["config"].update(
+        growth_factor=_convert(state, "growth_factor", float),
+        backoff_factor=_convert(state, "backoff_factor", float),
+        growth_interval=_convert(state, "growth_interval", int),
+        backoff_interval=_convert(state, "backoff_interval", int, 1),
+        min_scale=state.get("min_scale"),
+        max_scale=state.get("max_scale"),
+    )
+    full["scale"] = _convert(state, "scale", float)
+    full["growth_tracker"] = _convert(state, "_growth_tracker", int)
+    full["backoff_tracker"] = _convert(state, "_backoff_tracker", int, 0)
     engine.load_state_dict(full)
+
+
+def _convert(state: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    """``kind(state[key])``, or a StateDictError naming the key and the value."""
+    value = state.get(key, default)
+    try:
+        if isinstance(value, bool) or (kind is int and value != int(value)):
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise StateDictError(
+            f"GradScaler state_dict[{key!r}] must be a {kind.__name__}, got {value!r}"
+        ) from None
 
 
 def is_array(value: Any) -> bool:

@@ -244,6 +244,8 @@ class GradScaler:
 
     # -- reporting beyond torch -------------------------------------------------------
     def _resolve_unread(self) -> None:
+        if not self._unread:
+            return
         read = self._engine.backend.read_flag
         self._skipped_host += sum(bool(read(f)) for f in self._unread if not isinstance(f, int))
         self._unread.clear()
