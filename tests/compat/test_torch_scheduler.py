@@ -64,6 +64,7 @@ def test_step_scheduler_returns_whether_it_stepped():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     scaler = GradScaler("cpu")
     for overflow, stepped in ((True, False), (False, True)):
+        opt.zero_grad()
         scaler.scale(model(torch.ones(1, 3)).sum() * (math.inf if overflow else 1.0)).backward()
         scaler.step(opt)
         scaler.update()
