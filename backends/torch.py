@@ -58,7 +58,7 @@ def scale_array(array: Any, scale: Any) -> Any:
 
 
 def group_by_device_and_dtype(tensors: list[Any]) -> list[tuple[Any, list[Any]]]:
-    """``[(device, tensors)]`` with one list per (device, dtype), first-seen order.
+    """``[(device, tensors)]``: one list per (device, dtype), tensors in their given order.
 
     One C++ pass (the grouping torch's foreach optimizers use) instead of a Python loop.
     """
