@@ -6,13 +6,17 @@ Unlike torch, the getters return the values given instead of raising AttributeEr
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+from ._torch_accessors import _restore
 from .torch import GradScaler
 
 
 class DisabledGradScaler(GradScaler):
     """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
+
+    _public_class: type = GradScaler
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -88,6 +92,9 @@ class DisabledGradScaler(GradScaler):
         """Ignored, as torch's disabled scaler."""
         return None
 
+    def __reduce__(self) -> Any:
+        return (_restore, (self._public_class, {"disabled": dict(self.__dict__)}))
+
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
@@ -96,3 +103,13 @@ class DisabledGradScaler(GradScaler):
 
     def __repr__(self) -> str:
         return f"GradScaler(device={self._device!r}, enabled=False)"
+
+
+@functools.cache
+def disabled_class(cls: type) -> type:
+    """The disabled type for ``cls``: DisabledGradScaler, or for a user subclass of GradScaler
+    a subclass of both, so the user's overrides run on top of the no-op methods."""
+    if cls is GradScaler:
+        return DisabledGradScaler
+    namespace = {"_public_class": cls, "__module__": cls.__module__}
+    return type(f"Disabled{cls.__name__}", (cls, DisabledGradScaler), namespace)

@@ -1,4 +1,4 @@
-"""torch.amp.GradScaler's state-dict format and the input checks torch applies, for the facades.
+"""torch.amp.GradScaler's state-dict format and the input checks torch applies, for the facade.
 
 Key mapping (torch -> polyamp engine): ``scale`` -> scale, ``growth_factor``,
 ``backoff_factor``, ``growth_interval`` -> config fields, ``_growth_tracker`` ->
@@ -9,10 +9,12 @@ state dict is exactly torch's and each loads into the other.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from polyamp import checkpoint
-from polyamp._errors import StateDictError
+from polyamp._errors import ConfigError, StateDictError
+from polyamp.config import LossScaleConfig
 from polyamp.engine import LossScaler
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -120,3 +122,37 @@ def check_new_scale(new_scale: Any, device: str) -> None:
         raise AssertionError(NEW_SCALE)
     if getattr(new_scale, "requires_grad", False) is True:
         raise AssertionError(NEW_SCALE)
+
+
+class TorchConfigError(ConfigError, AssertionError):
+    """A bad constructor value; an AssertionError as torch raises, and a polyamp ConfigError."""
+
+
+def torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
+                  growth_interval: Any, backoff_interval: Any, min_scale: Any,
+                  max_scale: Any) -> LossScaleConfig:
+    """torch's two asserts first (same messages), then polyamp's full validation."""
+    init_scale, growth_factor, backoff_factor = map(_as_float, (init_scale, growth_factor,
+                                                                 backoff_factor))
+    if growth_factor <= 1.0:
+        raise TorchConfigError(
+            f"The growth factor must be > 1.0. Got growth_factor={growth_factor!r}."
+        )
+    if backoff_factor >= 1.0:
+        raise TorchConfigError(
+            f"The backoff factor must be < 1.0. Got backoff_factor={backoff_factor!r}."
+        )
+    try:
+        return LossScaleConfig(
+            init_scale=init_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval,
+            backoff_interval=backoff_interval, min_scale=min_scale, max_scale=max_scale,
+        )
+    except ConfigError as exc:
+        raise TorchConfigError(f"{exc}. Fix: pass a valid value to GradScaler(...)") from None
+
+
+def _as_float(value: Any) -> Any:
+    """Real numbers (NumPy scalars too) as Python floats; anything else left for validation."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return float(value) if real else value

@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-import numbers
 import sys
 import warnings
 from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
-from polyamp import schedule
-from polyamp._errors import ConfigError
-from polyamp.config import LossScaleConfig
 from polyamp.engine import LossScaler
 
+from ._torch_accessors import ScalerAccessors
 from ._torch_grads import collect_grads
-from ._torch_state import check_new_scale, is_array, load_torch_state, to_torch_state
+from ._torch_state import TorchConfigError, check_new_scale, is_array, torch_config
 
-__all__ = ["GradScaler", "OptState"]
+__all__ = ["GradScaler", "OptState", "TorchConfigError"]
 
 _NOT_SCALED = (
     "This may indicate your script did not use scaler.scale(loss or outputs) earlier "
@@ -44,10 +41,6 @@ class OptState(Enum):
 READY, UNSCALED, STEPPED = OptState.READY, OptState.UNSCALED, OptState.STEPPED
 
 
-class TorchConfigError(ConfigError, AssertionError):
-    """A bad constructor value; an AssertionError as torch raises, and a polyamp ConfigError."""
-
-
 def _cuda_missing() -> bool:
     """torch's "CUDA cannot work here" test, asked only when torch is already imported."""
     torch = sys.modules.get("torch")
@@ -60,27 +53,28 @@ def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
     return "grad_scaler" in inspect.signature(step_fn).parameters
 
 
-class GradScaler:
+class GradScaler(ScalerAccessors):
     """Drop-in ``torch.amp.GradScaler`` that also scales NumPy, CuPy and array-API arrays.
 
     Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``.
     """
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
+        """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type."""
+        from ._torch_disabled import DisabledGradScaler, disabled_class
+
         enabled = kwargs.get("enabled", args[4] if len(args) > 4 else True)
-        if cls is GradScaler and enabled and device == "cuda" and kwargs.get("backend") in (
-            None, "torch"
-        ) and _cuda_missing():
+        if issubclass(cls, DisabledGradScaler):
+            return object.__new__(cls)
+        if enabled and device == "cuda" and kwargs.get("backend") in (None, "torch") and (
+            _cuda_missing()
+        ):
             warnings.warn(
                 "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
                 stacklevel=2,
             )
             enabled = False
-        if cls is GradScaler and not enabled:
-            from ._torch_disabled import DisabledGradScaler
-
-            cls = DisabledGradScaler
-        return object.__new__(cls)
+        return object.__new__(cls if enabled else disabled_class(cls))
 
     def __init__(
         self,
@@ -96,7 +90,7 @@ class GradScaler:
         min_scale: float | None = None,
         max_scale: float | None = None,
     ) -> None:
-        config = _torch_config(init_scale, growth_factor, backoff_factor, growth_interval,
+        config = torch_config(init_scale, growth_factor, backoff_factor, growth_interval,
                                backoff_interval, min_scale, max_scale)
         self._device = device
         self._enabled = True
@@ -241,156 +235,3 @@ class GradScaler:
                 raise AssertionError("No inf checks were recorded prior to update.")
             self._engine.update(flags[0] if len(flags) == 1 else sum(flags[1:], flags[0]))
         self._reset_iteration()
-
-    # -- reporting beyond torch -------------------------------------------------------
-    def _resolve_unread(self) -> None:
-        if not self._unread:
-            return
-        read = self._engine.backend.read_flag
-        self._skipped_host += sum(bool(read(f)) for f in self._unread if not isinstance(f, int))
-        self._unread.clear()
-
-    @property
-    def skipped_steps(self) -> int:
-        """How many optimizer steps were skipped for overflow (reads pending device flags)."""
-        self._resolve_unread()
-        return self._skipped_host
-
-    @property
-    def last_step_skipped(self) -> bool | None:
-        """Whether the last step() was skipped; None before the first step (may sync)."""
-        last = self._last_skipped
-        if last is None or isinstance(last, (bool, int)):
-            return None if last is None else bool(last)
-        return bool(self._engine.backend.read_flag(last))
-
-    def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
-        """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped.
-
-        A skipped step leaves the schedule where it was, and torch's "lr_scheduler.step()
-        before optimizer.step()" warning is not triggered by a skipped first step.
-        """
-        return schedule.step_if_applied(scheduler, self.last_step_skipped, *args, **kwargs)
-
-    # -- getters and setters ----------------------------------------------------------
-    def _get_scale_async(self) -> Any:
-        state = self._engine.state
-        return None if state is None else state.scale
-
-    @property
-    def _scale(self) -> Any:
-        """torch's attribute: the scale tensor, None until the first scale()."""
-        return self._get_scale_async()
-
-    @property
-    def _growth_tracker(self) -> Any:
-        """torch's attribute: the growth tracker tensor, None until the first scale()."""
-        state = self._engine.state
-        return None if state is None else state.growth_tracker
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (a device sync)."""
-        return self._engine.get_scale()
-
-    def get_growth_factor(self) -> float:
-        return self._engine.config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._engine.reconfigure(growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self._engine.config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._engine.reconfigure(backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self._engine.config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._engine.reconfigure(growth_interval=new_interval)
-
-    def _get_growth_tracker(self) -> int:
-        return self._engine.host_state().growth_tracker
-
-    def is_enabled(self) -> bool:
-        return True
-
-    @property
-    def engine(self) -> LossScaler:
-        """The neutral :class:`polyamp.LossScaler` underneath."""
-        return self._engine
-
-    # -- checkpoints ------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """torch's five keys; polyamp's extra keys only where the config goes beyond torch."""
-        return to_torch_state(self._engine)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's (or polyamp's) GradScaler state dict; validated before anything changes."""
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
-            )
-        load_torch_state(self._engine, state_dict)
-
-    def __reduce__(self) -> Any:
-        return (_restore, (type(self), self.__getstate__()))
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self._stages:
-            raise AssertionError(
-                "A GradScaler instance may only be pickled at the beginning "
-                "of an iteration, or at the end after scaler.update()."
-            )
-        return {"device": self._device, "backend": self._backend_name,
-                "engine": self._engine.state_dict(), "skipped": self.skipped_steps}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._device, self._backend_name = state["device"], state["backend"]
-        self._enabled = True
-        self._engine = LossScaler(backend=self._backend_name)
-        self._engine.load_state_dict(state["engine"])
-        self._reset_iteration()
-        self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
-
-    def __repr__(self) -> str:
-        return f"GradScaler(device={self._device!r}, engine={self._engine!r})"
-
-
-def _torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
-                  growth_interval: Any, backoff_interval: Any, min_scale: Any,
-                  max_scale: Any) -> LossScaleConfig:
-    """torch's two asserts first (same messages), then polyamp's full validation."""
-    init_scale, growth_factor, backoff_factor = map(_as_float, (init_scale, growth_factor,
-                                                                 backoff_factor))
-    if growth_factor <= 1.0:
-        raise TorchConfigError(
-            f"The growth factor must be > 1.0. Got growth_factor={growth_factor!r}."
-        )
-    if backoff_factor >= 1.0:
-        raise TorchConfigError(
-            f"The backoff factor must be < 1.0. Got backoff_factor={backoff_factor!r}."
-        )
-    try:
-        return LossScaleConfig(
-            init_scale=init_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            backoff_interval=backoff_interval, min_scale=min_scale, max_scale=max_scale,
-        )
-    except ConfigError as exc:
-        raise TorchConfigError(f"{exc}. Fix: pass a valid value to GradScaler(...)") from None
-
-
-def _as_float(value: Any) -> Any:
-    """Real numbers (NumPy scalars too) as Python floats; anything else left for validation."""
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    return float(value) if real else value
-
-
-def _restore(cls: type, state: dict[str, Any]) -> GradScaler:
-    """Unpickle without calling ``__new__``'s CUDA check (the pickled scaler was enabled)."""
-    obj = object.__new__(cls)
-    obj.__setstate__(state)
-    return obj

@@ -301,3 +301,27 @@ def test_no_warnings_on_the_happy_path():
         scaler.step(opt)
         scaler.update()
     assert scaler.last_step_skipped is False
+
+
+class CountingScaler(GradScaler):
+    """A user subclass, as frameworks write them: overrides call super()."""
+
+    def step(self, optimizer, *args, **kwargs):
+        self.count = getattr(self, "count", 0) + 1
+        return super().step(optimizer, *args, **kwargs)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_user_subclasses_keep_their_overrides_enabled_or_not(enabled):
+    import pickle
+
+    scaler, model, opt = setup(CountingScaler, enabled=enabled)
+    backward(scaler, model)
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert isinstance(scaler, CountingScaler) and scaler.is_enabled() is enabled
+    assert scaler.count == 1 and not torch.equal(model.weight, before)
+    again = pickle.loads(pickle.dumps(scaler))
+    assert isinstance(again, CountingScaler) and again.is_enabled() is enabled
+    assert again.count == 1 and again.get_scale() == scaler.get_scale()
