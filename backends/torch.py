@@ -8,7 +8,6 @@ device value back except :func:`read_flag` and :func:`to_host`.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -47,9 +46,12 @@ def owns_array(array: Any) -> bool:
 @hookimpl
 def full(value: Any, dtype: str, like: Any) -> Any:
     torch = _torch()
+    kind = getattr(torch, dtype)
     if like is None:
-        return torch.full((), value, dtype=getattr(torch, dtype))
-    return like.new_full((), value, dtype=getattr(torch, dtype))
+        return torch.full((), value, dtype=kind)
+    if type(like) is torch.Tensor and like.layout is torch.strided:
+        return like.new_full((), value, dtype=kind)  # the hot path: cheaper than device=
+    return torch.full((), value, dtype=kind, device=like.device)
 
 
 @hookimpl
@@ -124,7 +126,6 @@ def cast(array: Any, dtype: str) -> Any:
     return array.to(getattr(torch, dtype))
 
 
-@functools.lru_cache(maxsize=64)
 def _torch_rule(config: Any) -> bool:
     """Whether torch's own fused update implements ``config`` exactly."""
     return (
