@@ -79,8 +79,11 @@ def _dense(grads: Sequence[Any]) -> list[Any]:
 def inverse_scale(scale: Any) -> Any:
     """float32(1 / float64(scale)), exactly as torch computes it (three small kernels).
 
-    FP32 division can be imprecise under some compile options, so the reciprocal is float64.
+    FP32 division can be imprecise under some compile options, so the reciprocal is float64
+    (except on MPS, which has no float64: torch divides in float32 there too).
     """
+    if scale.is_mps:
+        return scale.reciprocal()
     return scale.double().reciprocal_().float()
 
 

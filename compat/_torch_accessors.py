@@ -15,7 +15,7 @@ from ._torch_state import load_torch_state, to_torch_state
 
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_stages", "_found",
-                       "_skipped_host", "_unread", "_last_skipped"})
+                       "_skipped_host", "_unread", "_last_skipped", "_skip_seen"})
 
 
 class ScalerAccessors:
@@ -141,7 +141,7 @@ class ScalerAccessors:
         self._enabled = True
         self._engine = LossScaler(backend=self._backend_name)
         self._engine.load_state_dict(state["engine"])
-        self._stages, self._found = {}, {}
+        self._stages, self._found, self._skip_seen = {}, {}, False
         self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
 
     def __repr__(self) -> str:

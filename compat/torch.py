@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -23,6 +24,8 @@ from ._torch_grads import collect_grads
 from ._torch_state import TorchConfigError, check_new_scale, is_array, torch_config
 
 __all__ = ["GradScaler", "OptState", "TorchConfigError"]
+
+logger = logging.getLogger("polyamp")
 
 _NOT_SCALED = (
     "This may indicate your script did not use scaler.scale(loss or outputs) earlier "
@@ -104,6 +107,7 @@ class GradScaler(ScalerAccessors):
     def _reset_iteration(self) -> None:
         self._stages: dict[int, OptState] = {}
         self._found: dict[int, Any] = {}  # per optimizer: its device flag, None if no grads
+        self._skip_seen = False  # a step() of this iteration read an overflow on the host
 
     # -- scaling ----------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -182,6 +186,7 @@ class GradScaler(ScalerAccessors):
         self._stages[key] = STEPPED
         self._last_skipped = skipped
         self._skipped_host += skipped
+        self._skip_seen |= skipped
         return retval
 
     def _self_scaling_step(self, optimizer: Any, stage: OptState, args: Any, kwargs: dict) -> Any:
@@ -233,5 +238,24 @@ class GradScaler(ScalerAccessors):
             flags = [f for f in self._found.values() if f is not None]
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            self._engine.update(flags[0] if len(flags) == 1 else sum(flags[1:], flags[0]))
+            self._advance(flags[0] if len(flags) == 1 else sum(flags[1:], flags[0]))
         self._reset_iteration()
+
+    def _advance(self, found_inf: Any) -> None:
+        """The engine's update; after a skipped step, logs the scale change at INFO level.
+
+        The log reads the scale twice (two syncs), and only when the polyamp logger is on.
+        """
+        engine = self._engine
+        if not (self._skip_seen and logger.isEnabledFor(logging.INFO)):
+            engine.update(found_inf)
+            return
+        before = engine.get_scale()
+        engine.update(found_inf)
+        after = engine.get_scale()
+        if after != before:
+            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g",
+                        before, after)
+        else:
+            logger.info("overflow in gradients: step skipped, loss scale kept at %g "
+                        "(absorbed by backoff_interval=%d)", before, engine.config.backoff_interval)

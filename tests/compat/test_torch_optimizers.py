@@ -171,3 +171,21 @@ def test_several_optimizers_are_tracked_separately():
 def test_last_step_skipped_is_none_before_any_step():
     scaler = GradScaler("cpu")
     assert scaler.last_step_skipped is None and scaler.skipped_steps == 0
+
+
+def test_a_backoff_is_logged_on_the_polyamp_logger(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=8.0, backoff_interval=2)
+    with caplog.at_level("INFO", logger="polyamp"):
+        for _ in range(2):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(1, 3)).sum() * math.inf).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert [r.getMessage() for r in caplog.records] == [
+        "overflow in gradients: step skipped, loss scale kept at 8 "
+        "(absorbed by backoff_interval=2)",
+        "overflow in gradients: step skipped, loss scale backed off 8 -> 4",
+    ]
