@@ -11,11 +11,16 @@ from typing import Any
 
 from polyamp.adapters import iter_params
 
+_FP16: dict[Any, bool] = {}  # dtype -> is it float16; dtypes are few, so this stays tiny
+
 
 def is_fp16(array_or_dtype: Any) -> bool:
     """Whether an array (or a dtype) is IEEE float16: torch.float16 or numpy/cupy float16."""
     dtype = getattr(array_or_dtype, "dtype", array_or_dtype)
-    return str(dtype).rsplit(".", 1)[-1] == "float16"
+    known = _FP16.get(dtype)
+    if known is None:
+        known = _FP16[dtype] = str(dtype).rsplit(".", 1)[-1] == "float16"
+    return known
 
 
 def _params(optimizer: Any) -> list[Any]:
