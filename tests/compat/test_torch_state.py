@@ -1,4 +1,4 @@
-"""The facade's checkpoints and pickling, against torch.amp.GradScaler's formats and rules."""
+"""The facade's state: update(new_scale), getters, setters, checkpoints, pickling; against torch."""
 
 from __future__ import annotations
 
@@ -30,6 +30,87 @@ def trained(cls, steps=5, overflow_at=(1,), **kwargs):
         scaler.step(opt)
         scaler.update()
     return scaler, model, opt
+
+
+def _scaled(cls, **kwargs):
+    """A scaler whose state exists (after one scale() and backward)."""
+    scaler, model, opt = trained(cls, 0, **kwargs)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    return scaler, model, opt
+
+
+def same_error(script, kind):
+    """Both scalers raise ``kind``; polyamp's message starts with torch's."""
+    errors = []
+    for cls in SCALERS:
+        with pytest.raises(kind) as info:
+            script(cls)
+        errors.append(str(info.value))
+    assert errors[1].startswith(errors[0]), errors
+
+
+# -- update(new_scale) -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "new_scale", [3.3, torch.tensor(5.5, dtype=torch.float64), torch.tensor(1.0)], ids=repr
+)
+def test_update_with_a_new_scale_matches_torch(new_scale):
+    results = []
+    for cls in SCALERS:
+        scaler, _, _ = _scaled(cls)
+        scaler.update(new_scale)
+        results.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    assert results[0] == results[1]
+    assert results[1][0] == float(torch.tensor(float(new_scale)))
+
+
+def test_update_with_a_tensor_copies_it():
+    scaler, _, _ = _scaled(GradScaler)
+    new = torch.tensor(8.0)
+    scaler.update(new)
+    new.fill_(1.0)
+    assert scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize(
+    "new_scale",
+    [
+        torch.tensor(2.0, device="meta"),
+        torch.tensor([2.0, 3.0]),
+        torch.tensor(2.0, requires_grad=True),
+    ],
+    ids=["other-device", "two-elements", "requires-grad"],
+)
+def test_update_with_a_bad_tensor_raises_torchs_assertion(new_scale):
+    same_error(lambda cls: _scaled(cls)[0].update(new_scale), AssertionError)
+
+
+def test_update_with_an_int_is_accepted_and_a_string_refused():
+    scaler, _, _ = _scaled(GradScaler)
+    scaler.update(1024)  # torch: AttributeError ('int' object has no attribute 'device')
+    assert scaler.get_scale() == 1024.0
+    with pytest.raises(TypeError, match="new_scale='big'"):
+        scaler.update("big")
+
+
+# -- getters and setters ----------------------------------------------------------------
+def test_getters_and_setters_match_torch():
+    pairs = [cls("cpu", growth_interval=7) for cls in SCALERS]
+    for scaler in pairs:
+        scaler.set_growth_factor(3.0)
+        scaler.set_backoff_factor(0.25)
+        scaler.set_growth_interval(5)
+    for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval",
+                   "get_scale", "_get_growth_tracker", "is_enabled"):
+        assert getattr(pairs[0], getter)() == getattr(pairs[1], getter)(), getter
+
+
+def test_setters_validate_and_name_the_value():
+    scaler = GradScaler("cpu")
+    with pytest.raises(ValueError, match=r"growth_factor.*0\.5"):
+        scaler.set_growth_factor(0.5)
+    with pytest.raises(ValueError, match="growth_interval"):
+        scaler.set_growth_interval(0)
+    assert scaler.get_growth_factor() == 2.0 and scaler.get_growth_interval() == 2000
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 5])
