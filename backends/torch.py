@@ -91,6 +91,10 @@ def inverse_scale(scale: Any) -> Any:
 
 @hookimpl
 def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
+    """One fused torch kernel per (device, dtype) group; other devices' flags folded in.
+
+    No host sync: flags of other devices are copied to ``found_inf``'s device asynchronously.
+    """
     if not grads:
         return
     torch = _torch()
@@ -144,6 +148,10 @@ def _torch_rule(config: Any) -> bool:
 
 @hookimpl
 def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
+    """torch's fused ``_amp_update_scale_`` for torch's rule, else the rule as tensor ops.
+
+    Either way the state tensors are updated in place on their device, with no host read.
+    """
     scale, growth, backoff = state
     if _torch_rule(config):
         _torch()._amp_update_scale_(

@@ -80,27 +80,35 @@ class ScalerAccessors:
         return self._engine.get_scale()
 
     def get_growth_factor(self) -> float:
+        """The factor the scale grows by after growth_interval clean steps."""
         return self._engine.config.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor; validated (ValueError naming the value), unlike torch."""
         self._engine.reconfigure(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
+        """The factor the scale is multiplied by after an overflow."""
         return self._engine.config.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor; validated (ValueError naming the value), unlike torch."""
         self._engine.reconfigure(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
+        """How many consecutive clean steps grow the scale."""
         return self._engine.config.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval; validated (ValueError naming the value), unlike torch."""
         self._engine.reconfigure(growth_interval=new_interval)
 
     def _get_growth_tracker(self) -> int:
+        """torch's private getter: consecutive clean steps so far (a device sync)."""
         return self._engine.host_state().growth_tracker
 
     def is_enabled(self) -> bool:
+        """True: a disabled scaler is a DisabledGradScaler."""
         return True
 
     @property

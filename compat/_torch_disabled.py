@@ -43,9 +43,11 @@ class DisabledGradScaler(GradScaler):
         return None
 
     def get_scale(self) -> float:
+        """1.0, as torch's disabled scaler."""
         return 1.0
 
     def get_growth_factor(self) -> float:
+        """The value given (torch's disabled scaler raises AttributeError instead)."""
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
@@ -67,6 +69,7 @@ class DisabledGradScaler(GradScaler):
         return 0
 
     def is_enabled(self) -> bool:
+        """False."""
         return False
 
     @property
