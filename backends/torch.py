@@ -1,7 +1,9 @@
 """PyTorch backend: torch's own fused kernels, grouped per (device, dtype); torch imported lazily.
 
 ``torch._amp_foreach_non_finite_check_and_unscale_`` unscales a whole group in one call and
-``torch._amp_update_scale_`` runs torch's rule on the device when ``backoff_interval`` is 1.
+``torch._amp_update_scale_`` runs torch's rule on the device when ``backoff_interval`` is 1;
+other configs run :func:`polyamp.policy.next_state` as tensor ops. Nothing here reads a
+device value back except :func:`read_flag` and :func:`to_host`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState, next_state
+
+_CASTS = ("float32", "float16", "bfloat16", "float64")
 
 
 def _torch() -> Any:
@@ -42,8 +46,12 @@ def owns_array(array: Any) -> bool:
 @hookimpl
 def full(value: Any, dtype: str, like: Any) -> Any:
     torch = _torch()
-    device = like.device if like is not None else "cpu"
-    return torch.full((), value, dtype=getattr(torch, dtype), device=device)
+    kind = getattr(torch, dtype)
+    if like is None:
+        return torch.full((), value, dtype=kind)
+    if type(like) is torch.Tensor and like.layout is torch.strided:
+        return like.new_full((), value, dtype=kind)  # the hot path: cheaper than device=
+    return torch.full((), value, dtype=kind, device=like.device)
 
 
 @hookimpl
@@ -51,25 +59,60 @@ def scale_array(array: Any, scale: Any) -> Any:
     return array * scale.to(device=array.device, non_blocking=True)
 
 
+def group_by_device_and_dtype(tensors: list[Any]) -> list[tuple[Any, list[Any]]]:
+    """``[(device, tensors)]``: one list per (device, dtype), tensors in their given order.
+
+    One C++ pass (the grouping torch's foreach optimizers use) instead of a Python loop.
+    """
+    torch = _torch()
+    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)
+    return [(device, lists[0]) for (device, _), (lists, _) in grouped.items()]
+
+
+def _dense(grads: Sequence[Any]) -> list[Any]:
+    """Sparse gradients replaced by their values (unscaled in place, as torch does)."""
+    if any([g.is_sparse for g in grads]):
+        return [g._values() if g.is_sparse else g for g in grads]
+    return grads if isinstance(grads, list) else list(grads)
+
+
+def inverse_scale(scale: Any) -> Any:
+    """float32(1 / float64(scale)), bit for bit what torch's GradScaler computes.
+
+    On CPU one float32 division gives the same bits (IEEE division is correctly rounded, and
+    rounding a float64 quotient to float32 is innocuous since 53 >= 2*24 + 2), saving two
+    kernels per step. Elsewhere it is torch's float64 path: FP32 division can be imprecise
+    under some compile options. MPS has no float64, so torch divides in float32 there too.
+    """
+    if scale.is_cpu or scale.is_mps:
+        return scale.reciprocal()
+    return scale.double().reciprocal_().float()
+
+
 @hookimpl
 def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
+    """One fused torch kernel per (device, dtype) group; other devices' flags folded in.
+
+    No host sync: flags of other devices are copied to ``found_inf``'s device asynchronously.
+    """
+    if not grads:
+        return
     torch = _torch()
-    inv_scale = scale.double().reciprocal().float()
-    groups: dict[tuple[Any, Any], list[Any]] = {}
-    for grad in grads:
-        if grad.is_sparse:
-            grad = grad._values()
-        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    inv_scale = inverse_scale(scale)
     home = found_inf.device
-    with torch.no_grad():
-        for (device, _), group in groups.items():
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() without the context-manager cost
+    try:
+        for device, group in group_by_device_and_dtype(_dense(grads)):
             if device == home:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
-            else:
-                flag = torch.zeros((), dtype=torch.float32, device=device)
-                inv = inv_scale.to(device, non_blocking=True)
-                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
-                found_inf.add_(flag.to(home, non_blocking=True)).clamp_(max=1.0)
+                continue
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            inv = inv_scale.to(device, non_blocking=True)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+            torch.maximum(found_inf, flag.to(home, non_blocking=True), out=found_inf)
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
 
 
 @hookimpl
@@ -77,15 +120,18 @@ def all_finite(arrays: Sequence[Any]) -> Any:
     torch = _torch()
     if not arrays:
         return torch.tensor(True)
-    flags = [torch.isfinite(a).all().to(arrays[0].device) for a in arrays]
+    home = arrays[0].device
+    flags = [torch.isfinite(a).all().to(home, non_blocking=True) for a in arrays]
     return torch.stack(flags).all()
 
 
 @hookimpl
 def cast(array: Any, dtype: str) -> Any:
     torch = _torch()
-    if dtype not in ("float32", "float16", "bfloat16", "float64"):
-        raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}")
+    if dtype not in _CASTS:
+        raise ValueError(
+            f"dtype must be one of {', '.join(map(repr, _CASTS))}, got dtype={dtype!r}"
+        )
     return array.to(getattr(torch, dtype))
 
 
@@ -102,13 +148,18 @@ def _torch_rule(config: Any) -> bool:
 
 @hookimpl
 def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
-    torch = _torch()
+    """torch's fused ``_amp_update_scale_`` for torch's rule, else the rule as tensor ops.
+
+    Either way the state tensors are updated in place on their device, with no host read.
+    """
     scale, growth, backoff = state
     if _torch_rule(config):
-        torch._amp_update_scale_(
+        _torch()._amp_update_scale_(
             scale, growth, found_inf,
             config.growth_factor, config.backoff_factor, config.growth_interval,
         )
+        return state
+    if not config.dynamic:
         return state
     import array_api_compat.torch as xp
 

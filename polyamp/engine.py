@@ -129,18 +129,20 @@ class LossScaler:
         scale = self._state.scale  # type: ignore[union-attr]
         return _map_tree(outputs, lambda a: backend.scale_array(a, scale))
 
-    def unscale_(self, grads: Iterable[Any]) -> Any:
+    def unscale_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
         """Divide ``grads`` in place by the scale; return this call's device overflow flag.
 
         The flag is also added to the iteration's pending check that :meth:`update` uses.
+        ``check_only=True`` checks without dividing (for optimizers that unscale themselves).
         No host synchronisation.
         """
         grads = [g for g in grads if g is not None]
         backend = self.bind(grads[0]) if grads else self._ready_backend()
-        state = self._state
-        found = backend.full(0.0, "float32", state.scale)  # type: ignore[union-attr]
+        scale = self._state.scale  # type: ignore[union-attr]
+        found = backend.full(0.0, "float32", scale)
         if grads:
-            backend.unscale_and_check(grads, state.scale, found)  # type: ignore[union-attr]
+            by = backend.full(1.0, "float32", scale) if check_only else scale
+            backend.unscale_and_check(grads, by, found)
         self._pending = found if self._pending is None else self._pending + found
         return found
 
@@ -205,7 +207,9 @@ class LossScaler:
         to_host = self._backend.to_host  # type: ignore[union-attr]
         old, new = float(to_host(before)), self.get_scale()
         if new != old:
-            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g", old, new)
+            logger.info(
+                "overflow in gradients: step skipped, loss scale backed off %g -> %g", old, new
+            )
         else:
             logger.info(
                 "overflow in gradients: step skipped, loss scale kept at %g "
@@ -215,7 +219,8 @@ class LossScaler:
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A versioned, JSON-safe dict of config, state and counters (a device sync)."""
-        return checkpoint.to_state_dict(self._config, self.host_state(), self.steps, self.skipped_steps)
+        host = self.host_state()
+        return checkpoint.to_state_dict(self._config, host, self.steps, self.skipped_steps)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; validated whole before anything changes."""

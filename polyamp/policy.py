@@ -43,10 +43,11 @@ class HostState(NamedTuple):
 
 
 def _product(scale: float, factor: float, config: LossScaleConfig) -> float:
-    """scale * factor formed in the configured precision, rounded to float32."""
-    if config.product_dtype == "float32":
-        return float(np.float32(scale) * np.float32(factor))
-    return float(np.float32(float(scale) * float(factor)))
+    """scale * factor formed in the configured precision, rounded to float32 (inf past its max)."""
+    with np.errstate(over="ignore"):  # growth past float32's max is expected; the rule checks it
+        if config.product_dtype == "float32":
+            return float(np.float32(scale) * np.float32(factor))
+        return float(np.float32(float(scale) * float(factor)))
 
 
 def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) -> HostState:

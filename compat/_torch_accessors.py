@@ -1,0 +1,167 @@
+"""The enabled GradScaler's getters, setters, checkpoints, pickling and skip reporting.
+
+Split from ``polyamp.compat.torch`` to keep each module small: these methods read or replace
+the state and never take part in an iteration's hot path (several of them synchronise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyamp import schedule
+from polyamp.engine import LossScaler
+
+from ._torch_state import load_torch_state, to_torch_state
+
+# Attributes pickled through the engine's state dict rather than as they are.
+_INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_stages", "_found",
+                       "_skipped_host", "_unread", "_last_skipped", "_skip_seen"})
+
+
+class ScalerAccessors:
+    """Mixin of :class:`polyamp.compat.torch.GradScaler`: everything outside the four verbs."""
+
+    _engine: LossScaler
+    _device: str
+    _backend_name: str | None
+    _stages: dict[int, Any]
+    _unread: list[Any]
+    _skipped_host: int
+    _last_skipped: Any
+
+    # -- reporting beyond torch -------------------------------------------------------
+    def _resolve_unread(self) -> None:
+        if not self._unread:
+            return
+        read = self._engine.backend.read_flag
+        self._skipped_host += sum(bool(read(f)) for f in self._unread if not isinstance(f, int))
+        self._unread.clear()
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many optimizer steps were skipped for overflow (reads pending device flags)."""
+        self._resolve_unread()
+        return self._skipped_host
+
+    @property
+    def last_step_skipped(self) -> bool | None:
+        """Whether the last step() was skipped; None before the first step (may sync)."""
+        last = self._last_skipped
+        if last is None or isinstance(last, (bool, int)):
+            return None if last is None else bool(last)
+        return bool(self._engine.backend.read_flag(last))
+
+    def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+        """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped.
+
+        A skipped step leaves the schedule where it was, and torch's "lr_scheduler.step()
+        before optimizer.step()" warning is not triggered by a skipped first step.
+        """
+        return schedule.step_if_applied(scheduler, self.last_step_skipped, *args, **kwargs)
+
+    # -- getters and setters ----------------------------------------------------------
+    def _get_scale_async(self) -> Any:
+        state = self._engine.state
+        return None if state is None else state.scale
+
+    @property
+    def _scale(self) -> Any:
+        """torch's attribute: the scale tensor, None until the first scale()."""
+        return self._get_scale_async()
+
+    @property
+    def _growth_tracker(self) -> Any:
+        """torch's attribute: the growth tracker tensor, None until the first scale()."""
+        state = self._engine.state
+        return None if state is None else state.growth_tracker
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a device sync)."""
+        return self._engine.get_scale()
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after growth_interval clean steps."""
+        return self._engine.config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor; validated (ValueError naming the value), unlike torch."""
+        self._engine.reconfigure(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale is multiplied by after an overflow."""
+        return self._engine.config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor; validated (ValueError naming the value), unlike torch."""
+        self._engine.reconfigure(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """How many consecutive clean steps grow the scale."""
+        return self._engine.config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval; validated (ValueError naming the value), unlike torch."""
+        self._engine.reconfigure(growth_interval=new_interval)
+
+    def _get_growth_tracker(self) -> int:
+        """torch's private getter: consecutive clean steps so far (a device sync)."""
+        return self._engine.host_state().growth_tracker
+
+    def is_enabled(self) -> bool:
+        """True: a disabled scaler is a DisabledGradScaler."""
+        return True
+
+    @property
+    def engine(self) -> LossScaler:
+        """The neutral :class:`polyamp.LossScaler` underneath."""
+        return self._engine
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five keys; polyamp's extra keys only where the config goes beyond torch."""
+        return to_torch_state(self._engine)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's (or polyamp's) GradScaler state dict; validated before anything changes."""
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        load_torch_state(self._engine, state_dict)
+
+    def __reduce__(self) -> Any:
+        return (_restore, (type(self), self.__getstate__()))
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._stages:
+            raise AssertionError(
+                "A GradScaler instance may only be pickled at the beginning "
+                "of an iteration, or at the end after scaler.update()."
+            )
+        extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL}
+        return {"device": self._device, "backend": self._backend_name, "extra": extra,
+                "engine": self._engine.state_dict(), "skipped": self.skipped_steps}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state.get("extra", {}))  # a subclass's own attributes
+        self._device, self._backend_name = state["device"], state["backend"]
+        self._enabled = True
+        self._engine = LossScaler(backend=self._backend_name)
+        self._engine.load_state_dict(state["engine"])
+        self._stages, self._found, self._skip_seen = {}, {}, False
+        self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
+
+    def __repr__(self) -> str:
+        return f"GradScaler(device={self._device!r}, engine={self._engine!r})"
+
+
+def _restore(cls: type, state: dict[str, Any]) -> Any:
+    """Unpickle without ``__new__``'s CUDA check: a scaler stays enabled or disabled as it was."""
+    if "disabled" in state:
+        from ._torch_disabled import disabled_class
+
+        cls, state = disabled_class(cls), state["disabled"]
+    obj = object.__new__(cls)
+    obj.__setstate__(state)
+    return obj

@@ -1,0 +1,118 @@
+"""``GradScaler(enabled=False)``: its own type, so no method of the enabled scaler asks "am I on?".
+
+Mirrors torch's disabled scaler: every method is a pass-through and nothing is validated.
+Unlike torch, the getters return the values given instead of raising AttributeError.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ._torch_accessors import _restore
+from .torch import GradScaler
+
+
+class DisabledGradScaler(GradScaler):
+    """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
+
+    _public_class: type = GradScaler
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, **extra: Any) -> None:
+        self._device = device
+        self._enabled = False
+        self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
+        self._growth_interval = growth_interval
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` unchanged."""
+        return outputs
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Nothing to undo."""
+        return None
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)``, closures included, as torch's disabled scaler."""
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: Any = None) -> None:
+        """Nothing to update."""
+        return None
+
+    def get_scale(self) -> float:
+        """1.0, as torch's disabled scaler."""
+        return 1.0
+
+    def get_growth_factor(self) -> float:
+        """The value given (torch's disabled scaler raises AttributeError instead)."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self) -> int:
+        return 0
+
+    def is_enabled(self) -> bool:
+        """False."""
+        return False
+
+    @property
+    def skipped_steps(self) -> int:
+        """Always 0: a disabled scaler never skips."""
+        return 0
+
+    @property
+    def last_step_skipped(self) -> bool | None:
+        """None: a disabled scaler does not track steps, so a scheduler always steps."""
+        return None
+
+    @property
+    def engine(self) -> Any:
+        """None: there is no engine behind a disabled scaler."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty, as torch's disabled scaler."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Ignored, as torch's disabled scaler."""
+        return None
+
+    def __reduce__(self) -> Any:
+        return (_restore, (self._public_class, {"disabled": dict(self.__dict__)}))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"GradScaler(device={self._device!r}, enabled=False)"
+
+
+@functools.cache
+def disabled_class(cls: type) -> type:
+    """The disabled type for ``cls``: DisabledGradScaler, or for a user subclass of GradScaler
+    a subclass of both, so the user's overrides run on top of the no-op methods."""
+    if cls is GradScaler:
+        return DisabledGradScaler
+    namespace = {"_public_class": cls, "__module__": cls.__module__}
+    return type(f"Disabled{cls.__name__}", (cls, DisabledGradScaler), namespace)

@@ -1,0 +1,75 @@
+"""An optimizer's gradients, with torch.amp.GradScaler's checks, in as few passes as possible.
+
+torch regroups gradients with several attribute reads per parameter on every step; here one
+comprehension reads ``.grad`` once per parameter, one set of dtypes covers the FP16 rule,
+and grouping by (device, dtype) is left to the backend's C++ pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyamp.adapters import iter_params
+
+_FP16: dict[Any, bool] = {}  # dtype -> is it float16; dtypes are few, so this stays tiny
+
+
+def is_fp16(array_or_dtype: Any) -> bool:
+    """Whether an array (or a dtype) is IEEE float16: torch.float16 or numpy/cupy float16."""
+    dtype = getattr(array_or_dtype, "dtype", array_or_dtype)
+    known = _FP16.get(dtype)
+    if known is None:
+        known = _FP16[dtype] = str(dtype).rsplit(".", 1)[-1] == "float16"
+    return known
+
+
+def _params(optimizer: Any) -> list[Any]:
+    """The optimizer's parameters in order; torch-style ``param_groups`` read directly."""
+    groups = getattr(optimizer, "param_groups", None)
+    if isinstance(groups, list):
+        return [p for group in groups for p in group["params"]]
+    return list(iter_params(optimizer))
+
+
+def _not_a_parameter(optimizer: Any) -> AssertionError:
+    """torch's AssertionError for a parameter without ``.grad``, naming the offending type."""
+    bad = next(p for p in _params(optimizer) if not hasattr(p, "grad"))
+    return AssertionError(
+        f"expected param to be torch.Tensor, got {type(bad).__name__} (polyamp also accepts "
+        "any array parameter with a .grad attribute, such as polyamp.Parameter)"
+    )
+
+
+def _all_grads(optimizer: Any) -> list[Any]:
+    groups = getattr(optimizer, "param_groups", None)
+    try:
+        if isinstance(groups, list):
+            return [p.grad for group in groups for p in group["params"]]
+        return [p.grad for p in iter_params(optimizer)]
+    except AttributeError:
+        raise _not_a_parameter(optimizer) from None
+
+
+def _coalesce_sparse_fp16(optimizer: Any) -> None:
+    """torch's rule: sparse FP16 gradients are coalesced (``.grad`` replaced) before the check.
+
+    Duplicate indices summed in FP16 can overflow, so the coalesced values are what is checked.
+    """
+    for param in _params(optimizer):
+        grad = param.grad
+        if grad is not None and getattr(grad, "is_sparse", False) and is_fp16(grad):
+            param.grad = grad.coalesce()
+
+
+def collect_grads(optimizer: Any, allow_fp16: bool) -> list[Any]:
+    """The non-None gradients of ``optimizer``; ValueError on FP16 unless ``allow_fp16``.
+
+    Reads each ``.grad`` once and each dtype once: no per-parameter branching in Python.
+    """
+    grads = [g for g in _all_grads(optimizer) if g is not None]
+    if grads and any(is_fp16(dtype) for dtype in {g.dtype for g in grads}):
+        if not allow_fp16:
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        _coalesce_sparse_fp16(optimizer)
+        grads = [g for g in _all_grads(optimizer) if g is not None]
+    return grads

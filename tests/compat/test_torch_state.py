@@ -1,0 +1,249 @@
+"""The facade's state: update(new_scale), getters, setters, checkpoints, pickling; against torch."""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from polyamp.compat.torch import GradScaler  # noqa: E402
+
+import polyamp  # noqa: E402
+
+SCALERS = [torch.amp.GradScaler, GradScaler]
+
+
+def trained(cls, steps=5, overflow_at=(1,), **kwargs):
+    """A scaler after ``steps`` iterations of a small model (overflows at ``overflow_at``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = cls("cpu", **{"init_scale": 2.0**10, "growth_interval": 2, **kwargs})
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(torch.ones(1, 3)).sum() * (math.inf if step in overflow_at else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return scaler, model, opt
+
+
+def _scaled(cls, **kwargs):
+    """A scaler whose state exists (after one scale() and backward)."""
+    scaler, model, opt = trained(cls, 0, **kwargs)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    return scaler, model, opt
+
+
+def same_error(script, kind):
+    """Both scalers raise ``kind``; polyamp's message starts with torch's."""
+    errors = []
+    for cls in SCALERS:
+        with pytest.raises(kind) as info:
+            script(cls)
+        errors.append(str(info.value))
+    assert errors[1].startswith(errors[0]), errors
+
+
+# -- update(new_scale) -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "new_scale", [3.3, torch.tensor(5.5, dtype=torch.float64), torch.tensor(1.0)], ids=repr
+)
+def test_update_with_a_new_scale_matches_torch(new_scale):
+    results = []
+    for cls in SCALERS:
+        scaler, _, _ = _scaled(cls)
+        scaler.update(new_scale)
+        results.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    assert results[0] == results[1]
+    assert results[1][0] == float(torch.tensor(float(new_scale)))
+
+
+def test_update_with_a_tensor_copies_it():
+    scaler, _, _ = _scaled(GradScaler)
+    new = torch.tensor(8.0)
+    scaler.update(new)
+    new.fill_(1.0)
+    assert scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize(
+    "new_scale",
+    [
+        torch.tensor(2.0, device="meta"),
+        torch.tensor([2.0, 3.0]),
+        torch.tensor(2.0, requires_grad=True),
+    ],
+    ids=["other-device", "two-elements", "requires-grad"],
+)
+def test_update_with_a_bad_tensor_raises_torchs_assertion(new_scale):
+    same_error(lambda cls: _scaled(cls)[0].update(new_scale), AssertionError)
+
+
+def test_update_with_an_int_is_accepted_and_a_string_refused():
+    scaler, _, _ = _scaled(GradScaler)
+    scaler.update(1024)  # torch: AttributeError ('int' object has no attribute 'device')
+    assert scaler.get_scale() == 1024.0
+    with pytest.raises(TypeError, match="new_scale='big'"):
+        scaler.update("big")
+
+
+# -- getters and setters ----------------------------------------------------------------
+def test_getters_and_setters_match_torch():
+    pairs = [cls("cpu", growth_interval=7) for cls in SCALERS]
+    for scaler in pairs:
+        scaler.set_growth_factor(3.0)
+        scaler.set_backoff_factor(0.25)
+        scaler.set_growth_interval(5)
+    for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval",
+                   "get_scale", "_get_growth_tracker", "is_enabled"):
+        assert getattr(pairs[0], getter)() == getattr(pairs[1], getter)(), getter
+
+
+def test_setters_validate_and_name_the_value():
+    scaler = GradScaler("cpu")
+    with pytest.raises(ValueError, match=r"growth_factor.*0\.5"):
+        scaler.set_growth_factor(0.5)
+    with pytest.raises(ValueError, match="growth_interval"):
+        scaler.set_growth_interval(0)
+    assert scaler.get_growth_factor() == 2.0 and scaler.get_growth_interval() == 2000
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 5])
+def test_state_dict_is_torchs(steps):
+    theirs, ours = (trained(cls, steps)[0] for cls in SCALERS)
+    assert ours.state_dict() == theirs.state_dict()
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+
+
+def test_state_dicts_load_into_each_other():
+    source_t, source_p = trained(torch.amp.GradScaler, 5)[0], trained(GradScaler, 4)[0]
+    into_p, into_t = GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    into_p.load_state_dict(source_t.state_dict())
+    into_t.load_state_dict(source_p.state_dict())
+    assert into_p.state_dict() == source_t.state_dict()
+    assert into_t.state_dict() == source_p.state_dict()
+    x = torch.ones(1)
+    assert torch.equal(into_p.scale(x), source_t.scale(x))
+    assert into_p._get_growth_tracker() == source_t._get_growth_tracker() == 1
+
+
+def test_load_after_the_state_exists_overwrites_it():
+    scaler = trained(GradScaler, 3)[0]
+    scaler.load_state_dict({"scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.125,
+                            "growth_interval": 9, "_growth_tracker": 4})
+    assert scaler.get_scale() == 8.0 and scaler._get_growth_tracker() == 4
+    assert scaler.get_growth_factor() == 3.0 and scaler.get_growth_interval() == 9
+
+
+def test_polyamp_extras_round_trip_and_torch_ignores_them():
+    scaler = trained(GradScaler, 3, overflow_at=(2,), backoff_interval=2, max_scale=2.0**20)[0]
+    state = scaler.state_dict()
+    assert state["backoff_interval"] == 2 and state["_backoff_tracker"] == 1
+    assert state["max_scale"] == 2.0**20
+    again = GradScaler("cpu")
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(state)
+    assert theirs.get_scale() == state["scale"]
+
+
+def test_engine_format_loads_too():
+    scaler = trained(GradScaler, 3)[0]
+    again = GradScaler("cpu")
+    again.load_state_dict(scaler.engine.state_dict())
+    assert again.state_dict() == scaler.state_dict()
+
+
+def test_empty_state_dict_raises_torchs_runtime_error():
+    messages = []
+    for cls in SCALERS:
+        with pytest.raises(RuntimeError) as info:
+            cls("cpu").load_state_dict({})
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def test_missing_key_is_a_key_error_and_changes_nothing():
+    scaler = trained(GradScaler, 3)[0]
+    before = scaler.state_dict()
+    bad = dict(before)
+    del bad["_growth_tracker"]
+    with pytest.raises(KeyError) as info:
+        scaler.load_state_dict(bad)
+    assert isinstance(info.value, polyamp.StateDictError) and "_growth_tracker" in str(info.value)
+    with pytest.raises(KeyError):
+        torch.amp.GradScaler("cpu").load_state_dict(bad)
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("key, value", [("scale", -1.0), ("growth_factor", 0.5),
+                                        ("growth_interval", "many"), ("_growth_tracker", -2)])
+def test_invalid_values_are_refused_whole(key, value):
+    scaler = trained(GradScaler, 3)[0]
+    before = scaler.state_dict()
+    with pytest.raises(polyamp.StateDictError, match=key.lstrip("_")):
+        scaler.load_state_dict({**before, key: value})
+    assert scaler.state_dict() == before
+
+
+# -- pickling ----------------------------------------------------------------------------
+def _mid_iteration(cls, stop):
+    scaler, model, opt = trained(cls, 2)
+    loss = model(torch.ones(1, 3)).sum()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    if stop == "stepped":
+        scaler.step(opt)
+    return scaler
+
+
+@pytest.mark.parametrize("stop", ["unscaled", "stepped"])
+def test_pickling_mid_iteration_raises_torchs_assertion(stop):
+    messages = []
+    for cls in SCALERS:
+        with pytest.raises(AssertionError) as info:
+            pickle.dumps(_mid_iteration(cls, stop))
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def test_pickling_after_a_refused_fp16_unscale_raises_like_torch():
+    for cls in SCALERS:
+        scaler, model, opt = trained(cls, 1, overflow_at=())
+        scaler.scale(model.half()(torch.ones(1, 3, dtype=torch.half)).sum()).backward()
+        with pytest.raises(ValueError):
+            scaler.unscale_(opt)
+        with pytest.raises(AssertionError, match="may only be pickled"):
+            pickle.dumps(scaler)
+
+
+@pytest.mark.parametrize("steps", [0, 4])
+def test_pickle_round_trip_keeps_state_and_counters(steps):
+    scaler = trained(GradScaler, steps, overflow_at=(1, 2))[0]
+    for again in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert type(again) is GradScaler and again.is_enabled()
+        assert again.state_dict() == scaler.state_dict()
+        assert again.skipped_steps == scaler.skipped_steps == (2 if steps else 0)
+        theirs = pickle.loads(pickle.dumps(trained(torch.amp.GradScaler, steps, (1, 2))[0]))
+        assert again.state_dict() == theirs.state_dict()
+
+
+def test_pickled_scaler_recreates_its_state_lazily_on_the_tensors_device():
+    scaler = trained(GradScaler, 3)[0]
+    again = pickle.loads(pickle.dumps(scaler))
+    assert again._scale is None  # as torch: re-created by the next scale()
+    assert again.get_scale() == scaler.get_scale() == 2.0**9
+    assert torch.equal(again.scale(torch.ones(1)), torch.tensor([2.0**9]))
+    assert again._scale.device.type == "cpu" and again._scale.dtype == torch.float32
+
+
+def test_disabled_scaler_pickles_as_disabled():
+    for cls in SCALERS:
+        again = pickle.loads(pickle.dumps(cls("cpu", enabled=False)))
+        assert again.is_enabled() is False
