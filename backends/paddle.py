@@ -70,9 +70,8 @@ def owns_array(array: Any) -> bool:
 @hookimpl
 def full(value: Any, dtype: str, like: Any) -> Any:
     paddle = _paddle()
-    if like is None:
-        return paddle.full([], value, dtype=dtype)
-    return paddle.to_tensor(value, dtype=dtype, place=like.place)
+    place = getattr(like, "place", None)  # None: paddle's current default place
+    return paddle.to_tensor(value, dtype=dtype, place=place)
 
 
 @hookimpl
