@@ -122,7 +122,7 @@ def test_all_finite_cast_and_flags(backend):
     assert bool(backend.all_finite([]))
     assert backend.cast(_t([1.5]), "bfloat16").dtype == paddle.bfloat16
     assert backend.cast(_t([1.5]), "float16").dtype == paddle.float16
-    with pytest.raises(ValueError, match="dtype must be 'float32', 'float16' or 'bfloat16', got dtype='int8'"):
+    with pytest.raises(ValueError, match="or 'bfloat16', got dtype='int8'"):
         backend.cast(_t([1.5]), "int8")
 
 
