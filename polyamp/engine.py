@@ -164,7 +164,10 @@ class LossScaler:
         return StepResult(skipped, before, self._state.scale)  # type: ignore[union-attr]
 
     def update(self, found_inf: Any = None) -> None:
-        """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync."""
+        """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync.
+
+        ``found_inf`` is a device flag, or a host bool that is put on the state's device.
+        """
         flag = self._pending if found_inf is None else found_inf
         if flag is None:
             raise ScalerStateError(
@@ -172,6 +175,8 @@ class LossScaler:
                 "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
             )
         backend = self._ready_backend()
+        if isinstance(flag, bool):
+            flag = backend.full(float(flag), "float32", self._state.scale)  # type: ignore[union-attr]
         self._state = backend.update_scale(self._state, flag, self._config)
         self._pending = None
 
