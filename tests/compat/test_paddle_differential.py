@@ -311,3 +311,16 @@ def test_fixed_scale_allows_step_twice_as_paddle_does(real):
         scaler.step(system.opts[0])  # paddle resets the stages in step() when the scale is fixed
         scaler.update()
         assert not scaler.is_use_dynamic_loss_scaling()
+
+
+def test_update_without_step_and_repeated_update_match_paddle(real):
+    """paddle counts update() with no step as finite and reuses the last step's flag."""
+    kwargs = dict(init_loss_scaling=2.0**10, incr_every_n_steps=2, decr_every_n_nan_or_inf=1)
+    theirs, ours = PaddleSystem(real(**kwargs), 0.0625), PaddleSystem(GradScaler(**kwargs), 0.0625)
+    for system in (theirs, ours):
+        system.scaler.update()
+        run_step(system, "step", true_grads(0))  # an overflow
+        system.scaler.update()
+        system.scaler.update()
+    assert_same_state(ours.scaler, theirs.scaler, "after repeated updates")
+    assert ours.scaler.state_dict()["scale"][0] == 2.0**7
