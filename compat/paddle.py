@@ -128,7 +128,9 @@ class AmpScaler:
             )
         if stage is OptimizerState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._found_inf = self._engine.unscale_([g for _, g in param_grad_pairs(optimizer)])
+        grads = [grad for _, grad in param_grad_pairs(optimizer)]
+        engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
+        self._found_inf = engine.unscale_(grads) if grads or engine.state is not None else None
         self._stages[id(optimizer)] = OptimizerState.UNSCALED
 
     def _run(self, optimizer: Any, call: Callable[[], Any]) -> Any:

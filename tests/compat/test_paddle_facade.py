@@ -382,3 +382,15 @@ def test_importing_the_facade_imports_no_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_paddle_tensors_after_arrayless_calls_still_choose_paddle():
+    paddle = pytest.importorskip("paddle")
+    param = paddle.create_parameter([2], "float32")
+    opt, scaler = paddle.optimizer.SGD(0.1, parameters=[param]), GradScaler(init_loss_scaling=8.0)
+    scaler.update()
+    scaler.step(opt)  # no gradients yet: nothing to unscale, nothing skipped
+    scaler.update()
+    scaled = scaler.scale((param * 2.0).sum())
+    assert scaler.engine.backend.name == "paddle" and isinstance(scaled, paddle.Tensor)
+    assert scaler.state_dict()["incr_count"] == 2 and not scaler.last_step_skipped
