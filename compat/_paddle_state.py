@@ -59,15 +59,24 @@ def plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def check_ratio(name: str, value: Any, above_one: bool) -> None:
+    """paddle's assert on incr_ratio (> 1) or decr_ratio (< 1); non-numbers are left to the config."""
+    value = plain(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if above_one and not value > 1.0:
+        raise PaddleConfigError(f"The {name} must be > 1.0. Got {name}={value!r}.")
+    if not above_one and not value < 1.0:
+        raise PaddleConfigError(f"The {name} must be < 1.0. Got {name}={value!r}.")
+
+
 def make_config(
     init_loss_scaling: float, incr_ratio: float, decr_ratio: float, incr_every_n_steps: int,
     decr_every_n_nan_or_inf: int, use_dynamic_loss_scaling: bool, **extras: Any,
 ) -> LossScaleConfig:
     """The engine config for paddle's arguments; errors name paddle's parameters."""
-    if not plain(incr_ratio) > 1.0:
-        raise PaddleConfigError(f"The incr_ratio must be > 1.0. Got incr_ratio={incr_ratio!r}.")
-    if not plain(decr_ratio) < 1.0:
-        raise PaddleConfigError(f"The decr_ratio must be < 1.0. Got decr_ratio={decr_ratio!r}.")
+    check_ratio("incr_ratio", incr_ratio, above_one=True)
+    check_ratio("decr_ratio", decr_ratio, above_one=False)
     return build_config(
         LossScaleConfig, init_scale=init_loss_scaling, growth_factor=incr_ratio,
         backoff_factor=decr_ratio, growth_interval=incr_every_n_steps,

@@ -40,6 +40,7 @@ from ._paddle_state import (
     PaddleConfigError,
     PaddleStateDictError,
     build_config,
+    check_ratio,
     from_torch_state_dict,
     is_torch_format,
     load_paddle_state,
@@ -195,10 +196,7 @@ class AmpScaler:
 
     def set_incr_ratio(self, new_incr_ratio: float) -> None:
         """Set the growth factor (> 1)."""
-        if not plain(new_incr_ratio) > 1.0:
-            raise PaddleConfigError(
-                f"The new_incr_ratio must be > 1.0. Got new_incr_ratio={new_incr_ratio!r}."
-            )
+        check_ratio("new_incr_ratio", new_incr_ratio, above_one=True)
         self._reconfigure("new_incr_ratio", growth_factor=new_incr_ratio)
 
     def get_decr_ratio(self) -> float:
@@ -207,10 +205,7 @@ class AmpScaler:
 
     def set_decr_ratio(self, new_decr_ratio: float) -> None:
         """Set the backoff factor (in (0, 1))."""
-        if not plain(new_decr_ratio) < 1.0:
-            raise PaddleConfigError(
-                f"The new_decr_ratio must be < 1.0. Got new_decr_ratio={new_decr_ratio!r}."
-            )
+        check_ratio("new_decr_ratio", new_decr_ratio, above_one=False)
         self._reconfigure("new_decr_ratio", backoff_factor=new_decr_ratio)
 
     def get_incr_every_n_steps(self) -> int:

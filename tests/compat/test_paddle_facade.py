@@ -81,6 +81,7 @@ def test_arguments_map_onto_the_engine_config():
     ({"init_loss_scaling": -1.0}, r"init_loss_scaling must be finite and > 0, got init_loss_scaling=-1.0"),
     ({"use_dynamic_loss_scaling": "yes"}, r"use_dynamic_loss_scaling must be True or False"),
     ({"min_scale": 4.0, "max_scale": 2.0}, r"min_scale must be <= max_scale"),
+    ({"incr_ratio": "2"}, r"incr_ratio must be a real number, got incr_ratio='2'"),
 ])
 def test_bad_arguments_name_parameter_and_value(kwargs, message):
     for enable in (True, False):
@@ -102,6 +103,7 @@ def test_unknown_backend_is_reported_when_enabled_only():
     ("set_incr_every_n_steps", 0, r"must be an int >= 1, got new_incr_every_n_steps=0"),
     ("set_decr_every_n_nan_or_inf", "2", r"new_decr_every_n_nan_or_inf must be an int >= 1"),
     ("set_init_loss_scaling", float("nan"), r"new_init_loss_scaling must be finite and > 0"),
+    ("set_incr_ratio", None, r"new_incr_ratio must be a real number, got new_incr_ratio=None"),
 ])
 def test_bad_setter_values_raise_and_change_nothing(setter, value, message):
     scaler = GradScaler()
