@@ -18,6 +18,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from polyamp.compat.paddle import GradScaler
 
 import polyamp
@@ -324,3 +326,41 @@ def test_update_without_step_and_repeated_update_match_paddle(real):
         system.scaler.update()
     assert_same_state(ours.scaler, theirs.scaler, "after repeated updates")
     assert ours.scaler.state_dict()["scale"][0] == 2.0**7
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    overflows=st.lists(st.booleans(), min_size=1, max_size=30),
+    incr=st.integers(1, 4), decr=st.integers(1, 3),
+    ratios=st.sampled_from([(2.0, 0.5), (1.1, 0.3), (3.0, 0.7)]),
+    init=st.sampled_from([2.0**10, 1000.0, 3.0]),
+    path=st.sampled_from(["minimize", "step", "unscale_"]),
+)
+def test_random_overflow_sequences_match_paddle(real, overflows, incr, decr, ratios, init, path):
+    kwargs = dict(init_loss_scaling=init, incr_ratio=ratios[0], decr_ratio=ratios[1],
+                  incr_every_n_steps=incr, decr_every_n_nan_or_inf=decr)
+    theirs, ours = PaddleSystem(real(**kwargs), 0.0625), PaddleSystem(GradScaler(**kwargs), 0.0625)
+    for step, bad in enumerate(overflows):
+        grads = [np.full(a.shape, 0.5, np.float32) for a in INIT]
+        grads[0][0, 0] = np.inf if bad else 0.5
+        for system in (theirs, ours):
+            run_step(system, path, grads)
+        assert skipped(ours.scaler) == skipped(theirs.scaler) == bad
+        assert_same_state(ours.scaler, theirs.scaler, f"step {step}")
+    for a, b in zip(ours.weights(), theirs.weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dygraph_update_does_not_clamp_at_one(real):
+    """paddle's static-graph update_loss_scaling kernel clamps at 1; its dygraph GradScaler does not."""
+    theirs, ours = PaddleSystem(real(init_loss_scaling=2.0), 0.0625), PaddleSystem(GradScaler(2.0), 0.0625)
+    overflow = [np.full(a.shape, np.nan, np.float32) for a in INIT]
+    for _ in range(4):
+        for system in (theirs, ours):
+            run_step(system, "minimize", overflow)
+    assert_same_state(ours.scaler, theirs.scaler, "after four overflows")
+    assert ours.scaler.state_dict()["scale"][0] == 0.125
+    clamped = PaddleSystem(GradScaler(True, 2.0, min_scale=1.0), 0.0625)
+    for _ in range(4):
+        run_step(clamped, "minimize", overflow)
+    assert clamped.scaler.state_dict()["scale"][0] == 1.0
