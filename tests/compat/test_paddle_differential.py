@@ -353,7 +353,8 @@ def test_random_overflow_sequences_match_paddle(real, overflows, incr, decr, rat
 
 def test_dygraph_update_does_not_clamp_at_one(real):
     """paddle's static-graph update_loss_scaling kernel clamps at 1; its dygraph GradScaler does not."""
-    theirs, ours = PaddleSystem(real(init_loss_scaling=2.0), 0.0625), PaddleSystem(GradScaler(2.0), 0.0625)
+    theirs = PaddleSystem(real(init_loss_scaling=2.0), 0.0625)
+    ours = PaddleSystem(GradScaler(init_loss_scaling=2.0), 0.0625)
     overflow = [np.full(a.shape, np.nan, np.float32) for a in INIT]
     for _ in range(4):
         for system in (theirs, ours):
