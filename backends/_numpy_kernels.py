@@ -216,7 +216,7 @@ def _naive(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
 
 
 def _flat(g: np.ndarray) -> np.ndarray | None:
-    """A flat writable view of ``g`` if the fast paths can take it, else ``None``.
+    """A flat 1-D view of ``g`` if the fast paths can take it, else ``None``.
 
     Needs contiguous (C or F), aligned, native-order memory; anything else goes to ``_naive``.
     """
@@ -236,8 +236,7 @@ def _check_dtype(g: np.ndarray) -> None:
     """
     if not isinstance(g, np.ndarray) or g.dtype.name not in _EXP_MASK:
         raise TypeError(
-            f"gradients must be float16/bfloat16/float32/float64 ndarrays, got "
-            f"{getattr(g, 'dtype', type(g))}"
+            f"gradients must be float16/bfloat16/float32/float64 ndarrays, got {getattr(g, 'dtype', type(g))}"
         )
 
 
@@ -257,9 +256,7 @@ def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str) -> bool:
     return _blocked(x, inv, scale)
 
 
-def unscale_and_check_(
-    grads: Sequence[np.ndarray], inv_scale: np.ndarray, found_inf: np.ndarray
-) -> None:
+def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found_inf: np.ndarray) -> None:
     """Multiply gradients in place by ``inv_scale``; set ``found_inf`` to 1 if an input was inf/nan.
 
     One pass per gradient; ``found_inf`` is never cleared; ``inv_scale == 1`` leaves values as is.

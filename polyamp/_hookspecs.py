@@ -29,6 +29,8 @@ REQUIRED_HOOKS = (
     "read_flag",
 )
 OPTIONAL_HOOKS = ("scale_array", "all_finite", "cast", "to_host")
+# Optional hooks whose default is another hook of the same plugin, not the generic backend's.
+OWN_DEFAULT_HOOKS = {"accepts_array": "owns_array"}
 
 
 @hookspec
@@ -42,6 +44,16 @@ def backend_info() -> dict[str, Any]:
 @hookspec
 def owns_array(array: Any) -> bool:
     """Whether ``array`` belongs to this backend; must not import anything (use sys.modules)."""
+
+
+@hookspec
+def accepts_array(array: Any) -> bool:
+    """Whether this backend, once chosen by name, can work on ``array`` (optional).
+
+    Defaults to ``owns_array``. A backend may accept more than it owns, e.g. another library's
+    GPU arrays through zero-copy DLPack views; automatic choice still uses ``owns_array`` only.
+    Must not import anything.
+    """
 
 
 @hookspec

@@ -126,6 +126,8 @@ def _bound(name: str, source: str) -> Backend:
         if impl is None:
             raise BackendUnavailableError(f"backend {name!r} lacks hook {hook!r}")
         hooks[hook] = impl
+    for hook, default in _hookspecs.OWN_DEFAULT_HOOKS.items():
+        hooks[hook] = getattr(module, hook, None) or hooks[default]
     return Backend(name=name, version=info.version, plugin=module, **hooks)
 
 
@@ -160,8 +162,8 @@ def backend_for_array(array: Any) -> Backend:
 
 
 def check_owned(backend: Backend, array: Any, what: str) -> None:
-    """Raise ForeignArrayError when ``backend`` cannot hold ``array``."""
-    if not backend.owns_array(array):
+    """Raise ForeignArrayError when the chosen ``backend`` cannot work on ``array``."""
+    if not backend.accepts_array(array):
         raise ForeignArrayError(
             f"{what} is a {type(array).__module__}.{type(array).__name__}, which backend "
             f"{backend.name!r} cannot hold. Fix: pass backend= for that library "

@@ -33,6 +33,7 @@ class Backend:
     update_scale: Callable[[Any, Any, Any], Any]
     read_flag: Callable[[Any], bool]
     to_host: Callable[[Any], float | int]
+    accepts_array: Callable[[Any], bool]
 
     def __repr__(self) -> str:
         return f"<polyamp backend {self.name!r} {self.version or ''}>".replace(" >", ">")

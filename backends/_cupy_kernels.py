@@ -1,0 +1,349 @@
+"""CUDA sources of the cupy backend (plain strings), the chunk-table builder and the compile cache.
+
+Importing this module imports no cupy, so ``tools/check_cuda_kernels.py`` can compile every
+source with nvcc on a machine without a GPU; :func:`kernel` compiles with ``cupy.RawModule``
+(NVRTC) on first use, once per module and device.
+
+Design of the unscale-and-check kernels (one launch per dtype for any number of tensors):
+
+* a device table of int64 holds ``[ptr_0..ptr_{T-1}, size_0..size_{T-1}, chunk_0..chunk_{C-1}]``
+  where ``chunk_c = tensor << 32 | chunk_number``: each block takes one chunk of ``CHUNK``
+  elements of one tensor (grid-stride over the chunk table), so a thousand 4K-element tensors
+  and ten 16M-element tensors both fill the GPU;
+* 16-byte vectorised loads and stores (``UNROLL`` in flight per thread) where a tensor is
+  16-byte aligned, an element loop otherwise and for the tail;
+* arithmetic as torch's ``_amp_foreach_non_finite_check_and_unscale_``: widen to the opmath
+  type (float for half/bfloat16), test finiteness of the input, multiply by
+  ``inv = float32(1 / float64(scale))`` unless ``inv == 1``, round back with the CUDA
+  intrinsics torch's ``static_cast`` uses; float32/float64 are not written when ``inv == 1``
+  (their bits could not change);
+* one ``__syncthreads_or`` and at most one store of 1.0 to ``found_inf`` per block; never cleared.
+
+The per-thread bodies are ``__host__ __device__`` so the tests can run them on the CPU
+(``POLYAMP_HOST_ONLY`` leaves the ``__global__`` wrappers out).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+BLOCK_THREADS = 256
+UNROLL = 4
+CHUNK = 16384  # elements per block-sized piece of a tensor; a multiple of every vector width
+MAX_BLOCKS_PER_SM = 32  # grid cap (blocks grid-stride over the chunk table beyond it)
+
+UNSCALE_KERNELS = {
+    "float32": "polyamp_unscale_float32",
+    "float64": "polyamp_unscale_float64",
+    "float16": "polyamp_unscale_float16",
+    "bfloat16": "polyamp_unscale_bfloat16",
+}
+UPDATE_KERNEL = "polyamp_update_scale"
+# update_scale's flags argument
+HAS_MIN, HAS_MAX, FLOAT32_PRODUCT = 1, 2, 4
+
+_COMMON = r"""
+// polyamp cupy backend: fused multi-tensor unscale-and-check. Shared part.
+namespace polyamp {
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// Elem<T>: op_t is the type arithmetic runs in (torch's opmath type); load() widens and
+// store() rounds back to T exactly as torch's static_cast<scalar_t> does.
+template <typename T> struct Elem;
+
+__host__ __device__ inline bool is_finite(float v) {
+  return v >= -3.4028234663852886e+38f && v <= 3.4028234663852886e+38f;  // false for nan
+}
+__host__ __device__ inline bool is_finite(double v) {
+  return v >= -1.7976931348623157e+308 && v <= 1.7976931348623157e+308;
+}
+
+// 16 bytes of T: copied with one vector load/store when 16-byte aligned.
+template <typename T> struct alignas(16) Pack { T v[16 / sizeof(T)]; };
+
+__host__ __device__ inline float inv_scale_of(const float* scale) {
+  return (float)(1.0 / (double)(*scale));  // torch: scale.double().reciprocal().float()
+}
+
+template <typename T>
+__host__ __device__ inline bool unscale_one(T& x, float inv, bool multiply, bool store) {
+  typedef typename Elem<T>::op_t op_t;
+  const op_t v = Elem<T>::load(x);
+  const bool bad = !is_finite(v);
+  if (store) x = Elem<T>::store(multiply ? v * (op_t)inv : v);
+  return bad;
+}
+
+// Elements [start, stop) of one tensor, strided over the threads of one block.
+template <typename T>
+__host__ __device__ inline bool unscale_range(T* data, i64 start, i64 stop, float inv,
+                                              bool multiply, bool store, i64 thread,
+                                              i64 n_threads) {
+  const int kVec = 16 / sizeof(T);
+  const int kUnroll = @UNROLL@;
+  bool bad = false;
+  i64 scalar_from = start;
+  if ((((u64)(data + start)) & 15) == 0) {
+    const i64 n_vec = (stop - start) / kVec;
+    Pack<T>* vec = reinterpret_cast<Pack<T>*>(data + start);
+    for (i64 base = thread; base < n_vec; base += n_threads * kUnroll) {
+      Pack<T> p[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const i64 i = base + u * n_threads;
+        if (i < n_vec) p[u] = vec[i];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const i64 i = base + u * n_threads;
+        if (i < n_vec) {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) bad |= unscale_one<T>(p[u].v[k], inv, multiply, store);
+          if (store) vec[i] = p[u];
+        }
+      }
+    }
+    scalar_from = start + n_vec * kVec;
+  }
+  for (i64 i = scalar_from + thread; i < stop; i += n_threads) {
+    bad |= unscale_one<T>(data[i], inv, multiply, store);
+  }
+  return bad;
+}
+
+// One thread's whole share of a launch: chunks block, block + n_blocks, ... of the table.
+template <typename T>
+__host__ __device__ inline bool unscale_thread(const i64* table, int n_tensors, i64 n_chunks,
+                                               int chunk, const float* scale, int check_only,
+                                               i64 block, i64 n_blocks, i64 thread,
+                                               i64 n_threads) {
+  const float inv = inv_scale_of(scale);
+  const bool multiply = inv != 1.0f;
+  const bool store = !check_only && (multiply || !Elem<T>::kExactStore);
+  const i64* sizes = table + n_tensors;
+  const i64* chunks = table + 2 * (i64)n_tensors;
+  bool bad = false;
+  for (i64 c = block; c < n_chunks; c += n_blocks) {
+    const i64 entry = chunks[c];
+    const int t = (int)(entry >> 32);
+    const i64 start = (entry & 0xffffffffLL) * chunk;
+    const i64 stop = start + chunk < sizes[t] ? start + chunk : sizes[t];
+    T* data = reinterpret_cast<T*>(table[t]);
+    bad |= unscale_range<T>(data, start, stop, inv, multiply, store, thread, n_threads);
+  }
+  return bad;
+}
+
+// After the block's OR: one store of 1.0 by the leader thread; the flag is never cleared.
+__host__ __device__ inline void publish_flag(bool block_bad, bool leader, float* found_inf) {
+  if (block_bad && leader) *found_inf = 1.0f;
+}
+
+}  // namespace polyamp
+
+#ifndef POLYAMP_HOST_ONLY
+#define POLYAMP_UNSCALE_KERNEL(NAME, T)                                                     \
+  extern "C" __global__ void __launch_bounds__(@BLOCK@) NAME(                                 \
+      const long long* table, int n_tensors, long long n_chunks, int chunk,                 \
+      const float* scale, float* found_inf, int check_only) {                               \
+    const bool bad = polyamp::unscale_thread<T>(table, n_tensors, n_chunks, chunk, scale,   \
+                                                check_only, blockIdx.x, gridDim.x,          \
+                                                threadIdx.x, blockDim.x);                   \
+    polyamp::publish_flag(__syncthreads_or(bad), threadIdx.x == 0, found_inf);              \
+  }
+#else
+#define POLYAMP_UNSCALE_KERNEL(NAME, T)
+#endif
+"""
+
+_FLOAT32_FLOAT64 = r"""
+namespace polyamp {
+template <> struct Elem<float> {
+  typedef float op_t;
+  static const bool kExactStore = true;  // writing back an unmultiplied value changes no bit
+  __host__ __device__ static float load(float v) { return v; }
+  __host__ __device__ static float store(float v) { return v; }
+};
+template <> struct Elem<double> {
+  typedef double op_t;
+  static const bool kExactStore = true;
+  __host__ __device__ static double load(double v) { return v; }
+  __host__ __device__ static double store(double v) { return v; }
+};
+}  // namespace polyamp
+POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float32, float)
+POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float64, double)
+"""
+
+_FLOAT16 = r"""
+#include <cuda_fp16.h>
+namespace polyamp {
+template <> struct Elem<__half> {
+  typedef float op_t;
+  static const bool kExactStore = false;  // torch rounds back even when inv == 1 (nan bits)
+  __host__ __device__ static float load(__half v) { return __half2float(v); }
+  __host__ __device__ static __half store(float v) { return __float2half(v); }
+};
+}  // namespace polyamp
+POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float16, __half)
+"""
+
+_BFLOAT16 = r"""
+#include <cuda_bf16.h>
+namespace polyamp {
+template <> struct Elem<__nv_bfloat16> {
+  typedef float op_t;
+  static const bool kExactStore = false;
+  __host__ __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __host__ __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16(v); }
+};
+}  // namespace polyamp
+POLYAMP_UNSCALE_KERNEL(polyamp_unscale_bfloat16, __nv_bfloat16)
+"""
+
+_UPDATE = r"""
+// polyamp cupy backend: the loss-scale rule of polyamp.policy.next_host_state, on the device.
+namespace polyamp {
+
+// scale * factor formed in float32 (paddle) or float64 (torch), rounded to float32.
+__host__ __device__ inline float scaled(float s, double factor, bool float32_product) {
+  return float32_product ? s * (float)factor : (float)((double)s * factor);
+}
+
+__host__ __device__ inline void update_state(float* scale, int* growth, int* backoff,
+                                             const float* found_inf, double growth_factor,
+                                             double backoff_factor, int growth_interval,
+                                             int backoff_interval, float min_scale,
+                                             float max_scale, int flags) {
+  const bool f32 = (flags & @FLOAT32_PRODUCT@) != 0;
+  float s = *scale;
+  if (*found_inf != 0.0f) {  // nan counts as an overflow, as in the policy
+    int b = (int)((unsigned)*backoff + 1u);
+    if (b == backoff_interval) {
+      s = scaled(s, backoff_factor, f32);
+      if ((flags & @HAS_MIN@) && min_scale > s) s = min_scale;  // Python max(s, min_scale)
+      b = 0;
+    }
+    *growth = 0;
+    *backoff = b;
+  } else {
+    int g = (int)((unsigned)*growth + 1u);
+    if (g == growth_interval) {
+      float grown = scaled(s, growth_factor, f32);
+      if (is_finite(grown)) {
+        if ((flags & @HAS_MAX@) && max_scale < grown) grown = max_scale;
+        s = grown;
+      }
+      g = 0;
+    }
+    *growth = g;
+    *backoff = 0;
+  }
+  *scale = s;
+}
+
+}  // namespace polyamp
+
+#ifndef POLYAMP_HOST_ONLY
+extern "C" __global__ void polyamp_update_scale(
+    float* scale, int* growth, int* backoff, const float* found_inf, double growth_factor,
+    double backoff_factor, int growth_interval, int backoff_interval, float min_scale,
+    float max_scale, int flags) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    polyamp::update_state(scale, growth, backoff, found_inf, growth_factor, backoff_factor,
+                          growth_interval, backoff_interval, min_scale, max_scale, flags);
+  }
+}
+#endif
+"""
+
+
+def _fill(source: str) -> str:
+    """Substitute the Python-side constants into a source template."""
+    values = {
+        "@BLOCK@": BLOCK_THREADS, "@UNROLL@": UNROLL, "@HAS_MIN@": HAS_MIN,
+        "@HAS_MAX@": HAS_MAX, "@FLOAT32_PRODUCT@": FLOAT32_PRODUCT,
+    }
+    for key, value in values.items():
+        source = source.replace(key, str(value))
+    return source
+
+
+# Two NVRTC modules: bfloat16 apart, so a toolkit without cuda_bf16.h still runs the rest.
+MODULE_SOURCES: dict[str, str] = {
+    "main": _fill(_COMMON + _FLOAT32_FLOAT64 + _FLOAT16 + _UPDATE),
+    "bfloat16": _fill(_COMMON + _BFLOAT16),
+}
+MODULE_KERNELS: dict[str, tuple[str, ...]] = {
+    "main": (
+        UNSCALE_KERNELS["float32"], UNSCALE_KERNELS["float64"],
+        UNSCALE_KERNELS["float16"], UPDATE_KERNEL,
+    ),
+    "bfloat16": (UNSCALE_KERNELS["bfloat16"],),
+}
+# Every kernel in one translation unit: what the nvcc check and the host-emulation tests build.
+ALL_SOURCE = _fill(_COMMON + _FLOAT32_FLOAT64 + _FLOAT16 + _BFLOAT16 + _UPDATE)
+_MODULE_OF = {name: mod for mod, names in MODULE_KERNELS.items() for name in names}
+
+
+def build_table(ptrs: list[int], sizes: list[int], chunk: int = CHUNK) -> tuple[np.ndarray, int]:
+    """The int64 host table ``[ptrs, sizes, chunk entries]`` and its number of chunks.
+
+    Empty tensors get no chunk. Costs O(tensors + chunks) NumPy work; cached by the caller.
+    """
+    if chunk <= 0 or chunk % 8 or chunk >= 2**31:
+        raise ValueError(f"chunk must be a positive multiple of 8 below 2**31, got chunk={chunk!r}")
+    ptr_arr = np.asarray(ptrs, dtype=np.uint64).view(np.int64)
+    size_arr = np.asarray(sizes, dtype=np.int64)
+    per_tensor = (size_arr + (chunk - 1)) // chunk
+    if len(size_arr) and per_tensor.max() >= 2**32:
+        raise ValueError(f"a tensor of {int(size_arr.max())} elements needs over 2**32 chunks")
+    n_chunks = int(per_tensor.sum())
+    owner = np.repeat(np.arange(len(size_arr), dtype=np.int64), per_tensor)
+    first = np.repeat(np.cumsum(per_tensor) - per_tensor, per_tensor)
+    entries = (owner << 32) | (np.arange(n_chunks, dtype=np.int64) - first)
+    return np.concatenate([ptr_arr, size_arr, entries]), n_chunks
+
+
+_compiled: dict[tuple[str, int], Any] = {}
+_compile_lock = threading.Lock()
+
+
+def kernel(name: str, device: int) -> Any:
+    """The ``cupy.RawKernel`` called ``name`` on ``device``, compiling its module on first use.
+
+    The first call per module and device runs NVRTC (about a second; cupy caches it on disk).
+    """
+    module_name = _MODULE_OF[name]
+    key = (module_name, device)
+    module = _compiled.get(key)
+    if module is None:
+        with _compile_lock:
+            module = _compiled.get(key)
+            if module is None:
+                module = _compiled[key] = _compile(module_name, device)
+    return module.get_function(name)
+
+
+def _compile(module_name: str, device: int) -> Any:
+    """Compile one module with NVRTC on ``device``; a failure names the module and the fix."""
+    import cupy
+
+    from polyamp._errors import BackendError
+
+    with cupy.cuda.Device(device):
+        try:
+            module = cupy.RawModule(code=MODULE_SOURCES[module_name])
+            module.get_function(MODULE_KERNELS[module_name][0])  # compile and load now
+        except Exception as exc:
+            raise BackendError(
+                f"polyamp's cupy kernels ({module_name!r} module) failed to compile with NVRTC "
+                f"on device {device}: {type(exc).__name__}: {exc}. Fix: install a CUDA toolkit or "
+                "NVRTC matching your cupy build, or use backend='torch' / 'numpy'."
+            ) from exc
+    return module
