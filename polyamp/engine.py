@@ -16,7 +16,7 @@ from . import _registry, checkpoint
 from ._errors import PolyampError
 from .backend import Backend
 from .config import LossScaleConfig
-from .policy import HostState, LossScaleState
+from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
 
@@ -166,14 +166,23 @@ class LossScaler:
         return StepResult(skipped, before, self._state.scale)  # type: ignore[union-attr]
 
     def update(self, found_inf: Any = None) -> None:
-        """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync."""
+        """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync.
+
+        ``found_inf`` is a device flag, or a host bool: put on the state's device, or applied
+        to the host state when no array has been seen yet (no backend is chosen by it).
+        """
         flag = self._pending if found_inf is None else found_inf
         if flag is None:
             raise ScalerStateError(
                 "update() found no inf checks recorded this iteration. Fix: call "
                 "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
             )
+        if isinstance(flag, bool) and self._state is None:
+            self._host, self._pending = next_host_state(self._host, flag, self._config), None
+            return
         backend = self._ready_backend()
+        if isinstance(flag, bool):
+            flag = backend.full(float(flag), "float32", self._state.scale)  # type: ignore[union-attr]
         self._state = backend.update_scale(self._state, flag, self._config)
         self._pending = None
 

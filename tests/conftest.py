@@ -25,6 +25,9 @@ def _maker(name: str):
     if name == "cupy":
         cp = pytest.importorskip("cupy")
         return lambda a: cp.asarray(a)
+    if name == "paddle":
+        paddle = pytest.importorskip("paddle")
+        return lambda a: paddle.to_tensor(np.array(a, copy=True))
     raise ValueError(name)
 
 
@@ -36,7 +39,7 @@ def _to_numpy(a):
     return np.asarray(a)
 
 
-BACKENDS = ["numpy", "torch", "array_api", "cupy"]
+BACKENDS = ["numpy", "torch", "array_api", "cupy", "paddle"]
 
 
 @pytest.fixture(params=BACKENDS)

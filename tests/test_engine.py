@@ -164,3 +164,23 @@ def test_reconfigure_validates_first():
     with pytest.raises(polyamp.ConfigError):
         scaler.reconfigure(backoff_factor=2.0)
     assert scaler.config == LossScaleConfig()
+
+
+def test_update_accepts_a_host_bool(backend_name, make_array):
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=1))
+    scaler.scale(make_array(np.float32(1.0)))
+    scaler.update(found_inf=True)
+    assert scaler.get_scale() == 4.0
+    scaler.update(found_inf=False)
+    assert scaler.get_scale() == 8.0 and not scaler.has_pending_check
+    assert scaler.backend.name == backend_name
+
+
+def test_host_bool_update_before_any_array_binds_no_backend():
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2))
+    scaler.update(found_inf=False)
+    scaler.update(found_inf=True)
+    assert scaler.backend is None and scaler.state is None
+    assert scaler.host_state() == (4.0, 0, 0)
+    scaler.scale(np.float32(1.0))
+    assert scaler.backend.name == "numpy" and scaler.get_scale() == 4.0

@@ -126,6 +126,10 @@ def _like(name):
         import cupy
 
         return cupy.zeros(())
+    if name == "paddle":
+        import paddle
+
+        return paddle.zeros([])
     return np.zeros((), np.float32)
 
 

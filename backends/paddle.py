@@ -1,0 +1,186 @@
+"""PaddlePaddle backend: paddle's own unscale kernel, the scale update as tensor ops; lazy import.
+
+float32 gradients go through ``paddle._C_ops.check_finite_and_unscale_``, the kernel
+``paddle.amp.GradScaler`` runs, one call for all of them (in place, on CPU too). Other
+dtypes (paddle has no CPU kernel for float16/bfloat16) are multiplied by tensor ops in
+float32. As in paddle, once that kernel meets an inf/nan it writes ``grad * 0`` instead of the
+unscaled values; those gradients are discarded anyway, because the step is skipped.
+
+The scale update is :func:`polyamp.policy.next_state` over the small paddle namespace below,
+so the rule lives in one place. With ``product_dtype="float32"`` it is paddle's dygraph
+``_update`` bit for bit (``scale * ratio`` on a float32 tensor), and it never reads the
+device. Importing this module does not import paddle.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from polyamp._hookspecs import hookimpl
+from polyamp.policy import LossScaleState, next_state
+
+_CASTS = ("float32", "float16", "bfloat16", "float64")
+
+
+def _paddle() -> Any:
+    import paddle
+
+    return paddle
+
+
+def _dtype_name(array: Any) -> str:
+    """``"float32"`` for paddle.float32 (paddle prints dtypes as ``paddle.float32``)."""
+    return str(array.dtype).rsplit(".", 1)[-1]
+
+
+@hookimpl
+def backend_info() -> dict[str, Any]:
+    """Found without importing paddle (a slow, noisy import): its spec and installed version."""
+    if "paddle" in sys.modules:
+        return {"available": True, "reason": "", "version": sys.modules["paddle"].__version__}
+    if importlib.util.find_spec("paddle") is None:
+        return {
+            "available": False,
+            "reason": "paddle is not installed; pip install paddlepaddle (or paddlepaddle-gpu)",
+            "version": None,
+        }
+    return {"available": True, "reason": "", "version": _installed_version()}
+
+
+def _installed_version() -> str | None:
+    for dist in ("paddlepaddle", "paddlepaddle-gpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@hookimpl
+def owns_array(array: Any) -> bool:
+    paddle = sys.modules.get("paddle")
+    tensor = getattr(paddle, "Tensor", None)
+    return tensor is not None and isinstance(array, tensor)
+
+
+@hookimpl
+def full(value: Any, dtype: str, like: Any) -> Any:
+    paddle = _paddle()
+    place = getattr(like, "place", None)  # None: paddle's current default place
+    return paddle.to_tensor(value, dtype=dtype, place=place)
+
+
+@hookimpl
+def scale_array(array: Any, scale: Any) -> Any:
+    name = _dtype_name(array)
+    if name == "float32":
+        return array * scale
+    if name == "float64":
+        return array * scale.astype("float64")
+    if name in ("float16", "bfloat16"):
+        return (array.astype("float32") * scale).astype(name)
+    raise TypeError(
+        f"scale() needs a floating-point tensor, got dtype={name}; "
+        "scale the loss, which is floating point"
+    )
+
+
+@hookimpl
+def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
+    paddle = _paddle()
+    fp32 = [g for g in grads if _dtype_name(g) == "float32"]
+    others = [g for g in grads if _dtype_name(g) != "float32"]
+    flags = []
+    with paddle.no_grad():
+        if fp32:
+            _, flag = paddle._C_ops.check_finite_and_unscale_(fp32, scale)
+            flags.append(flag.reshape([]))
+        if others:
+            flags += _unscale_by_ops(paddle, others, scale)
+        for flag in flags:
+            paddle.assign(paddle.maximum(found_inf, flag.astype(found_inf.dtype)), output=found_inf)
+
+
+def _unscale_by_ops(paddle: Any, grads: Sequence[Any], scale: Any) -> list[Any]:
+    """Unscale non-float32 gradients in place, in float32 (float64 for float64); their flags."""
+    inv_scale = (1.0 / scale.astype("float64")).astype("float32")
+    flags = []
+    for grad in grads:
+        name = _dtype_name(grad)
+        wide = "float64" if name == "float64" else "float32"
+        flags.append(paddle.logical_not(paddle.isfinite(grad).all()))
+        unscaled = grad.astype(wide) * inv_scale.astype(wide)
+        paddle.assign(unscaled.astype(name), output=grad)
+    return flags
+
+
+@hookimpl
+def all_finite(arrays: Sequence[Any]) -> Any:
+    paddle = _paddle()
+    result = None
+    for array in arrays:
+        ok = paddle.isfinite(array).all()
+        result = ok if result is None else paddle.logical_and(result, ok)
+    return paddle.to_tensor(True) if result is None else result
+
+
+@hookimpl
+def cast(array: Any, dtype: str) -> Any:
+    if dtype not in _CASTS:
+        raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}")
+    return array.astype(dtype)
+
+
+class PaddleNamespace:
+    """The array-API names :func:`polyamp.policy.next_state` uses, for 0-d paddle tensors.
+
+    New constants are made on the place of ``like``, so the update never leaves the device.
+    """
+
+    float32 = "float32"
+    float64 = "float64"
+
+    def __init__(self, like: Any) -> None:
+        self._paddle = _paddle()
+        self._like = like
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return self._paddle.where(cond, a, b)
+
+    def zeros_like(self, x: Any) -> Any:
+        return self._paddle.zeros_like(x)
+
+    def astype(self, x: Any, dtype: str) -> Any:
+        return x.astype(dtype)
+
+    def isfinite(self, x: Any) -> Any:
+        return self._paddle.isfinite(x)
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        return self._paddle.maximum(a, b)
+
+    def minimum(self, a: Any, b: Any) -> Any:
+        return self._paddle.minimum(a, b)
+
+    def asarray(self, value: Any, dtype: str) -> Any:
+        return self._paddle.full_like(self._like, value, dtype=dtype)
+
+
+@hookimpl
+def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
+    state = LossScaleState(*state)
+    return next_state(state, found_inf, config, PaddleNamespace(state.scale))
+
+
+@hookimpl
+def read_flag(found_inf: Any) -> bool:
+    return found_inf.item() != 0
+
+
+@hookimpl
+def to_host(array: Any) -> float | int:
+    return array.item()

@@ -1,0 +1,299 @@
+"""``paddle.amp.GradScaler`` and ``AmpScaler`` (paddle 3.x, dygraph) over any polyamp backend.
+
+Signatures, defaults, the INIT/UNSCALED/STEPPED state machine, exception types and messages,
+``minimize``'s return values, the update rule (products in float32, ``decr_every_n_nan_or_inf``)
+and the ``state_dict`` keys follow paddle 3.3's ``paddle/amp/grad_scaler.py``. As in paddle,
+the scaler keeps one overflow flag: ``step`` uses the last ``unscale_`` of any optimizer, and
+``update`` the last ``step``. Extra keyword-only arguments: ``backend``, ``min_scale``,
+``max_scale``. Importing this module imports no framework.
+
+State-dict keys: paddle's ``scale`` (a 1-element float32 array), ``incr_ratio``,
+``decr_ratio``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``, ``incr_count``,
+``decr_count`` and ``use_dynamic_loss_scaling`` map to torch's ``scale``, ``growth_factor``,
+``backoff_factor``, ``growth_interval``, polyamp's ``backoff_interval``, ``_growth_tracker``,
+polyamp's ``_backoff_tracker`` and (no torch key: torch is always dynamic).
+``load_state_dict`` takes either format; :func:`to_torch_state_dict` and
+:func:`from_torch_state_dict` convert (the full table is in ``compat/_paddle_state.py``).
+
+Where polyamp differs from paddle, on purpose:
+
+* it works on CPU (paddle's disables itself off GPU/XPU) and over NumPy, torch and CuPy;
+* scale changes go to the ``polyamp`` logger (INFO), not ``print``;
+* ``scale()`` keeps its input's shape (paddle returns shape [1] for a 0-d loss) and never
+  turns itself off (paddle disables dynamic scaling when ``scale()`` runs outside
+  ``auto_cast(dtype='float16')``; pass ``enable=False`` for bfloat16);
+* a growth that would overflow float32 keeps the scale (paddle's dygraph update makes it inf);
+* bad arguments raise at once, also when disabled (paddle asserts only two, when enabled);
+* a disabled scaler's getters return the values it was given (paddle's raise AttributeError).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from polyamp import schedule
+from polyamp.engine import LossScaler
+
+from ._paddle_state import (
+    PaddleConfigError,
+    PaddleStateDictError,
+    build_config,
+    check_ratio,
+    from_torch_state_dict,
+    is_torch_format,
+    load_paddle_state,
+    make_config,
+    plain,
+    to_paddle_state,
+    to_torch_state_dict,
+)
+from ._paddle_steps import OptimizerState, apply_optimizer, log_change, logger, param_grad_pairs
+from ._torch_state import is_array
+
+__all__ = [
+    "AmpScaler", "GradScaler", "OptimizerState", "PaddleConfigError", "PaddleStateDictError",
+    "from_torch_state_dict", "to_torch_state_dict",
+]
+
+
+class AmpScaler:
+    """Drop-in ``paddle.amp.AmpScaler``: ``scale`` and ``minimize``, on any backend and on CPU."""
+
+    _enable = True
+
+    def __new__(cls, enable: bool = True, *args: Any, **kwargs: Any) -> AmpScaler:
+        return object.__new__(cls if enable else _DISABLED.get(cls, cls))
+
+    def __init__(
+        self,
+        enable: bool = True,
+        init_loss_scaling: float = 2.0**15,
+        incr_ratio: float = 2.0,
+        decr_ratio: float = 0.5,
+        incr_every_n_steps: int = 1000,
+        decr_every_n_nan_or_inf: int = 1,
+        use_dynamic_loss_scaling: bool = True,
+        *,
+        backend: str | None = None,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+    ) -> None:
+        config = make_config(
+            init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf,
+            use_dynamic_loss_scaling, min_scale=min_scale, max_scale=max_scale,
+        )
+        self._init_loss_scaling = init_loss_scaling if self._enable else 1.0
+        self._engine = LossScaler(config, backend if self._enable else None)
+        self._stages: dict[int, OptimizerState] = {}
+        self._found_inf: Any = None  # the last unscale's device flag, whichever optimizer
+        self._cache_found_inf: bool | None = None  # the last step's decision
+        self.skipped_steps = 0
+        self.last_step_skipped: bool | None = None
+
+    # -- scaling and stepping ---------------------------------------------------------
+    def scale(self, var: Any) -> Any:
+        """``var * scale`` in ``var``'s dtype, on its device; the first array picks the backend."""
+        if not is_array(var):
+            raise TypeError(
+                f"The type of 'var' in AmpScaler.scale() must be a Tensor or array (paddle, "
+                f"numpy, torch, cupy), but received {type(var)}. Fix: scale the loss tensor."
+            )
+        backend = self._engine.bind(var)
+        return backend.scale_array(var, self._engine.state.scale)  # type: ignore[union-attr]
+
+    def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Unscale (unless unscale_ ran), ``optimizer.minimize(...)`` unless inf/nan, update the scale.
+
+        Optimizers without ``minimize`` get ``step()`` (``args`` are not passed). Returns paddle's
+        ``(optimize_ops, params_grads)``; ``(None, None)`` when skipped. Reads one flag on the host.
+        """
+        if self._stage(optimizer) is OptimizerState.INIT:
+            self._unscale(optimizer)
+        result = self._run(optimizer, lambda: apply_optimizer(optimizer, args, kwargs))
+        if self.is_use_dynamic_loss_scaling():
+            self._update()
+        self._stages.clear()
+        return (None, None) if result is None else result
+
+    def _stage(self, optimizer: Any) -> OptimizerState:
+        return self._stages.get(id(optimizer), OptimizerState.INIT)
+
+    def _unscale(self, optimizer: Any) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place; keep this call's flag (no sync)."""
+        stage = self._stage(optimizer)
+        if stage is OptimizerState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if stage is OptimizerState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        grads = [grad for _, grad in param_grad_pairs(optimizer)]
+        engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
+        self._found_inf = engine.unscale_(grads) if grads or engine.state is not None else None
+        self._stages[id(optimizer)] = OptimizerState.UNSCALED
+
+    def _run(self, optimizer: Any, call: Callable[[], Any]) -> Any:
+        """``call()`` unless the last unscale saw inf/nan; paddle optimizers decide themselves.
+
+        Paddle optimizers take the flag as their ``found_inf`` auxiliary variable, as paddle does.
+        """
+        flag = self._found_inf
+        if callable(getattr(optimizer, "_set_auxiliary_var", None)):
+            optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
+            result = call()
+            found = bool(optimizer._get_auxiliary_var("found_inf"))
+        else:
+            found = flag is not None and self._engine.backend.read_flag(flag)  # type: ignore[union-attr]
+            result = None if found else call()
+        self._cache_found_inf = self.last_step_skipped = found
+        self.skipped_steps += found
+        return result
+
+    def _update(self) -> None:
+        """One step of paddle's rule with the last step's flag; reads the scale only to log it."""
+        found, engine = bool(self._cache_found_inf), self._engine
+        if not logger.isEnabledFor(logging.INFO):
+            engine.update(found_inf=found)
+            return
+        before = engine.host_state()
+        engine.update(found_inf=found)
+        log_change(before, engine.host_state(), found, engine.config)
+
+    def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+        """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped."""
+        return schedule.step_if_applied(scheduler, self.last_step_skipped, *args, **kwargs)
+
+    @property
+    def engine(self) -> LossScaler:
+        """The neutral :class:`polyamp.LossScaler` underneath."""
+        return self._engine
+
+    # -- getters and setters ----------------------------------------------------------
+    def is_enable(self) -> bool:
+        """Whether loss scaling is on."""
+        return self._enable
+
+    def is_use_dynamic_loss_scaling(self) -> bool:
+        """Whether the scale moves (False: fixed, overflowing steps still skipped)."""
+        return self._engine.config.dynamic
+
+    def get_init_loss_scaling(self) -> float:
+        """The initial scale (the last one set or loaded), not the current one."""
+        return self._init_loss_scaling
+
+    def set_init_loss_scaling(self, new_init_loss_scaling: float) -> None:
+        """Set the initial scale and restart the current scale from it; counters are kept."""
+        build_config(self._engine.config.replace, {"init_scale": "new_init_loss_scaling"},
+                     init_scale=new_init_loss_scaling)
+        self._init_loss_scaling = new_init_loss_scaling
+        self._engine.set_scale(float(plain(new_init_loss_scaling)))
+
+    def get_incr_ratio(self) -> float:
+        """The factor the scale grows by."""
+        return self._engine.config.growth_factor
+
+    def set_incr_ratio(self, new_incr_ratio: float) -> None:
+        """Set the growth factor (> 1)."""
+        check_ratio("new_incr_ratio", new_incr_ratio, above_one=True)
+        self._reconfigure("new_incr_ratio", growth_factor=new_incr_ratio)
+
+    def get_decr_ratio(self) -> float:
+        """The factor the scale backs off by."""
+        return self._engine.config.backoff_factor
+
+    def set_decr_ratio(self, new_decr_ratio: float) -> None:
+        """Set the backoff factor (in (0, 1))."""
+        check_ratio("new_decr_ratio", new_decr_ratio, above_one=False)
+        self._reconfigure("new_decr_ratio", backoff_factor=new_decr_ratio)
+
+    def get_incr_every_n_steps(self) -> int:
+        """How many finite steps in a row grow the scale."""
+        return self._engine.config.growth_interval
+
+    def set_incr_every_n_steps(self, new_incr_every_n_steps: int) -> None:
+        """Set how many finite steps in a row grow the scale (an int >= 1)."""
+        self._reconfigure("new_incr_every_n_steps", growth_interval=new_incr_every_n_steps)
+
+    def get_decr_every_n_nan_or_inf(self) -> int:
+        """How many overflowing steps (counted since the last finite one) back the scale off."""
+        return self._engine.config.backoff_interval
+
+    def set_decr_every_n_nan_or_inf(self, new_decr_every_n_nan_or_inf: int) -> None:
+        """Set how many overflowing steps back the scale off (an int >= 1)."""
+        self._reconfigure("new_decr_every_n_nan_or_inf", backoff_interval=new_decr_every_n_nan_or_inf)
+
+    def _reconfigure(self, paddle_name: str, **change: Any) -> None:
+        (field,) = change
+        build_config(self._engine.reconfigure, {field: paddle_name}, **change)
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """paddle's eight keys (``scale`` a 1-element float32 array); a device sync."""
+        return to_paddle_state(self._engine)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load paddle's (or torch's) GradScaler state dict; validated before anything changes."""
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The input state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        if is_torch_format(state_dict):
+            state_dict = from_torch_state_dict(state_dict)
+        self._init_loss_scaling = load_paddle_state(self._engine, state_dict)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(enable={self._enable}, engine={self._engine!r})"
+
+
+class GradScaler(AmpScaler):
+    """Drop-in ``paddle.amp.GradScaler``: adds ``step``, ``update`` and ``unscale_`` to AmpScaler."""
+
+    def __init__(
+        self,
+        enable: bool = True,
+        init_loss_scaling: float = 2.0**16,
+        incr_ratio: float = 2.0,
+        decr_ratio: float = 0.5,
+        incr_every_n_steps: int = 2000,
+        decr_every_n_nan_or_inf: int = 1,
+        use_dynamic_loss_scaling: bool = True,
+        *,
+        backend: str | None = None,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+    ) -> None:
+        super().__init__(
+            enable, init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps,
+            decr_every_n_nan_or_inf, use_dynamic_loss_scaling,
+            backend=backend, min_scale=min_scale, max_scale=max_scale,
+        )
+
+    def step(self, optimizer: Any) -> None:
+        """Unscale (unless unscale_ ran), then ``optimizer.step()`` unless inf/nan; one host read."""
+        stage = self._stage(optimizer)
+        if stage is OptimizerState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if stage is OptimizerState.INIT:
+            self._unscale(optimizer)
+        self._run(optimizer, optimizer.step)
+        self._stages[id(optimizer)] = OptimizerState.STEPPED
+        if not self.is_use_dynamic_loss_scaling():
+            self._stages.clear()
+
+    def update(self) -> None:
+        """Move the scale with the last step's flag (a no-op with use_dynamic_loss_scaling=False)."""
+        if self.is_use_dynamic_loss_scaling():
+            self._update()
+            self._stages.clear()
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place (e.g. before clipping); no sync."""
+        return self._unscale(optimizer)
+
+
+from ._paddle_disabled import DisabledAmpScaler, DisabledGradScaler  # noqa: E402
+
+_DISABLED: dict[type, type] = {AmpScaler: DisabledAmpScaler, GradScaler: DisabledGradScaler}
