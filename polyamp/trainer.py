@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from . import _dtypes
 from ._errors import ConfigError
 from .adapters import iter_params
@@ -194,7 +196,9 @@ class ArraySteps:
         output = self.model.forward(x, self.dtype)
         loss, grad_output = loss_fn(output, target)
         seed = scaler.scale(_dtypes.cast(grad_output, "float32"))
-        self.model.backward(_dtypes.cast(seed, self.dtype))
+        with np.errstate(over="ignore"):  # float16 overflow to inf is the scaler's to catch
+            seed = _dtypes.cast(seed, self.dtype)
+        self.model.backward(seed)
         return loss
 
 
