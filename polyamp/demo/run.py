@@ -12,6 +12,7 @@ so the float32 curve is the same as for an ordinary mean over ``batch``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -153,6 +154,12 @@ def within_tolerance(run: RunResult, reference: RunResult) -> bool:
     )
 
 
+def _power_of_two(value: float) -> str:
+    """``2^k`` for an exact power of two (loss scales are), else the number."""
+    exponent = math.log2(value) if value > 0 else math.nan
+    return f"2^{exponent:.0f}" if exponent.is_integer() else f"{value:g}"
+
+
 def format_table(results: list[RunResult]) -> str:
     """The results as a plain-text table, one row per run."""
     header = ("run", "final loss", "test accuracy", "skipped steps", "final scale",
@@ -161,7 +168,7 @@ def format_table(results: list[RunResult]) -> str:
     for r in results:
         rows.append((
             r.label, f"{r.final_loss:.4f}", f"{100 * r.accuracy:.1f}%", str(r.skipped_steps),
-            f"{r.final_scale:g}" if r.loss_scaling else "-", f"{100 * r.zero_grad_fraction:.0f}%",
+            _power_of_two(r.final_scale) if r.loss_scaling else "-", f"{100 * r.zero_grad_fraction:.0f}%",
             f"{r.seconds:.1f}s",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -203,3 +203,16 @@ def test_unavailable_backend_names_itself_the_reason_and_the_alternatives():
     message = str(info.value)
     assert "'cupy' is not available" in message and "Available demo backends: numpy" in message
     assert backends._why_unavailable("cupy") in message
+
+
+def test_demo_command_without_matplotlib_says_how_to_get_the_plot(monkeypatch, capsys, tmp_path):
+    from polyamp.cli import build_parser
+    from polyamp.demo import command
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    args = build_parser().parse_args(["demo", "--steps", "3", "--batch", "128", "--no-progress",
+                                      "--output", str(tmp_path / "x.png")])
+    assert command.main(args) == 0
+    out = capsys.readouterr().out
+    assert "no plot written: matplotlib is not installed (pip install 'polyamp[demo]')" in out
+    assert not (tmp_path / "x.png").exists()
