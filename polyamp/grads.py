@@ -9,10 +9,8 @@ gradients that are still multiplied by the loss scale; they learn that from a
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Iterable, Sequence
-from itertools import accumulate
 from typing import Any
 
 import array_api_compat
@@ -20,6 +18,7 @@ import array_api_compat
 from . import _dtypes
 from ._errors import ConfigError
 from .engine import ScalerStateError
+from .flat import FlatArrays
 
 __all__ = ["GradBuffer", "ScaledGradientsError", "clip_grad_norm_", "global_norm"]
 
@@ -120,7 +119,7 @@ def clip_grad_norm_(grads: Any, max_norm: float, *, scaler: Any = None, eps: flo
     return norm
 
 
-class GradBuffer:
+class GradBuffer(FlatArrays):
     """Gradients as views of one flat array: zero, scale, norm and clip are one call each.
 
     Per-step cost stops growing with the number of parameter tensors, and ``flat`` can be
@@ -128,19 +127,7 @@ class GradBuffer:
     """
 
     def __init__(self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None) -> None:
-        shapes = [_check_shape(s) for s in shapes]
-        if not shapes:
-            raise ConfigError("GradBuffer got shapes=[]; pass the shape of at least one gradient")
-        xp = array_api_compat.array_namespace(like) if like is not None else array_api_compat.numpy
-        device = array_api_compat.device(like) if like is not None else None
-        sizes = [math.prod(s) for s in shapes]
-        name = _dtypes.dtype_name(dtype)
-        self._flat = xp.zeros(sum(sizes), dtype=_dtypes.resolve(xp, name), device=device)
-        self._xp, self._shapes, self._dtype_name = xp, tuple(shapes), name
-        starts = [0, *accumulate(sizes)]
-        self._views = tuple(
-            xp.reshape(self._flat[a:b], s) for a, b, s in zip(starts, starts[1:], shapes)
-        )
+        super().__init__(shapes, dtype, like=like)
         self._params: list[Any] = []
         self._scaled = False
 
@@ -180,50 +167,18 @@ class GradBuffer:
 
     # -- what it holds ------------------------------------------------------------------
     @property
-    def flat(self) -> Any:
-        """The one flat array every gradient is a view of."""
-        return self._flat
-
-    @property
-    def views(self) -> tuple[Any, ...]:
-        """One view of ``flat`` per gradient, in the order of the shapes given."""
-        return self._views
-
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The gradients' shapes."""
-        return self._shapes
-
-    @property
-    def dtype(self) -> str:
-        """The dtype name of ``flat`` ("float32", "float16" or "bfloat16")."""
-        return self._dtype_name
-
-    @property
     def scaled(self) -> bool:
         """Whether the gradients are still multiplied by the loss scale (see :meth:`mark_scaled`)."""
         return self._scaled
 
-    def __len__(self) -> int:
-        return len(self._views)
-
     def __repr__(self) -> str:
-        return (
-            f"GradBuffer({len(self)} gradients, {self._flat.shape[0]} values, dtype={self.dtype}, "
-            f"library={type(self._flat).__module__.split('.')[0]}, scaled={self._scaled})"
-        )
+        return f"{super().__repr__()[:-1]}, scaled={self._scaled})"
 
     # -- one call each --------------------------------------------------------------------
     def zero_(self) -> None:
-        """Set every gradient to zero: one fill of ``flat``."""
-        self._flat[...] = 0
+        """Set every gradient to zero: one fill of ``flat`` (and no longer scaled)."""
+        super().zero_()
         self._scaled = False
-
-    def scale_(self, factor: Any) -> None:
-        """Multiply every gradient in place by ``factor`` (a number or a 0-d array): one call."""
-        if array_api_compat.is_array_api_obj(factor):
-            factor = self._xp.astype(factor, self._flat.dtype)
-        self._flat *= factor
 
     def mark_scaled(self) -> None:
         """Record that a backward pass of a scaled loss wrote the gradients (norms now refuse them)."""
@@ -242,16 +197,3 @@ class GradBuffer:
     def clip_(self, max_norm: float, eps: float = 1e-6) -> Any:
         """Clip by global norm in place (see :func:`clip_grad_norm_`); return the pre-clip norm."""
         return clip_grad_norm_(self, max_norm, eps=eps)
-
-
-def _check_shape(shape: Any) -> tuple[int, ...]:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        dims = None
-    if dims is None or not all(isinstance(n, numbers.Integral) and n >= 0 for n in dims):
-        raise ConfigError(
-            f"GradBuffer shapes must be sequences of ints >= 0, got shape={shape!r}; "
-            "pass e.g. [(3, 4), (4,)]"
-        )
-    return tuple(int(n) for n in dims)

@@ -24,7 +24,7 @@ from . import _dtypes
 from ._errors import ConfigError
 from .adapters import iter_params
 from .config import LossScaleConfig
-from .grads import GradBuffer
+from .grads import GradBuffer, _check_max_norm
 from .parameter import Parameter
 
 __all__ = ["ArrayLossFn", "ArrayModel", "MixedPrecisionTrainer", "StepMetrics"]
@@ -96,8 +96,6 @@ class MixedPrecisionTrainer:
 
         self._dtype = _dtypes.compute_dtype_name(compute_dtype)
         if max_grad_norm is not None:
-            from .grads import _check_max_norm
-
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
         self._scaler = make_scaler(config, backend, enabled=loss_scaling)

@@ -18,7 +18,7 @@ import numpy as np
 
 from polyamp import Parameter, _dtypes
 from polyamp._errors import ConfigError
-from polyamp.grads import GradBuffer
+from polyamp.flat import FlatArrays
 
 from ._lowp import round_to
 
@@ -41,8 +41,8 @@ class MLP:
         like = np.zeros((), np.float32) if like is None else like
         xp = array_api_compat.array_namespace(like)
         shapes = [s for n_in, n_out in zip(sizes, sizes[1:]) for s in ((n_in, n_out), (n_out,))]
-        # masters live in one flat float32 array, so the compute copy is one cast per step
-        self._masters = GradBuffer(shapes, "float32", like=like)
+        # masters live in one flat float32 array, so the compute copy is one rounding per step
+        self._masters = FlatArrays(shapes, "float32", like=like)
         rng = np.random.default_rng(seed)
         for view in self._masters.views[::2]:
             n_in = view.shape[0]
@@ -63,8 +63,7 @@ class MLP:
         """
         name = _dtypes.compute_dtype_name(compute_dtype)
         xp = self._xp
-        low = round_to(self._masters.flat, name)  # the low-precision copy of the masters
-        weights = [xp.reshape(low[a:b], s) for a, b, s in self._layout()]
+        weights = self._masters.views_of(round_to(self._masters.flat, name))  # low-precision copy
         act = _dtypes.cast(x, "float32")
         acts, n_layers = [act], len(weights) // 2
         for i in range(n_layers):
@@ -104,11 +103,6 @@ class MLP:
             if i < len(params) - 2:
                 act = self._xp.maximum(act, self._xp.zeros((), dtype=act.dtype))
         return self._xp.argmax(act, axis=1)
-
-    def _layout(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        sizes = [math.prod(s) for s in self._masters.shapes]
-        starts = np.cumsum([0, *sizes]).tolist()
-        return list(zip(starts, starts[1:], self._masters.shapes))
 
 
 def softmax_cross_entropy(logits: Any, labels: Any, normalizer: int | None = None) -> tuple[Any, Any]:
