@@ -63,12 +63,15 @@ def _arrays(grads: Any, scaler: Any, what: str) -> list[Any]:
 
 
 def _namespace(arrays: Sequence[Any], what: str) -> Any:
+    """The array-API namespace of ``arrays``; a TypeError naming the types when there is none."""
     try:
         return array_api_compat.array_namespace(*arrays)
     except TypeError as exc:
+        kinds = sorted({type(a).__module__ + "." + type(a).__name__ for a in arrays})
         raise TypeError(
-            f"{what} needs gradients of one array library, got "
-            f"{sorted({type(a).__module__ + '.' + type(a).__name__ for a in arrays})}: {exc}"
+            f"{what} works on arrays of one array-API library (numpy, cupy, torch, "
+            f"array_api_strict, ...) that array-api-compat supports, got {kinds} ({exc}). Fix: "
+            "pass arrays of one such library, or use your framework's own gradient clipping."
         ) from exc
 
 
