@@ -16,13 +16,17 @@ from ._registry import available_backends, get_backend, register_backend
 from .backend import Backend, BackendInfo
 from .config import LossScaleConfig
 from .engine import LossScaler, ScalerStateError, StepResult
+from .grads import GradBuffer, ScaledGradientsError, clip_grad_norm_, global_norm
 from .noop import NoOpLossScaler
 from .parameter import Parameter
 from .policy import HostState, LossScaleState, next_host_state, next_state
+from .trainer import ArrayLossFn, ArrayModel, MixedPrecisionTrainer, StepMetrics
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArrayLossFn",
+    "ArrayModel",
     "Backend",
     "BackendError",
     "BackendInfo",
@@ -30,19 +34,25 @@ __all__ = [
     "BackendUnavailableError",
     "ConfigError",
     "ForeignArrayError",
+    "GradBuffer",
     "GradScaler",
     "HostState",
     "LossScaleConfig",
     "LossScaleState",
     "LossScaler",
+    "MixedPrecisionTrainer",
     "NoOpLossScaler",
     "Parameter",
     "PolyampError",
+    "ScaledGradientsError",
     "ScalerStateError",
     "StateDictError",
+    "StepMetrics",
     "StepResult",
     "available_backends",
+    "clip_grad_norm_",
     "get_backend",
+    "global_norm",
     "make_scaler",
     "next_host_state",
     "next_state",

@@ -1,4 +1,5 @@
-"""The ``polyamp`` command: ``polyamp info`` (backends and POLYAMP_BACKEND in effect)."""
+"""The ``polyamp`` command: ``polyamp info`` (backends and POLYAMP_BACKEND in effect) and
+``polyamp demo`` (float32 vs float16 with and without loss scaling, with a plot)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,27 @@ from . import __version__
 from ._registry import ENV_VAR, available_backends
 
 
+def _env_line(infos: list) -> str:
+    """What POLYAMP_BACKEND says and whether scalers can use it."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if not env:
+        return f"{ENV_VAR}: (unset: backend chosen from the arrays, numpy by default)"
+    info = {i.name: i for i in infos}.get(env)
+    if info is None:
+        state = "unknown backend: scalers built without backend= will raise"
+    elif not info.available:
+        state = f"unavailable ({info.reason}): scalers built without backend= will raise"
+    else:
+        state = "in effect for scalers built without backend="
+    return f"{ENV_VAR}: {env} ({state})"
+
+
 def _info(args: argparse.Namespace) -> int:
     print(f"polyamp {__version__}")
-    env = os.environ.get(ENV_VAR, "").strip()
-    print(f"{ENV_VAR}: {env or '(unset: backend chosen from the arrays, numpy by default)'}")
+    infos = available_backends()
+    print(_env_line(infos))
     rows = [("backend", "available", "version", "reason")]
-    for info in available_backends():
+    for info in infos:
         rows.append((info.name, "yes" if info.available else "no", info.version or "-",
                      info.reason or ""))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -33,7 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="list backends, their availability and versions").set_defaults(
         func=_info
     )
+    demo = sub.add_parser(
+        "demo", help="train an MLP in float32, float16 without and with loss scaling; plot it",
+        description="Train one MLP three ways (float32, float16 without loss scaling, float16 + "
+        "polyamp) where float16 gradients underflow; print a table and write a PNG plot.",
+    )
+    from .demo.command import add_arguments
+
+    add_arguments(demo)
+    demo.set_defaults(func=_demo)
     return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo.command import main as demo_main
+
+    return demo_main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,87 @@
+"""Floating dtypes by name ("float32", "float16", "bfloat16") for any array library.
+
+The trainer, the gradient buffer and the demo speak of dtypes by name so one call site
+serves NumPy (bfloat16 through ml_dtypes), CuPy, torch and other array-API libraries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+from ._errors import ConfigError
+
+COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
+_NAMES = COMPUTE_DTYPES + ("float64",)
+
+
+def dtype_name(dtype: Any, param: str = "dtype") -> str:
+    """The name of a floating dtype given as a name, a NumPy/torch/ml_dtypes dtype or a type.
+
+    Raises ConfigError naming ``param`` for anything that is not one of the known floats.
+    """
+    original = dtype
+    if not isinstance(dtype, str):
+        dtype = str(getattr(dtype, "name", None) or getattr(dtype, "__name__", dtype))
+    name = dtype.rpartition(".")[2]  # torch.float16, array_api_strict.float32
+    if name not in _NAMES:
+        raise ConfigError(
+            f"{param} must be one of {list(COMPUTE_DTYPES)} (a name or the library's dtype), "
+            f"got {param}={original!r}"
+        )
+    return name
+
+
+def compute_dtype_name(dtype: Any) -> str:
+    """Validate a compute dtype: float16, bfloat16 or float32 (float64 is refused)."""
+    name = dtype_name(dtype, "compute_dtype")
+    if name not in COMPUTE_DTYPES:
+        raise ConfigError(
+            f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got compute_dtype={dtype!r}; "
+            "mixed precision computes in a lower precision than the float32 masters"
+        )
+    return name
+
+
+def resolve(xp: Any, name: str) -> Any:
+    """The dtype object called ``name`` in namespace ``xp`` (NumPy bfloat16 from ml_dtypes)."""
+    found = getattr(xp, name, None)
+    if found is not None:
+        return found
+    if name == "bfloat16" and array_api_compat.is_numpy_namespace(xp):
+        try:
+            import ml_dtypes
+        except ImportError as exc:
+            raise ImportError(
+                "bfloat16 on NumPy needs ml_dtypes: pip install 'polyamp[bfloat16]'"
+            ) from exc
+        return ml_dtypes.bfloat16
+    raise ConfigError(
+        f"the array library {getattr(xp, '__name__', xp)!r} has no dtype {name!r}; "
+        "use 'float16' or 'float32' with it, or arrays of a library that has it"
+    )
+
+
+def name_of(array: Any) -> str | None:
+    """The dtype name of ``array`` if it is one of the known floats, else None."""
+    try:
+        return dtype_name(array.dtype)
+    except ConfigError:
+        return None
+
+
+def cast(array: Any, name: str) -> Any:
+    """``array`` as dtype ``name``; the array itself when it already has that dtype."""
+    if name_of(array) == name:
+        return array
+    xp = array_api_compat.array_namespace(array)
+    return xp.astype(array, resolve(xp, name))
+
+
+def is_floating(array: Any) -> bool:
+    """Whether ``array`` holds real floating-point values (bfloat16 included)."""
+    if name_of(array) is not None:
+        return True
+    xp = array_api_compat.array_namespace(array)
+    return bool(xp.isdtype(array.dtype, "real floating"))

@@ -1,0 +1,123 @@
+"""The demo's model, optimizer and loss for each array library it can run on.
+
+``numpy`` and ``cupy`` train the hand-written :class:`~polyamp.demo.mlp.MLP` (an
+``ArrayModel``) with ``polyamp.optim.Adam``; ``torch`` trains the same network as an
+``nn.Module`` under ``torch.autocast`` with ``torch.optim.Adam``. All start from the same
+initial weights; the loss is summed and divided by the global batch size. Libraries are
+imported only when their backend is asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from polyamp._errors import BackendNotFoundError, BackendUnavailableError
+
+from .mlp import MLP, softmax_cross_entropy
+
+NAMES = ("numpy", "cupy", "torch")
+
+
+@dataclass(frozen=True)
+class Kit:
+    """What the demo needs from one array library."""
+
+    name: str
+    asarray: Callable[[np.ndarray], Any]
+    build: Callable[[Any], tuple[Any, Any, Any]]  # settings -> (model, optimizer, loss_fn)
+    accuracy: Callable[[Any, Any, Any], float]
+    zero_fraction: Callable[[Any], float]
+
+
+def _sizes(settings: Any) -> list[int]:
+    return [2, settings.hidden, settings.hidden, 3]
+
+
+def _array_kit(name: str, xp: Any) -> Kit:
+    """The MLP over NumPy or CuPy arrays (``xp`` is the library module)."""
+    from polyamp.optim import Adam
+
+    def build(settings: Any) -> tuple[Any, Any, Any]:
+        model = MLP(_sizes(settings), seed=settings.seed + 2, like=xp.zeros((), dtype=xp.float32))
+        optimizer = Adam(model.parameters(), lr=settings.lr)
+        return model, optimizer, functools.partial(softmax_cross_entropy, normalizer=settings.global_batch)
+
+    def fraction(mask: Any) -> float:
+        return float(xp.count_nonzero(mask)) / mask.size
+
+    return Kit(
+        name, xp.asarray, build,
+        accuracy=lambda model, x, y: fraction(model.predict(x) == y),
+        zero_fraction=lambda flat: fraction(flat == 0),
+    )
+
+
+def _torch_kit() -> Kit:
+    """The same network as an ``nn.Module`` (initial weights copied from the NumPy MLP)."""
+    import torch
+
+    def build(settings: Any) -> tuple[Any, Any, Any]:
+        reference = MLP(_sizes(settings), seed=settings.seed + 2)
+        layers: list[torch.nn.Module] = []
+        sizes = _sizes(settings)
+        for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+            linear = torch.nn.Linear(n_in, n_out)
+            weight, bias = (p.data for p in reference.parameters()[2 * i: 2 * i + 2])
+            with torch.no_grad():
+                linear.weight.copy_(torch.from_numpy(np.ascontiguousarray(weight.T)))
+                linear.bias.copy_(torch.from_numpy(bias))
+            layers += [linear, torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers[:-1])
+        optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+
+        def loss_fn(output: Any, target: Any) -> Any:
+            return torch.nn.functional.cross_entropy(output, target, reduction="sum") / settings.global_batch
+
+        return model, optimizer, loss_fn
+
+    def accuracy(model: Any, x: Any, y: Any) -> float:
+        with torch.no_grad():
+            return float((model(x).argmax(dim=1) == y).float().mean())
+
+    return Kit("torch", torch.from_numpy, build, accuracy,
+               zero_fraction=lambda flat: float((flat == 0).float().mean()))
+
+
+def _why_unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot run here, or None when it can."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        return f"{name} is not installed ({exc})"
+    if name == "cupy":
+        try:
+            count = module.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # CUDA driver or runtime missing
+            return f"cupy is installed but CUDA is not usable ({type(exc).__name__}: {exc})"
+        if count < 1:
+            return "cupy is installed but no CUDA device is visible"
+    return None
+
+
+def get(name: str) -> Kit:
+    """The kit for backend ``name``; a clear error naming it, the reason and what is available."""
+    if name not in NAMES:
+        raise BackendNotFoundError(
+            f"unknown demo backend {name!r}; expected one of {list(NAMES)}, e.g. --backend numpy"
+        )
+    reason = _why_unavailable(name)
+    if reason is not None:
+        usable = [n for n in NAMES if n != name and _why_unavailable(n) is None]
+        raise BackendUnavailableError(
+            f"demo backend {name!r} is not available here: {reason}. Available demo backends: "
+            f"{', '.join(usable)}. Fix: install {name} where it can run, or pass --backend numpy."
+        )
+    if name == "torch":
+        return _torch_kit()
+    return _array_kit(name, importlib.import_module(name))

@@ -1,0 +1,113 @@
+"""The demo's output: progress (tqdm when installed, plain lines otherwise) and the PNG plot
+(matplotlib, from the optional ``demo`` extra)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from .run import RunResult
+
+INSTALL_HINT = "pip install 'polyamp[demo]'"
+
+
+Tick = Callable[[float], None]
+
+
+def progress_factory(enabled: bool = True, stream: TextIO | None = None) -> Callable[[str, int], Tick]:
+    """A factory of per-run progress callbacks: ``factory(label, steps)(loss)`` once per step.
+
+    Uses a tqdm bar when tqdm imports, else prints about ten plain lines per run.
+    """
+    stream = stream or sys.stderr
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+
+    def start(label: str, steps: int) -> Callable[[float], None]:
+        if not enabled:
+            return lambda loss: None
+        if tqdm is not None:
+            bar = tqdm(total=steps, desc=f"{label:<26}", file=stream, leave=True, mininterval=0.5)
+
+            def tick(loss: float) -> None:
+                bar.update(1)
+                bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
+                if bar.n == bar.total:
+                    bar.close()
+
+            return tick
+        state = {"step": 0}
+
+        def tick_plain(loss: float) -> None:
+            state["step"] += 1
+            step = state["step"]
+            if step == steps or step % max(1, steps // 10) == 0:
+                print(f"{label}: step {step}/{steps}, loss {loss:.4f}", file=stream, flush=True)
+
+        return tick_plain
+
+    return start
+
+
+def write_plot(results: list[RunResult], path: str, title: str) -> None:
+    """Plot loss (log scale) and loss scale over the steps for every run; write a PNG to ``path``.
+
+    Raises ImportError with the install command when matplotlib is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(f"the demo plot needs matplotlib: {INSTALL_HINT}") from exc
+    fig, (ax_loss, ax_scale) = plt.subplots(
+        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
+    _plot_losses(ax_loss, results, title)
+    _plot_scales(ax_scale, [r for r in results if r.loss_scaling])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_COLORS = {"float32": "black", False: "tab:red", True: "tab:blue"}
+
+
+def _plot_losses(ax: Any, results: list[RunResult], title: str) -> None:
+    """Training loss of every run; float32 dashed and on top, so an identical curve shows."""
+    for r in sorted(results, key=lambda r: r.dtype == "float32"):
+        reference = r.dtype == "float32"
+        label = (f"{r.label}: final loss {r.final_loss:.3g}, test accuracy {100 * r.accuracy:.1f}%, "
+                 f"{100 * r.zero_grad_fraction:.0f}% of gradients 0 at step 1")
+        ax.plot(range(1, len(r.losses) + 1), r.losses, "--" if reference else "-",
+                lw=1.4 if reference else 2.4, label=label,
+                color=_COLORS["float32"] if reference else _COLORS[r.loss_scaling])
+    ax.set_yscale("log")
+    ax.set_ylabel("training loss (log scale)")
+    ax.set_title(title, fontsize=11)
+    ax.grid(True, which="both", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    rank = {r.label: i for i, r in enumerate(results)}  # legend in the order of the runs
+    order = sorted(range(len(labels)), key=lambda i: rank[labels[i].split(":")[0]])
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="center right",
+              fontsize=8.5, framealpha=0.95)
+
+
+def _plot_scales(ax: Any, scaled: list[RunResult]) -> None:
+    """The loss scale of the scaled runs, with their skipped steps marked."""
+    for r in scaled:
+        steps = range(1, len(r.scales) + 1)
+        ax.step(steps, r.scales, where="post", color=_COLORS[True], lw=1.5, label=f"{r.label}: loss scale")
+        skipped = [s for s, flag in zip(steps, r.skipped) if flag]
+        if skipped:
+            ax.plot(skipped, [r.scales[s - 1] for s in skipped], "x", color="tab:orange", ms=8, mew=2,
+                    label=f"skipped steps (inf/nan gradients): {len(skipped)}")
+    ax.set_yscale("log", base=2)
+    ax.set_ylabel("loss scale (log2)")
+    ax.set_xlabel("step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="best", fontsize=9)

@@ -1,0 +1,191 @@
+"""Train the demo MLP three ways: float32, float16 without loss scaling, float16 + polyamp
+(or the same with bfloat16), from the same initial weights on the same data.
+
+The regime is that of large-scale training: the loss is the mean over a global batch of
+``global_batch`` samples (2**24 by default, a language-model batch counted in tokens) of
+which each step here computes ``batch``. Per-sample gradients are then (p - y) / 2**24,
+about 2e-8: below float16's smallest subnormal (2**-24, about 6e-8) they round to zero, so
+without loss scaling most float16 gradient values vanish and the rest are a few quanta.
+Adam makes the float32 run independent of the global batch size (it is scale-invariant),
+so the float32 curve is the same as for an ordinary mean over ``batch``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from polyamp import LossScaleConfig, MixedPrecisionTrainer
+from polyamp._errors import ConfigError
+
+from . import backends
+from .data import spirals
+
+__all__ = [
+    "DemoSettings", "RunResult", "format_table", "run_demo", "summary", "train_once", "within_tolerance",
+]
+
+#: float16 + polyamp must end within these of float32 (final training loss, test accuracy).
+LOSS_TOLERANCE = 0.02
+ACCURACY_TOLERANCE = 0.01
+
+Progress = Callable[[str, int], Callable[[float], None]]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Everything a demo run depends on; the defaults are the full demo (``polyamp demo``)."""
+
+    backend: str = "numpy"
+    dtype: str = "float16"
+    steps: int = 300
+    batch: int = 4096
+    global_batch: int = 2**24
+    hidden: int = 64
+    lr: float = 1e-2
+    seed: int = 0
+    test_size: int = 4000
+    init_scale: float = 2.0**16
+    growth_interval: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "global_batch", "hidden", "test_size", "growth_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
+        if self.global_batch < self.batch:
+            raise ConfigError(
+                f"global_batch must be >= batch, got global_batch={self.global_batch!r} and "
+                f"batch={self.batch!r}; the loss is a mean over the global batch"
+            )
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ConfigError(f"dtype must be 'float16' or 'bfloat16', got dtype={self.dtype!r}")
+
+    def replace(self, **changes: Any) -> DemoSettings:
+        """A copy with some settings changed (validated again)."""
+        return replace(self, **changes)
+
+    @property
+    def scale_config(self) -> LossScaleConfig:
+        """The loss-scale config of the polyamp run."""
+        return LossScaleConfig(init_scale=self.init_scale, growth_interval=self.growth_interval)
+
+
+@dataclass
+class RunResult:
+    """One training run: per-step history (loss as the per-sample mean) and final numbers."""
+
+    label: str
+    dtype: str
+    loss_scaling: bool
+    losses: list[float] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    zero_grad_fraction: float = float("nan")  # of the float32 master gradient values, step 1
+    accuracy: float = float("nan")
+    seconds: float = 0.0
+
+    @property
+    def final_loss(self) -> float:
+        """The per-sample training loss of the last step."""
+        return self.losses[-1]
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps were skipped for inf/nan gradients."""
+        return sum(self.skipped)
+
+    @property
+    def final_scale(self) -> float:
+        """The loss scale of the last step (1.0 without loss scaling)."""
+        return self.scales[-1]
+
+
+def _label(dtype: str, loss_scaling: bool) -> str:
+    if dtype == "float32":
+        return "float32"
+    return f"{dtype} + polyamp" if loss_scaling else f"{dtype}, no loss scaling"
+
+
+def train_once(
+    settings: DemoSettings, dtype: str, loss_scaling: bool, data: tuple, progress: Progress | None = None
+) -> RunResult:
+    """Train one fresh model (the same initial weights every time) and evaluate it on test data."""
+    kit = backends.get(settings.backend)
+    x, y, x_test, y_test = (kit.asarray(a) for a in data)
+    model, optimizer, loss_fn = kit.build(settings)
+    trainer = MixedPrecisionTrainer(model, optimizer, dtype, settings.scale_config, loss_scaling=loss_scaling)
+    result = RunResult(_label(dtype, loss_scaling), dtype, loss_scaling)
+    per_sample = settings.global_batch / settings.batch  # the loss is a share of a global mean
+    tick = progress(result.label, settings.steps) if progress else None
+    start = time.perf_counter()
+    for step in range(settings.steps):
+        metrics = trainer.train_step(x, y, loss_fn)
+        if step == 0:
+            result.zero_grad_fraction = kit.zero_fraction(trainer.grads.flat)
+        result.losses.append(metrics.loss * per_sample)
+        result.scales.append(metrics.loss_scale)
+        result.skipped.append(metrics.skipped)
+        if tick:
+            tick(result.losses[-1])
+    result.seconds = time.perf_counter() - start
+    result.accuracy = kit.accuracy(model, x_test, y_test)
+    return result
+
+
+def run_demo(settings: DemoSettings, progress: Progress | None = None) -> list[RunResult]:
+    """The demo's three runs, on the same spirals and from the same initial weights."""
+    backends.get(settings.backend)  # fail before any work when the backend cannot run
+    x, y = spirals(settings.batch, seed=settings.seed)
+    x_test, y_test = spirals(settings.test_size, seed=settings.seed + 1)
+    data = (x, y, x_test, y_test)
+    runs = [("float32", False), (settings.dtype, False), (settings.dtype, True)]
+    return [train_once(settings, dtype, scaling, data, progress) for dtype, scaling in runs]
+
+
+def within_tolerance(run: RunResult, reference: RunResult) -> bool:
+    """Whether ``run`` ends within LOSS_TOLERANCE and ACCURACY_TOLERANCE of ``reference``."""
+    return (
+        abs(run.final_loss - reference.final_loss) <= LOSS_TOLERANCE
+        and abs(run.accuracy - reference.accuracy) <= ACCURACY_TOLERANCE
+    )
+
+
+def _power_of_two(value: float) -> str:
+    """``2^k`` for an exact power of two (loss scales are), else the number."""
+    exponent = math.log2(value) if value > 0 else math.nan
+    return f"2^{exponent:.0f}" if exponent.is_integer() else f"{value:g}"
+
+
+def format_table(results: list[RunResult]) -> str:
+    """The results as a plain-text table, one row per run."""
+    header = ("run", "final loss", "test accuracy", "skipped steps", "final scale",
+              "zero grads at step 1", "time")
+    rows = [header]
+    for r in results:
+        rows.append((
+            r.label, f"{r.final_loss:.4f}", f"{100 * r.accuracy:.1f}%", str(r.skipped_steps),
+            _power_of_two(r.final_scale) if r.loss_scaling else "-", f"{100 * r.zero_grad_fraction:.0f}%",
+            f"{r.seconds:.1f}s",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary(results: list[RunResult]) -> str:
+    """One line per low-precision run: within tolerance of float32 or not."""
+    reference = results[0]
+    lines = []
+    for run in results[1:]:
+        ok = within_tolerance(run, reference)
+        lines.append(
+            f"{run.label}: {'matches' if ok else 'does NOT match'} float32 (tolerance: loss within "
+            f"{LOSS_TOLERANCE}, test accuracy within {100 * ACCURACY_TOLERANCE:.0f} point)"
+        )
+    return "\n".join(lines)

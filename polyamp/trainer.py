@@ -1,0 +1,228 @@
+"""Mixed-precision training around the loss scaler: float32 masters, low-precision compute.
+
+:class:`MixedPrecisionTrainer` runs one training step as::
+
+    inputs (and floating targets) -> compute dtype; forward in the compute dtype
+    loss (float32) -> scaled by the loss scale -> backward in the compute dtype
+    gradients -> float32 master gradients (one flat GradBuffer) -> unscale_ (one call)
+    -> global norm / clip (one call) -> optimizer step on the masters unless inf/nan -> update
+
+Torch models (``torch.nn.Module``) run under ``torch.autocast``; anything else follows the
+:class:`ArrayModel` protocol (NumPy, CuPy, any array-API library). torch is imported only
+when a torch model is given.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from . import _dtypes
+from ._errors import ConfigError
+from .adapters import iter_params
+from .config import LossScaleConfig
+from .grads import GradBuffer, _check_max_norm
+from .parameter import Parameter
+
+__all__ = ["ArrayLossFn", "ArrayModel", "MixedPrecisionTrainer", "StepMetrics"]
+
+
+@runtime_checkable
+class ArrayModel(Protocol):
+    """A model without autograd that the trainer can run in any compute dtype.
+
+    ``parameters()`` returns polyamp.Parameters holding float32 masters. ``forward`` gets
+    inputs already cast to the compute dtype and should compute from low-precision copies of
+    the masters; ``backward`` gets d(scaled loss)/d(output) in the compute dtype, propagates
+    it in the compute dtype, and writes (overwrites) each gradient into ``p.grad``, a float32
+    view of the trainer's GradBuffer; that write is the cast back to float32.
+    """
+
+    def parameters(self) -> Any: ...
+
+    def forward(self, x: Any, compute_dtype: str) -> Any: ...
+
+    def backward(self, grad_output: Any) -> None: ...
+
+
+class ArrayLossFn(Protocol):
+    """``loss_fn(output, target) -> (loss, d loss / d output)`` for an :class:`ArrayModel`."""
+
+    def __call__(self, output: Any, target: Any) -> tuple[Any, Any]: ...
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one :meth:`MixedPrecisionTrainer.train_step` did, as host numbers.
+
+    ``loss_scale`` is the scale this step's backward used; ``grad_norm`` is the global norm
+    of the unscaled gradients before clipping (inf or nan on a skipped step).
+    """
+
+    loss: float
+    loss_scale: float
+    skipped: bool
+    grad_norm: float
+
+
+def _is_torch_module(model: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(model, torch.nn.Module)
+
+
+class MixedPrecisionTrainer:
+    """Train ``model`` with float32 master weights, ``compute_dtype`` compute, dynamic loss scaling.
+
+    ``config`` configures the :class:`polyamp.LossScaler`; ``loss_scaling=False`` uses the
+    no-op scaler instead (to see what goes wrong without it). ``max_grad_norm`` clips by
+    global norm. Each step reads the loss, the skip decision and the norm on the host.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        compute_dtype: Any = "float16",
+        config: LossScaleConfig | None = None,
+        *,
+        loss_scaling: bool = True,
+        max_grad_norm: float | None = None,
+        backend: str | None = None,
+    ) -> None:
+        from . import make_scaler
+
+        self._dtype = _dtypes.compute_dtype_name(compute_dtype)
+        if max_grad_norm is not None:
+            _check_max_norm(max_grad_norm)
+        self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
+        self._scaler = make_scaler(config, backend, enabled=loss_scaling)
+        if _is_torch_module(model):
+            from ._trainer_torch import TorchSteps
+
+            self._steps: Any = TorchSteps(model, self._dtype)
+        else:
+            self._steps = ArraySteps(model, self._dtype)
+        _check_optimizer_holds(optimizer, self._steps.params)
+        self._grads = GradBuffer.attach(self._steps.params)
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The model being trained."""
+        return self._model
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer that updates the float32 masters."""
+        return self._optimizer
+
+    @property
+    def compute_dtype(self) -> str:
+        """The compute dtype's name: "float16", "bfloat16" or "float32"."""
+        return self._dtype
+
+    @property
+    def scaler(self) -> Any:
+        """The :class:`polyamp.LossScaler` (or the no-op scaler when loss scaling is off)."""
+        return self._scaler
+
+    @property
+    def grads(self) -> GradBuffer:
+        """The float32 master gradients: every ``p.grad`` is a view of ``grads.flat``."""
+        return self._grads
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the next step will use (a device sync on a GPU)."""
+        return float(self._scaler.get_scale())
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps were skipped because gradients held inf or nan."""
+        return self._scaler.skipped_steps
+
+    @property
+    def steps(self) -> int:
+        """How many steps ran (applied or skipped)."""
+        return self._scaler.steps
+
+    # -- the step -----------------------------------------------------------------------
+    def train_step(self, input: Any, target: Any, loss_fn: Any) -> StepMetrics:
+        """One step: forward and backward in the compute dtype, masters updated unless inf/nan.
+
+        Host reads: the loss, the skip decision and the gradient norm (one sync each on a GPU).
+        """
+        scaler, grads = self._scaler, self._grads
+        grads.reattach()
+        grads.zero_()
+        loss = self._steps.forward_backward(input, target, loss_fn, scaler)
+        if scaler.enabled:
+            grads.mark_scaled()
+        grads.unscale_(scaler)
+        norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
+        result = scaler.step([grads.flat], self._optimizer.step)
+        return StepMetrics(float(loss), float(result.scale_before), bool(result.skipped), float(norm))
+
+    def __repr__(self) -> str:
+        return (
+            f"MixedPrecisionTrainer(model={type(self._model).__name__}, "
+            f"compute_dtype={self._dtype!r}, scaler={self._scaler!r})"
+        )
+
+
+class ArraySteps:
+    """Forward and backward of an :class:`ArrayModel`; the loss function returns its gradient."""
+
+    def __init__(self, model: Any, dtype: str) -> None:
+        if not isinstance(model, ArrayModel):
+            raise TypeError(
+                f"model must be a torch.nn.Module or follow polyamp.ArrayModel (parameters(), "
+                f"forward(x, compute_dtype), backward(grad_output)), got {type(model).__qualname__}"
+            )
+        self.params = list(model.parameters())
+        _check_masters(self.params, Parameter, lambda p: p.data)
+        self.model, self.dtype = model, dtype
+
+    def forward_backward(self, input: Any, target: Any, loss_fn: Any, scaler: Any) -> Any:
+        """Run the model and write scaled compute-dtype gradients into the float32 buffer."""
+        x = _dtypes.cast(input, self.dtype)
+        if _dtypes.is_floating(target):
+            target = _dtypes.cast(target, self.dtype)
+        output = self.model.forward(x, self.dtype)
+        loss, grad_output = loss_fn(output, target)
+        seed = scaler.scale(_dtypes.cast(grad_output, "float32"))
+        with np.errstate(over="ignore"):  # float16 overflow to inf is the scaler's to catch
+            seed = _dtypes.cast(seed, self.dtype)
+        self.model.backward(seed)
+        return loss
+
+
+def _check_masters(params: list[Any], kind: type, data_of: Any) -> None:
+    """Raise unless every parameter is a ``kind`` holding float32 values (the masters)."""
+    if not params:
+        raise ConfigError("the model has no parameters to train; model.parameters() returned none")
+    for i, p in enumerate(params):
+        if not isinstance(p, kind):
+            raise TypeError(
+                f"model.parameters()[{i}] is a {type(p).__qualname__}, expected {kind.__qualname__}; "
+                "wrap master arrays as polyamp.Parameter(array)"
+            )
+        if _dtypes.name_of(data_of(p)) != "float32":
+            raise ConfigError(
+                f"master weights must be float32, but model.parameters()[{i}] has dtype "
+                f"{data_of(p).dtype}; keep float32 masters (the trainer casts to the compute dtype)"
+            )
+
+
+def _check_optimizer_holds(optimizer: Any, params: list[Any]) -> None:
+    """Raise unless ``optimizer`` updates every trained parameter of the model."""
+    held = {id(p) for p in iter_params(optimizer)}
+    missing = [i for i, p in enumerate(params) if id(p) not in held]
+    if missing:
+        raise ConfigError(
+            f"the optimizer does not hold model parameters at indices {missing}; build it from "
+            "model.parameters(), e.g. polyamp.optim.Adam(model.parameters())"
+        )

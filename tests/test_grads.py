@@ -1,0 +1,194 @@
+"""Gradient utilities against a plain NumPy reference on every backend; the contiguous buffer."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import polyamp
+from polyamp import GradBuffer, LossScaleConfig, LossScaler, ScaledGradientsError
+from polyamp.grads import clip_grad_norm_, global_norm
+
+RNG = np.random.default_rng(0)
+SHAPES = [(3, 4), (5,), (), (2, 1, 3)]
+
+
+@pytest.fixture
+def make_array(make_array):
+    """The backend fixture's array maker, for libraries array-api-compat supports (others skip)."""
+    import array_api_compat
+
+    sample = make_array(np.zeros(1, np.float32))
+    if not array_api_compat.is_array_api_obj(sample):
+        pytest.skip(f"{type(sample).__module__} arrays are not array-API arrays: polyamp.grads refuses them")
+    return make_array
+
+
+def _values(shapes=SHAPES, scale=1.0):
+    return [np.asarray(RNG.standard_normal(s) * scale, dtype=np.float32) for s in shapes]
+
+
+def _reference_norm(arrays):
+    return math.sqrt(sum(float(np.sum(np.asarray(a, np.float64) ** 2)) for a in arrays))
+
+
+def test_global_norm_matches_numpy(make_array, to_numpy):
+    values = _values()
+    norm = global_norm([make_array(v) for v in values])
+    assert float(to_numpy(norm)) == pytest.approx(_reference_norm(values), rel=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_matches_numpy_reference(make_array, to_numpy, max_norm):
+    values = _values(scale=3.0)
+    grads = [make_array(v) for v in values]
+    before = clip_grad_norm_(grads, max_norm)
+    total = _reference_norm(values)
+    assert float(to_numpy(before)) == pytest.approx(total, rel=1e-6)
+    coef = min(1.0, max_norm / (total + 1e-6))
+    for g, v in zip(grads, values):
+        np.testing.assert_allclose(to_numpy(g), v * coef, rtol=1e-6)
+    assert _reference_norm([to_numpy(g) for g in grads]) == pytest.approx(min(total, max_norm), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_clip_leaves_nonfinite_gradients_untouched(make_array, to_numpy, bad):
+    values = _values()
+    values[1][2] = bad
+    grads = [make_array(v) for v in values]
+    norm = float(to_numpy(clip_grad_norm_(grads, 0.1)))
+    assert math.isnan(norm) if np.isnan(bad) else norm == math.inf
+    for g, v in zip(grads, values):
+        np.testing.assert_array_equal(to_numpy(g), v)
+
+
+def test_float16_gradients_are_accumulated_in_float32():
+    grads = [np.full(70000, 200.0, dtype=np.float16)]  # the float16 sum of squares overflows
+    assert float(global_norm(grads)) == pytest.approx(200.0 * math.sqrt(70000), rel=1e-6)
+
+
+def test_still_scaled_gradients_are_refused():
+    scaler = LossScaler(LossScaleConfig(init_scale=1024.0))
+    grads = [np.ones(3, np.float32) * 1024]
+    scaler.scale(np.float32(1.0))
+    with pytest.raises(ScaledGradientsError, match=r"unscale_\(grads\)"):
+        clip_grad_norm_(grads, 1.0, scaler=scaler)
+    with pytest.raises(ScaledGradientsError):
+        global_norm(grads, scaler=scaler)
+    scaler.unscale_(grads)
+    assert float(global_norm(grads, scaler=scaler)) == pytest.approx(math.sqrt(3))
+    scaler.update()
+    with pytest.raises(ScaledGradientsError):  # the next iteration's gradients are scaled again
+        global_norm(grads, scaler=scaler)
+    assert float(global_norm(grads, scaler=polyamp.NoOpLossScaler())) == pytest.approx(math.sqrt(3))
+
+
+def test_torch_facade_tracks_unscaling():
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = polyamp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(p.sum()).backward()
+    with pytest.raises(ScaledGradientsError):
+        clip_grad_norm_([p.grad], 1.0, scaler=scaler)
+    scaler.unscale_(opt)
+    assert float(clip_grad_norm_([p.grad], 1.0, scaler=scaler)) == pytest.approx(math.sqrt(3))
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1", True])
+def test_bad_max_norm_is_named(bad):
+    with pytest.raises(polyamp.ConfigError, match="max_norm"):
+        clip_grad_norm_([np.ones(2, np.float32)], bad)
+
+
+def test_empty_and_mixed_gradients_are_refused():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(polyamp.ConfigError, match="no gradients"):
+        global_norm([None])
+    with pytest.raises(TypeError, match="one array-API library"):
+        global_norm([np.ones(2, np.float32), torch.ones(2)])
+    with pytest.raises(TypeError, match=r"\['builtins.list'\]"):
+        clip_grad_norm_([[1.0, 2.0]], 1.0)
+
+
+# -- the contiguous buffer -----------------------------------------------------------------
+def test_buffer_views_share_memory_with_flat(make_array, to_numpy):
+    buffer = GradBuffer(SHAPES, like=make_array(np.zeros(1, np.float32)))
+    assert [tuple(v.shape) for v in buffer.views] == SHAPES
+    assert buffer.flat.shape == (sum(math.prod(s) for s in SHAPES),)
+    buffer.flat[...] = 1.0  # writes through the flat array show in every view ...
+    assert all(bool(np.all(to_numpy(v) == 1.0)) for v in buffer.views)
+    buffer.views[1][...] = 7.0  # ... and writes into a view show in the flat array
+    flat = to_numpy(buffer.flat)
+    assert flat[12:17].tolist() == [7.0] * 5 and flat[:12].tolist() == [1.0] * 12
+
+
+def test_buffer_one_call_operations(make_array, to_numpy):
+    buffer = GradBuffer(SHAPES, like=make_array(np.zeros(1, np.float32)))
+    values = _values(scale=2.0)
+    for view, v in zip(buffer.views, values):
+        view[...] = make_array(v)
+    flat_id = id(buffer.flat)
+    assert float(to_numpy(buffer.norm())) == pytest.approx(_reference_norm(values), rel=1e-6)
+    buffer.scale_(0.5)
+    np.testing.assert_allclose(to_numpy(buffer.views[0]), values[0] * 0.5, rtol=1e-6)
+    before = float(to_numpy(buffer.clip_(1.0)))
+    assert before == pytest.approx(_reference_norm(values) / 2, rel=1e-6)
+    assert float(to_numpy(buffer.norm())) == pytest.approx(1.0, rel=1e-5)
+    buffer.zero_()
+    assert id(buffer.flat) == flat_id and not np.any(to_numpy(buffer.flat))
+    assert not np.any(to_numpy(buffer.views[3]))
+
+
+def test_flat_array_is_one_gradient_for_the_scaler(make_array, to_numpy):
+    buffer = GradBuffer(SHAPES, like=make_array(np.zeros(1, np.float32)))
+    buffer.flat[...] = 4.0
+    buffer.mark_scaled()
+    with pytest.raises(ScaledGradientsError, match="buffer.unscale_"):
+        buffer.clip_(1.0)
+    scaler = LossScaler(LossScaleConfig(init_scale=4.0))
+    found = buffer.unscale_(scaler)
+    assert float(to_numpy(found)) == 0.0 and not buffer.scaled
+    assert bool(np.all(to_numpy(buffer.views[2]) == 1.0))
+
+
+def test_attach_makes_parameter_grads_views():
+    params = [polyamp.Parameter(np.ones(s, np.float32)) for s in SHAPES]
+    params[1].grad = np.full(5, 3.0, np.float32)
+    buffer = GradBuffer.attach(params)
+    assert all(np.shares_memory(p.grad, buffer.flat) for p in params)
+    assert params[1].grad.tolist() == [3.0] * 5 and float(buffer.flat[:12].sum()) == 0.0
+    params[0].grad = None  # e.g. optimizer.zero_grad(set_to_none=True)
+    buffer.reattach()
+    assert params[0].grad is buffer.views[0]
+
+
+def test_attach_torch_parameters_receive_autograd():
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(3, 2)
+    buffer = GradBuffer.attach(list(model.parameters()))
+    model(torch.ones(4, 3)).sum().backward()  # autograd accumulates into the views
+    assert float(buffer.flat.abs().sum()) > 0
+    assert model.weight.grad.data_ptr() == buffer.flat.data_ptr()
+    torch.testing.assert_close(model.bias.grad, torch.full((2,), 4.0))
+
+
+def test_buffer_rejects_bad_shapes_and_mixed_dtypes():
+    with pytest.raises(polyamp.ConfigError, match="shape"):
+        GradBuffer([(2, -1)])
+    with pytest.raises(polyamp.ConfigError, match="shapes=\\[\\]"):
+        GradBuffer([])
+    params = [polyamp.Parameter(np.ones(2, np.float32)), polyamp.Parameter(np.ones(2, np.float16))]
+    with pytest.raises(polyamp.ConfigError, match="one floating dtype"):
+        GradBuffer.attach(params)
+
+
+def test_float16_and_bfloat16_buffers():
+    pytest.importorskip("ml_dtypes")
+    for dtype in ("float16", "bfloat16"):
+        buffer = GradBuffer([(2,), (3,)], dtype)
+        assert buffer.dtype == dtype and buffer.flat.dtype.name == dtype
+        buffer.flat[...] = 3.0
+        assert float(buffer.norm()) == pytest.approx(math.sqrt(45))
