@@ -50,6 +50,12 @@ def _product(scale: float, factor: float, config: LossScaleConfig) -> float:
         return float(np.float32(float(scale) * float(factor)))
 
 
+def _float32(value: float) -> float:
+    """``value`` rounded to float32; a bound beyond float32's range becomes inf (no bound)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
 def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) -> HostState:
     """One update of the rule on Python numbers; the reference every kernel must match."""
     if not config.dynamic:
@@ -60,7 +66,7 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
         if backoff == config.backoff_interval:
             scale = _product(scale, config.backoff_factor, config)
             if config.min_scale is not None:
-                scale = max(scale, float(np.float32(config.min_scale)))
+                scale = max(scale, _float32(config.min_scale))
             backoff = 0
         return HostState(scale, growth, backoff)
     growth, backoff = growth + 1, 0
@@ -68,7 +74,7 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
         new = _product(scale, config.growth_factor, config)
         if np.isfinite(new):
             if config.max_scale is not None:
-                new = min(new, float(np.float32(config.max_scale)))
+                new = min(new, _float32(config.max_scale))
             scale = new
         growth = 0
     return HostState(scale, growth, backoff)
