@@ -6,7 +6,6 @@ On NumPy the state lives in host memory, so the scale update runs the readable r
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,8 +96,3 @@ def read_flag(found_inf: Any) -> bool:
 def to_host(array: Any) -> float | int:
     return np.asarray(array).item()
 
-
-def is_bfloat16(array: Any) -> bool:
-    """Whether ``array`` holds ml_dtypes.bfloat16 (without importing ml_dtypes)."""
-    mod = sys.modules.get("ml_dtypes")
-    return mod is not None and getattr(array, "dtype", None) == mod.bfloat16

@@ -34,7 +34,3 @@ def iter_params(optimizer: Any) -> Iterator[Any]:
         "torch-style param_groups, paddle-style _param_groups/_parameter_list, or parameters()"
     )
 
-
-def grads_of(optimizer: Any) -> list[Any]:
-    """The non-None ``.grad`` of every parameter of ``optimizer``."""
-    return [p.grad for p in iter_params(optimizer) if p.grad is not None]
