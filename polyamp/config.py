@@ -6,9 +6,17 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
+import numpy as np
+
 from ._errors import ConfigError
 
 ProductDtype = Literal["float64", "float32"]
+
+#: The smallest scale polyamp ever holds: float32's smallest normal (2**-126). Backoff stops
+#: here, so the scale never becomes subnormal or 0 (0 would turn the unscaled weights into NaN).
+SCALE_FLOOR = 2.0**-126
+#: The largest scale: float32's largest finite value.
+SCALE_CEILING = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,7 @@ class LossScaleConfig:
     product_dtype: ProductDtype = "float64"
 
     def __post_init__(self) -> None:
-        _check_positive_finite("init_scale", self.init_scale)
+        check_scale("init_scale", self.init_scale)
         _check_number("growth_factor", self.growth_factor)
         if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
             raise ConfigError(
@@ -45,9 +53,9 @@ class LossScaleConfig:
         _check_interval("growth_interval", self.growth_interval)
         _check_interval("backoff_interval", self.backoff_interval)
         if self.min_scale is not None:
-            _check_positive_finite("min_scale", self.min_scale)
+            check_scale("min_scale", self.min_scale)
         if self.max_scale is not None:
-            _check_positive_finite("max_scale", self.max_scale)
+            check_scale("max_scale", self.max_scale)
         if (
             self.min_scale is not None
             and self.max_scale is not None
@@ -90,12 +98,32 @@ def _check_number(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a real number, got {name}={value!r}")
 
 
-def _check_positive_finite(name: str, value: Any) -> None:
-    _check_number(name, value)
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name} must be finite and > 0, got {name}={value!r}")
+def check_scale(name: str, value: Any, error: type[Exception] = ConfigError) -> float:
+    """``value`` as a float when it is a positive normal float32 value; else ``error`` naming ``name``.
+
+    A scale outside [2**-126, float32 max] would round to 0, a subnormal or inf in float32,
+    and then turn gradients into inf or NaN; it is refused where it enters.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise error(f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float64, e.g. 10**400
+        number = math.inf
+    if not (math.isfinite(number) and SCALE_FLOOR <= number <= SCALE_CEILING):
+        raise error(
+            f"{name} must be a positive normal float32 value, between 2**-126 (~1.18e-38) and "
+            f"~3.40e38, got {name}={short_repr(value)}; pass e.g. {name}=65536.0"
+        )
+    return number
 
 
 def _check_interval(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
+
+
+def short_repr(value: Any, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so a 400-digit int cannot flood a message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 12]}...({len(text)} chars)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from polyamp import ConfigError, LossScaleConfig
@@ -58,3 +59,15 @@ def test_round_trip_covers_every_field():
 def test_from_dict_refuses_unknown_keys():
     with pytest.raises(ConfigError, match="unknown LossScaleConfig field"):
         LossScaleConfig.from_dict({"init_scale": 2.0, "bogus": 1})
+
+
+@pytest.mark.parametrize("field", ["init_scale", "min_scale", "max_scale"])
+@pytest.mark.parametrize("value", [1e39, 1e-46, 1e-40, 10**400, float("nan"), float("inf"), 0.0, -1.0])
+def test_scales_must_be_positive_normal_float32(field, value):
+    with pytest.raises(ConfigError, match=f"{field} must be a positive normal float32 value"):
+        LossScaleConfig(**{field: value})
+
+
+def test_scale_range_ends_are_accepted():
+    assert LossScaleConfig(init_scale=2.0**-126).init_scale == 2.0**-126
+    assert LossScaleConfig(init_scale=float(np.finfo(np.float32).max)).init_scale > 3e38

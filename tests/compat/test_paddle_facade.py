@@ -78,7 +78,8 @@ def test_arguments_map_onto_the_engine_config():
     ({"decr_ratio": 0.0}, r"decr_ratio must be in \(0, 1\), got decr_ratio=0.0"),
     ({"incr_every_n_steps": 0}, r"incr_every_n_steps must be an int >= 1, got incr_every_n_steps=0"),
     ({"decr_every_n_nan_or_inf": 1.5}, r"decr_every_n_nan_or_inf must be an int >= 1, got "),
-    ({"init_loss_scaling": -1.0}, r"init_loss_scaling must be finite and > 0, got init_loss_scaling=-1.0"),
+    ({"init_loss_scaling": -1.0},
+     r"init_loss_scaling must be a positive normal float32 value, .* got init_loss_scaling=-1.0"),
     ({"use_dynamic_loss_scaling": "yes"}, r"use_dynamic_loss_scaling must be True or False"),
     ({"min_scale": 4.0, "max_scale": 2.0}, r"min_scale must be <= max_scale"),
     ({"incr_ratio": "2"}, r"incr_ratio must be a real number, got incr_ratio='2'"),
@@ -102,7 +103,7 @@ def test_unknown_backend_is_reported_when_enabled_only():
     ("set_decr_ratio", -0.5, r"new_decr_ratio must be in \(0, 1\), got new_decr_ratio=-0.5"),
     ("set_incr_every_n_steps", 0, r"must be an int >= 1, got new_incr_every_n_steps=0"),
     ("set_decr_every_n_nan_or_inf", "2", r"new_decr_every_n_nan_or_inf must be an int >= 1"),
-    ("set_init_loss_scaling", float("nan"), r"new_init_loss_scaling must be finite and > 0"),
+    ("set_init_loss_scaling", float("nan"), r"new_init_loss_scaling must be a positive normal float32 value"),
     ("set_incr_ratio", None, r"new_incr_ratio must be a real number, got new_incr_ratio=None"),
 ])
 def test_bad_setter_values_raise_and_change_nothing(setter, value, message):
