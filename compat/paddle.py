@@ -131,7 +131,7 @@ class AmpScaler:
             raise RuntimeError("unscale_() is being called after step().")
         grads = [grad for _, grad in param_grad_pairs(optimizer)]
         engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
-        self._found_inf = engine.unscale_(grads) if grads or engine.state is not None else None
+        self._found_inf = engine.unscale_group_(grads) if grads or engine.state is not None else None
         self._stages[id(optimizer)] = OptimizerState.UNSCALED
 
     def _run(self, optimizer: Any, call: Callable[[], Any]) -> Any:

@@ -146,6 +146,20 @@ class LossScaler:
         self._pending = found if self._pending is None else self._pending + found
         return found
 
+    def unscale_group_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
+        """Unscale one group of this iteration's gradients (one optimizer's); return its flag.
+
+        For facades that keep their own per-optimizer stages: may be called once per group in
+        an iteration, and the flags are summed into the pending check. No host synchronisation.
+        """
+        return self.unscale_(grads, check_only=check_only)
+
+    def record_found_inf(self, flag: Any) -> None:
+        """Add a device flag (non-zero = bad step, e.g. a non-finite gradient norm) to the
+        iteration's pending check, so the coming skip decision counts it. No host synchronisation.
+        """
+        self._pending = flag if self._pending is None else self._pending + flag
+
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
         """Unscale (unless done this iteration), run ``step_fn`` if finite, update the scale.
 
