@@ -156,10 +156,11 @@ class AmpScaler:
         found, engine = bool(self._cache_found_inf), self._engine
         if not logger.isEnabledFor(logging.INFO):
             engine.update(found_inf=found)
-            return
-        before = engine.host_state()
-        engine.update(found_inf=found)
-        log_change(before, engine.host_state(), found, engine.config)
+        else:
+            before = engine.host_state()
+            engine.update(found_inf=found)
+            log_change(before, engine.host_state(), found, engine.config)
+        engine.warn_if_at_floor(found)
 
     def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
         """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped."""

@@ -239,6 +239,7 @@ class GradScaler(ScalerAccessors):
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
             self._advance(flags[0] if len(flags) == 1 else sum(flags[1:], flags[0]))
+            self._engine.warn_if_at_floor(self._skip_seen)
         self._reset_iteration()
 
     def _advance(self, found_inf: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from . import _registry, checkpoint
 from ._errors import PolyampError
 from .backend import Backend
-from .config import LossScaleConfig
+from .config import SCALE_FLOOR, LossScaleConfig
 from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
@@ -47,6 +47,7 @@ class LossScaler:
     """
 
     enabled = True
+    _floor_warned = False  # set per instance by warn_if_at_floor; a class default survives copies
 
     def __init__(self, config: LossScaleConfig | None = None, backend: str | None = None) -> None:
         if config is None:
@@ -177,6 +178,7 @@ class LossScaler:
         self.skipped_steps += int(skipped)
         if skipped and logger.isEnabledFor(logging.INFO):
             self._log_overflow(before)
+        self.warn_if_at_floor(skipped)
         return StepResult(skipped, before, self._state.scale)  # type: ignore[union-attr]
 
     def update(self, found_inf: Any = None) -> None:
@@ -225,6 +227,23 @@ class LossScaler:
     def get_scale(self) -> float:
         """The current scale as a float (a device sync)."""
         return self.host_state().scale
+
+    def warn_if_at_floor(self, skipped: bool) -> None:
+        """After a skipped step's update: warn once per scaler if the scale sits at SCALE_FLOOR.
+
+        Reads the scale (a device sync) only on skipped steps and only until the warning is given,
+        so the per-step hot path is untouched. Facades call it with their host-read skip flag.
+        """
+        if not skipped or self._floor_warned or not self._config.dynamic:
+            return
+        if self.get_scale() <= SCALE_FLOOR:
+            self._floor_warned = True
+            logger.warning(
+                "loss scale hit its floor 2**-126 (float32's smallest normal) after repeated "
+                "overflows; it stays there instead of decaying to 0. Usual causes: a NaN or inf "
+                "loss or forward pass, gradients not zeroed between steps, or a learning rate "
+                "that diverged."
+            )
 
     def _log_overflow(self, before: Any) -> None:
         to_host = self._backend.to_host  # type: ignore[union-attr]
