@@ -17,7 +17,7 @@ from polyamp import LossScaleConfig, LossScaler
 from polyamp.config import SCALE_FLOOR
 from polyamp.optim import SGD
 
-N_OVERFLOWS = 250  # from 2**16, 2**-126 is 142 backoffs away and 0 about 150 for torch
+N_OVERFLOWS = 250  # from 2**16, 2**-126 is 142 backoffs away; torch reaches 0 after 166
 
 
 def floor_warnings(caplog):
@@ -112,7 +112,10 @@ def test_torch_facade_stops_at_the_floor_where_torch_writes_nan(caplog):
     torch_scales, torch_params = _torch_run(torch.amp.GradScaler, N_OVERFLOWS, 3)
     ours_scales, ours_params = _torch_run(GradScaler, N_OVERFLOWS, 3)
     assert torch_scales[-1] == 0.0 and any(p.isnan().any() for p in torch_params)  # torch's bug
-    assert ours_scales[N_OVERFLOWS - 1] == SCALE_FLOOR == min(ours_scales)
+    # docs/rule.md's figures: torch is subnormal after 143 overflows and 0 after 166.
+    assert torch_scales[141] == SCALE_FLOOR and torch_scales[142] == 2.0**-127
+    assert torch_scales[164] == 2.0**-149 and torch_scales[165] == 0.0
+    assert ours_scales[141] == ours_scales[N_OVERFLOWS - 1] == SCALE_FLOOR == min(ours_scales)
     assert all(p.isfinite().all() for p in ours_params)
     assert not all(torch.equal(p, q) for p, q in zip(ours_params, _torch_run(
         GradScaler, N_OVERFLOWS, 0)[1], strict=True))  # the finite steps were applied
