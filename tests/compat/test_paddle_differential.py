@@ -453,3 +453,37 @@ def test_dygraph_update_does_not_clamp_at_one(real):
     for _ in range(4):
         run_step(clamped, "minimize", overflow)
     assert clamped.scaler.state_dict()["scale"][0] == 1.0
+
+
+def test_paddle_stores_bad_checkpoint_values_polyamp_refuses_them(real):
+    """What docs/coming-from-paddle.md says of paddle's load_state_dict: it keeps what it is given."""
+    good = GradScaler(incr_every_n_steps=3).state_dict()
+    bad = {**good, "scale": np.array([1024.0, 2048.0], np.float32), "use_dynamic_loss_scaling": "False",
+           "incr_count": 10**30}
+    theirs = real()
+    theirs.load_state_dict(bad)
+    assert theirs.get_init_loss_scaling() == 1024.0  # the second element silently dropped
+    assert theirs.is_use_dynamic_loss_scaling() == "False" and theirs._incr_count == 10**30
+    ours = GradScaler()
+    for key in ("scale", "use_dynamic_loss_scaling", "incr_count"):
+        with pytest.raises(polyamp.StateDictError, match=key):
+            ours.load_state_dict({**good, key: bad[key]})
+    assert ours.get_init_loss_scaling() == 2.0**16
+
+
+def test_minimize_passes_back_any_result_where_paddle_fails_unpacking(real):
+    class Odd(paddle.optimizer.SGD):
+        def minimize(self, *args, **kwargs):
+            super().minimize(*args, **kwargs)
+            return "done"
+
+    outcomes = []
+    for scaler in (real(init_loss_scaling=4.0), GradScaler(init_loss_scaling=4.0)):
+        system = PaddleSystem(scaler, 0.0625)
+        system.opts = [Odd(learning_rate=0.0625, parameters=system.params)]
+        scaled = system.backward(true_grads(3))
+        try:
+            outcomes.append(scaler.minimize(system.opts[0], scaled))
+        except ValueError as exc:  # too many values to unpack
+            outcomes.append(type(exc))
+    assert outcomes == [ValueError, "done"]
