@@ -26,7 +26,7 @@ Where polyamp differs from paddle, on purpose:
 * bad arguments raise at once, also when disabled (paddle asserts only two, when enabled);
 * a disabled scaler's getters return the values it was given (paddle's raise AttributeError);
 * ``use_dynamic_loss_scaling`` and state-dict values are checked, not passed through ``bool()``;
-* ``pickle`` and ``copy.deepcopy`` copy a scaler with its state, also over torch and NumPy.
+* ``pickle`` and ``copy.deepcopy`` copy a scaler with its state without pickling the engine.
 """
 
 from __future__ import annotations
