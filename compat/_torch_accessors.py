@@ -130,9 +130,6 @@ class ScalerAccessors:
             )
         load_torch_state(self._engine, state_dict)
 
-    def __reduce__(self) -> Any:
-        return (_restore, (type(self), self.__getstate__()))
-
     def __getstate__(self) -> dict[str, Any]:
         if self._stages:
             raise AssertionError(
@@ -155,13 +152,3 @@ class ScalerAccessors:
     def __repr__(self) -> str:
         return f"GradScaler(device={self._device!r}, engine={self._engine!r})"
 
-
-def _restore(cls: type, state: dict[str, Any]) -> Any:
-    """Unpickle without ``__new__``'s CUDA check: a scaler stays enabled or disabled as it was."""
-    if "disabled" in state:
-        from ._torch_disabled import disabled_class
-
-        cls, state = disabled_class(cls), state["disabled"]
-    obj = object.__new__(cls)
-    obj.__setstate__(state)
-    return obj

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import subprocess
 import sys
 import warnings
@@ -86,12 +87,51 @@ def test_numpy_scalars_are_accepted_as_factors():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
 def test_cuda_without_cuda_warns_and_disables_like_torch():
+    messages = []
     for cls in SCALERS:
-        with pytest.warns(UserWarning, match="CUDA is not available.  Disabling."):
+        with pytest.warns(UserWarning, match="CUDA is not available.  Disabling.") as caught:
             scaler = cls()
         assert scaler.is_enabled() is False
         x = torch.ones(2)
         assert scaler.scale(x) is x and scaler.state_dict() == {}
+        messages.append(str(caught[0].message))
+        assert caught[0].filename == __file__  # points at the user's line, as torch's does
+    assert messages[1].startswith(messages[0]) and "backend='numpy'" in messages[1]
+
+
+_ENABLED = """
+import sys, warnings
+warnings.simplefilter("ignore")
+{first}
+scaler = polyamp.GradScaler({args})
+print(scaler.is_enabled(), sys.modules.get("torch") is not None)
+"""
+
+
+@pytest.mark.parametrize("first", ["import torch, polyamp", "import polyamp"],
+                         ids=["torch-imported-first", "torch-not-imported"])
+def test_default_device_is_enabled_as_torch_decides_whatever_the_import_order(first):
+    out = subprocess.run([sys.executable, "-c", _ENABLED.format(first=first, args="")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    torch_decides = torch.cuda.amp.common.amp_definitely_not_available() is False
+    assert out == [str(torch_decides), "True"]
+
+
+@pytest.mark.parametrize("args, env", [("backend='numpy'", {}), ("", {"POLYAMP_BACKEND": "numpy"}),
+                                       ("'cpu'", {})], ids=["backend=", "env", "cpu"])
+def test_no_torch_test_when_the_arrays_are_not_torchs(args, env):
+    code = _ENABLED.format(first="import polyamp", args=args)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}).stdout.split()
+    assert out == ["True", "False"]  # enabled, and torch was not imported to decide it
+
+
+def test_without_torch_installed_the_default_device_stays_enabled():
+    first = "sys.modules['torch'] = None  # as if torch were not installed\nimport polyamp"
+    code = _ENABLED.format(first=first, args="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["True", "False"]
 
 
 def test_disabled_scaler_passes_everything_through():
