@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import schedule
+from polyamp._errors import ConfigError
 from polyamp.engine import LossScaler
 
-from ._torch_state import load_torch_state, to_torch_state
+from ._torch_state import check_interval, load_torch_state, to_torch_state
 
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_stages", "_found",
@@ -101,7 +102,8 @@ class ScalerAccessors:
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval; validated (ValueError naming the value), unlike torch."""
-        self._engine.reconfigure(growth_interval=new_interval)
+        self._engine.reconfigure(growth_interval=check_interval("growth_interval", new_interval,
+                                                                 ConfigError))
 
     def _get_growth_tracker(self) -> int:
         """torch's private getter: consecutive clean steps so far (a device sync)."""
