@@ -135,14 +135,14 @@ class GradScaler(ScalerAccessors):
             )
         if stage is STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        grads = collect_grads(optimizer, allow_fp16=False)
+        grads = collect_grads(optimizer, allow_fp16=False, backend=self._engine.backend)
         self._found[key] = self._engine.unscale_group_(grads) if grads else None
         self._stages[key] = UNSCALED
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
         self._check_initialized("_check_inf_per_device")
-        grads = collect_grads(optimizer, allow_fp16=True)
+        grads = collect_grads(optimizer, allow_fp16=True, backend=self._engine.backend)
         found = self._engine.unscale_group_(grads, check_only=True) if grads else None
         self._stages.setdefault(id(optimizer), READY)
         self._found[id(optimizer)] = found
