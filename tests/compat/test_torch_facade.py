@@ -73,6 +73,8 @@ def test_bad_factors_raise_torchs_assertion(kwargs):
                {"growth_interval": 2.5}, {"min_scale": 4.0, "max_scale": 2.0}],
 )
 def test_values_torch_accepts_silently_are_refused_with_the_field_named(kwargs):
+    if "min_scale" not in kwargs:
+        torch.amp.GradScaler("cpu", **kwargs)  # accepted by torch
     with pytest.raises(AssertionError) as info:
         GradScaler("cpu", **kwargs)
     assert isinstance(info.value, ValueError) and isinstance(info.value, polyamp.ConfigError)
@@ -148,6 +150,16 @@ def test_disabled_scaler_passes_everything_through():
     disabled = GradScaler("cpu", enabled=False)
     assert isinstance(disabled, GradScaler) and disabled.skipped_steps == 0
     assert disabled.last_step_skipped is None
+    assert disabled.get_growth_factor() == 2.0  # torch's disabled scaler: AttributeError
+    with pytest.raises(AttributeError):
+        torch.amp.GradScaler("cpu", enabled=False).get_growth_factor()
+
+
+def test_setters_torch_takes_silently_are_refused():
+    theirs, ours = torch.amp.GradScaler("cpu"), GradScaler("cpu")
+    theirs.set_growth_interval(0)
+    with pytest.raises(polyamp.ConfigError, match="growth_interval=0"):
+        ours.set_growth_interval(0)
 
 
 # -- scale() -----------------------------------------------------------------------------

@@ -88,8 +88,10 @@ def test_update_with_a_bad_tensor_raises_torchs_assertion(new_scale):
 
 def test_update_with_an_int_is_accepted_and_a_string_refused():
     scaler, _, _ = _scaled(GradScaler)
-    scaler.update(1024)  # torch: AttributeError ('int' object has no attribute 'device')
+    scaler.update(1024)
     assert scaler.get_scale() == 1024.0
+    with pytest.raises(AttributeError):  # 'int' object has no attribute 'device'
+        _scaled(torch.amp.GradScaler)[0].update(1024)
     with pytest.raises(TypeError, match="new_scale='big'"):
         scaler.update("big")
 
@@ -308,3 +310,38 @@ def test_disabled_scaler_pickles_as_disabled():
     for cls in SCALERS:
         again = pickle.loads(pickle.dumps(cls("cpu", enabled=False)))
         assert again.is_enabled() is False
+
+
+def _one_step(scaler):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("key, value, later", [
+    ("growth_factor", "2", TypeError), ("scale", 1e300, RuntimeError),
+    ("_growth_tracker", 10**30, OverflowError),
+])
+def test_torch_loads_what_polyamp_refuses_and_fails_later(key, value, later):
+    """What docs/coming-from-torch.md says of torch: the bad value loads, the next step fails."""
+    good = trained(torch.amp.GradScaler, 3)[0].state_dict()
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict({**good, key: value})  # no error from torch
+    with pytest.raises(later):
+        _one_step(theirs)
+    with pytest.raises(polyamp.StateDictError):
+        GradScaler("cpu").load_state_dict({**good, key: value})
+
+
+def test_torch_loads_a_tracker_at_its_interval_and_never_grows_again():
+    good = trained(torch.amp.GradScaler, 3)[0].state_dict()
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict({**good, "_growth_tracker": good["growth_interval"]})
+    for _ in range(2 * good["growth_interval"]):
+        _one_step(theirs)
+    assert theirs.get_scale() == good["scale"]  # stuck: the tracker passed the interval
+    with pytest.raises(polyamp.StateDictError, match="_growth_tracker=2"):
+        GradScaler("cpu").load_state_dict({**good, "_growth_tracker": good["growth_interval"]})
