@@ -30,9 +30,8 @@ def cuda_missing(device: str, backend: str | None) -> bool:
     ``import polyamp``), so the answer does not depend on whether torch was imported first.
     Without torch installed the scaler stays enabled: NumPy and CuPy users are not turned off.
     """
-    if device != "cuda" or (backend or os.environ.get(ENV_VAR, "").strip() or None) not in (
-        None, "torch"
-    ):
+    chosen = backend or os.environ.get(ENV_VAR, "").strip() or None
+    if device != "cuda" or chosen not in (None, "torch"):
         return False
     torch = sys.modules.get("torch")
     if torch is None:
