@@ -8,11 +8,13 @@ device, created on first use (as torch does), plus host counters.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
+import array_api_compat
 import numpy as np
 
 from . import _registry, checkpoint
@@ -397,12 +399,16 @@ def _scale_number(value: Any) -> Any:
     if not hasattr(value, "shape") or isinstance(value, np.generic):
         return value
     shape = tuple(value.shape)
-    if int(np.prod(shape)) != 1:
+    if math.prod(shape) != 1:
         raise ConfigError(
             f"set_scale() needs value to be a number or a 1-element array, got an array of "
             f"shape {shape}. Fix: pass e.g. value=65536.0."
         )
-    return value.reshape(()).item()
+    if hasattr(value, "reshape"):
+        value = value.reshape(())
+    else:  # strict array-API arrays have no methods
+        value = array_api_compat.array_namespace(value).reshape(value, ())
+    return value.item() if hasattr(value, "item") else float(value)
 
 
 def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
