@@ -23,8 +23,8 @@ from polyamp import LossScaleConfig, LossScaler, StateDictError, checkpoint
 @pytest.fixture
 def scaler():
     s = LossScaler(LossScaleConfig(init_scale=64.0, growth_interval=3))
-    s.step([np.ones(2, np.float32)], lambda: None)
-    s.update()
+    s.scale(np.ones(2, np.float32))
+    s.update(found_inf=False)
     return s
 
 
