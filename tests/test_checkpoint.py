@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +88,7 @@ def _bad_files(good: bytes):
         "huge-scale.json": good.replace(b'"scale": 64.0', b'"scale": 1' + b"0" * 400),
         "big-scale.json": good.replace(b'"scale": 64.0', b'"scale": 1e300'),
         "nan-scale.json": good.replace(b'"scale": 64.0', b'"scale": NaN'),
+        "huge-factor.json": good.replace(b'"growth_factor": 2.0', b'"growth_factor": 1' + b"0" * 400),
         "not-utf8.json": b"\xff\xfe\xfa",
         "bomb.gz": _gz(b" " * (checkpoint.MAX_BYTES + 1)),
         "big.json": b" " * (checkpoint.MAX_BYTES + 1),
@@ -95,7 +97,7 @@ def _bad_files(good: bytes):
 
 def test_bad_checkpoint_files_raise_state_dict_errors_naming_the_file(scaler, tmp_path):
     good = json.dumps(scaler.state_dict(), sort_keys=True).encode()
-    assert b'"scale": 64.0' in good
+    assert b'"scale": 64.0' in good and b'"growth_factor": 2.0' in good
     target = _fresh()
     target.scale(np.float32(1.0))
     before = target.state_dict()
@@ -226,3 +228,10 @@ def test_only_stale_temps_of_this_target_are_removed(scaler, tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_the_figures_in_the_docs_are_the_code_s():
+    doc = (Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text()
+    assert checkpoint.MAX_BYTES == 16 * 2**20 and "at most 16 MiB" in doc
+    assert checkpoint.STALE_SECONDS == 600 and "older than 10 minutes" in doc
+    assert checkpoint.TRACKER_LIMIT == 2**31 and "below 2**31" in doc
