@@ -14,13 +14,11 @@ from collections.abc import Iterable
 from importlib.metadata import entry_points
 from typing import Any
 
-import numpy as np
 import pluggy
 
 from . import _hookspecs
 from ._errors import BackendNotFoundError, BackendUnavailableError, ForeignArrayError
 from .backend import Backend, BackendInfo
-from .config import short_repr
 
 ENV_VAR = "POLYAMP_BACKEND"
 DEFAULT_BACKEND = "numpy"
@@ -182,42 +180,3 @@ def first_array(tree: Iterable[Any] | Any) -> Any:
                 return found
         return None
     return tree
-
-
-#: Gradient types no kernel can unscale in place: scalars are immutable, and np.matrix
-#: stays 2-D under reshape(-1), which breaks the flat kernels.
-_NOT_IN_PLACE = (np.generic, np.matrix, int, float, complex)
-
-
-def gradient_list(grads: Iterable[Any]) -> list[Any]:
-    """The non-None gradients, refusing those that cannot be unscaled in place (TypeError).
-
-    One isinstance per gradient, before any state changes; the message names the index.
-    """
-    if hasattr(grads, "shape"):
-        raise TypeError(
-            f"grads must be a list of gradient arrays, got one {type(grads).__module__}."
-            f"{type(grads).__name__}. Fix: pass [grad]."
-        )
-    arrays = []
-    for i, grad in enumerate(grads):
-        if grad is None:
-            continue
-        if isinstance(grad, _NOT_IN_PLACE):
-            raise TypeError(_not_in_place(i, grad))
-        arrays.append(grad)
-    return arrays
-
-
-def _not_in_place(index: int, grad: Any) -> str:
-    kind = f"{type(grad).__module__}.{type(grad).__name__}"
-    if isinstance(grad, np.matrix):
-        return (
-            f"grads[{index}] is a numpy.matrix, which the kernels cannot unscale in place. "
-            "Fix: pass np.asarray(m), an ndarray view of the same memory."
-        )
-    return (
-        f"grads[{index}] is a scalar ({kind}, value {short_repr(grad)}), which cannot be changed "
-        "in place, so it cannot be unscaled. Fix: keep each gradient in an array (a 0-d array "
-        "such as np.array(1.0, np.float32) works), and pass that array."
-    )

@@ -1,26 +1,20 @@
 """Versioned state dicts and checkpoint files: a path (atomic; gzip when it ends in .gz) or a binary file.
 
-A path is written through a temp file beside its target (symlinks resolved), fsynced, renamed
-over the target, and the folder fsynced; the file gets the mode a plain ``open()`` would give.
-Reading detects gzip by content and caps what is read or decompressed at :data:`MAX_BYTES`.
-Every failure to parse names the file and raises :class:`StateDictError`.
+Paths are written by :func:`polyamp._atomic_file.atomic_write`. Reading detects gzip by content and
+caps what is read or decompressed at :data:`MAX_BYTES`; every failure to parse names the file and
+raises :class:`StateDictError`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import io
 import json
 import os
-import re
-import stat
-import tempfile
-import threading
-import time
 import zlib
 from typing import IO, Any
 
+from ._atomic_file import atomic_write
 from ._errors import StateDictError
 from .config import LossScaleConfig, check_scale, short_repr
 from .policy import HostState
@@ -33,10 +27,7 @@ MAX_BYTES = 16 * 2**20
 TRACKER_LIMIT = 2**31
 #: steps and skipped_steps are host ints; below this they fit an int64 anywhere.
 COUNTER_LIMIT = 2**63
-#: A temp file of ours older than this (seconds) is from a killed write and is removed.
-STALE_SECONDS = 600
 _GZIP_MAGIC = b"\x1f\x8b"
-_umask_lock = threading.Lock()
 
 Target = str | os.PathLike[str] | IO[bytes]
 
@@ -115,7 +106,7 @@ def write(f: Target, state: dict[str, Any]) -> None:
     path = _as_path(f, "save")
     if path.lower().endswith(".gz"):
         payload = gzip.compress(payload, mtime=0)
-    _atomic_write(path, payload)
+    atomic_write(path, payload)
 
 
 def _as_path(f: Any, verb: str) -> str:
@@ -125,124 +116,6 @@ def _as_path(f: Any, verb: str) -> str:
             f"({type(f).__name__}). Fix: pass a str/pathlib.Path, or a file opened in binary mode."
         )
     return os.fspath(f)
-
-
-def _atomic_write(path: str, payload: bytes) -> None:
-    """Temp file beside the real target, fsync, rename over it, fsync the folder; errors name ``path``."""
-    target = os.path.realpath(path)  # through symlinks: the link stays, its target is replaced
-    folder, base = os.path.split(target)
-    try:
-        mode = _file_mode(target)
-        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(base) + f"{os.getpid()}-", suffix=".tmp", dir=folder)
-    except OSError as exc:
-        raise _named(exc, path) from exc
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            _chmod(fh.fileno(), tmp, mode)
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise _named(exc, path) from exc
-        raise
-    _fsync_folder(folder)
-    _remove_stale_temps(folder, base)
-
-
-def _named(exc: OSError, path: str) -> OSError:
-    """The same kind of OSError, naming the user's checkpoint path instead of our temp file."""
-    why = exc.strerror or str(exc)
-    if exc.errno is None:
-        return type(exc)(f"cannot write checkpoint {path!r}: {why}")
-    fix = "check that the folder exists and is writable"
-    return OSError(exc.errno, f"cannot write checkpoint ({why}); {fix}", path)
-
-
-def _file_mode(target: str) -> int:
-    """What ``open(target, 'w')`` would give: an existing file's mode, else 0o666 & ~umask."""
-    try:
-        return stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        return 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    """The process umask, read without changing it where Linux allows (/proc), else set-and-restore."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    with _umask_lock:  # other threads creating files in this instant may see umask 0o022
-        old = os.umask(0o022)
-        os.umask(old)
-    return old
-
-
-def _chmod(fd: int, path: str, mode: int) -> None:
-    if hasattr(os, "fchmod"):
-        os.fchmod(fd, mode)
-    else:  # Windows: only the read-only bit means anything
-        os.chmod(path, mode)
-
-
-def _fsync_folder(folder: str) -> None:
-    """Make the rename durable; skipped where the OS cannot open or fsync a folder (Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _host_tag() -> str:
-    import socket
-
-    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
-
-
-def _temp_prefix(base: str) -> str:
-    """``.<target name>.polyamp-<host tag>-``: our temps for one target, then ``<pid>-<random>.tmp``."""
-    return f".{base[:96]}.polyamp-{_host_tag()}-"
-
-
-def _remove_stale_temps(folder: str, base: str) -> None:
-    """Remove temps of killed writes to this target: this host's with a dead pid, or any > 10 min old.
-
-    An in-flight write of another live process (or another machine) is left alone.
-    """
-    pattern = re.compile(re.escape(f".{base[:96]}.polyamp-") + r"([0-9a-f]{8})-(\d+)-\w+\.tmp\Z")
-    host, now = _host_tag(), time.time()
-    with contextlib.suppress(OSError), os.scandir(folder) as entries:
-        for entry in entries:
-            match = pattern.match(entry.name)
-            if match is None:
-                continue
-            with contextlib.suppress(OSError):
-                dead = match[1] == host and _pid_dead(int(match[2]))
-                if dead or now - entry.stat(follow_symlinks=False).st_mtime > STALE_SECONDS:
-                    os.unlink(entry.path)
-
-
-def _pid_dead(pid: int) -> bool:
-    """Whether no process ``pid`` runs on this machine (POSIX only; elsewhere never claimed)."""
-    if os.name != "posix" or pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 # -- reading ----------------------------------------------------------------------------

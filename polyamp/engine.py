@@ -8,19 +8,15 @@ device, created on first use (as torch does), plus host counters.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
-import array_api_compat
-import numpy as np
-
-from . import _registry, checkpoint
-from ._errors import ConfigError, ForeignArrayError, PolyampError
+from . import _inputs, _registry, checkpoint
+from ._errors import PolyampError
 from .backend import Backend
-from .config import LossScaleConfig, check_scale, short_repr
+from .config import LossScaleConfig
 from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
@@ -156,7 +152,7 @@ class LossScaler:
     # -- the four verbs ---------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """``outputs * scale`` for an array or a nested list/tuple of arrays."""
-        _check_outputs(outputs)
+        _inputs.check_outputs(outputs)
         first = _registry.first_array(outputs)
         if first is None:
             return outputs
@@ -197,7 +193,7 @@ class LossScaler:
         return self._unscale(grads, check_only)
 
     def _unscale(self, grads: Iterable[Any], check_only: bool) -> Any:
-        grads = _registry.gradient_list(grads)  # refuses what cannot change in place, first
+        grads = _inputs.gradient_list(grads)  # refuses what cannot change in place, first
         backend = self.bind(grads[0]) if grads else self._ready_backend()
         scale = self._state.scale  # type: ignore[union-attr]
         found = backend.full(0.0, "float32", scale)
@@ -245,7 +241,11 @@ class LossScaler:
         chosen by it). After a skipped step it logs the scale change at INFO, after a growth at
         DEBUG (reading the scale only when that level is on).
         """
-        flag = self._pending if found_inf is None else self._checked_flag(found_inf)
+        if found_inf is not None:
+            found_inf = _inputs.flag_value(found_inf, self._backend)
+            if not isinstance(found_inf, bool):
+                self.bind(found_inf)  # picks the backend if none; the state goes to the flag's device
+        flag = self._pending if found_inf is None else found_inf
         if flag is None:
             raise ScalerStateError(
                 "update() found no inf checks recorded this iteration. Fix: call "
@@ -266,33 +266,13 @@ class LossScaler:
             self._log_change(before, bool(self._skipped))  # type: ignore[arg-type]
         self._end_iteration()
 
-    def _checked_flag(self, found_inf: Any) -> Any:
-        """``found_inf`` as a bool or a flag array of the bound backend; TypeError otherwise."""
-        if isinstance(found_inf, (bool, np.bool_)):
-            return bool(found_inf)
-        if not hasattr(found_inf, "shape"):
-            raise TypeError(
-                f"update() needs found_inf to be True/False or a flag array, got "
-                f"found_inf={short_repr(found_inf)} ({type(found_inf).__name__}). "
-                "Fix: pass found_inf=True/False, or leave it out to use this iteration's checks."
-            )
-        backend = self._backend
-        if backend is not None and not backend.owns_array(found_inf):
-            raise ForeignArrayError(
-                f"update() got found_inf of type {type(found_inf).__module__}."
-                f"{type(found_inf).__name__}, which is not an array of the bound backend "
-                f"{backend.name!r}. Fix: pass the flag unscale_() returned, or True/False."
-            )
-        self.bind(found_inf)  # picks the backend if none, and puts the state on the flag's device
-        return found_inf
-
     def set_scale(self, value: Any) -> None:
         """Set the scale (a number, or a 1-element array read once to check it); trackers kept.
 
         Like torch's ``update(new_scale)`` it ends the iteration. The value must be a
         positive normal float32 (ConfigError otherwise, nothing changed).
         """
-        number = check_scale("value", _scale_number(value))
+        number = _inputs.scale_value(value)
         state = self._state
         if state is not None:
             new = self._backend.full(number, "float32", state.scale)  # type: ignore[union-attr]
@@ -380,35 +360,6 @@ class LossScaler:
     def __repr__(self) -> str:
         name = self._backend.name if self._backend else "undecided"
         return f"LossScaler(backend={name!r}, config={self._config!r})"
-
-
-def _check_outputs(outputs: Any, where: str = "outputs") -> None:
-    """Refuse None, alone or inside lists/tuples: scaling it would silently do nothing."""
-    if outputs is None:
-        raise TypeError(
-            f"scale() needs outputs to be an array or a list/tuple of arrays, got {where}=None. "
-            "Fix: pass the loss array, e.g. scaler.scale(loss)."
-        )
-    if isinstance(outputs, (list, tuple)):
-        for i, item in enumerate(outputs):
-            _check_outputs(item, f"{where}[{i}]")
-
-
-def _scale_number(value: Any) -> Any:
-    """A 1-element array read to the host (a sync on a GPU); anything else as given."""
-    if not hasattr(value, "shape") or isinstance(value, np.generic):
-        return value
-    shape = tuple(value.shape)
-    if math.prod(shape) != 1:
-        raise ConfigError(
-            f"set_scale() needs value to be a number or a 1-element array, got an array of "
-            f"shape {shape}. Fix: pass e.g. value=65536.0."
-        )
-    if hasattr(value, "reshape"):
-        value = value.reshape(())
-    else:  # strict array-API arrays have no methods
-        value = array_api_compat.array_namespace(value).reshape(value, ())
-    return value.item() if hasattr(value, "item") else float(value)
 
 
 def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyamp import LossScaleConfig, LossScaler, StateDictError, checkpoint
+from polyamp import LossScaleConfig, LossScaler, StateDictError, _atomic_file, checkpoint
 
 
 @pytest.fixture
@@ -156,10 +156,23 @@ def test_new_files_get_the_umask_mode_and_existing_ones_keep_theirs(scaler, tmp_
     try:
         scaler.save(tmp_path / "new.json")
         assert stat.S_IMODE(os.stat(tmp_path / "new.json").st_mode) == 0o640
-        assert checkpoint._umask() == 0o027 and os.umask(0o027) == 0o027  # read without change
+        assert _atomic_file._umask() == 0o027 and os.umask(0o027) == 0o027  # read without change
         os.chmod(tmp_path / "new.json", 0o604)
         scaler.save(tmp_path / "new.json")
         assert stat.S_IMODE(os.stat(tmp_path / "new.json").st_mode) == 0o604
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX umask")
+def test_the_umask_is_read_without_proc_too(monkeypatch):
+    def no_proc(*args, **kwargs):
+        raise FileNotFoundError("/proc/self/status")
+
+    monkeypatch.setattr(_atomic_file, "open", no_proc, raising=False)  # shadows the builtin there
+    old = os.umask(0o077)
+    try:
+        assert _atomic_file._umask() == 0o077 and os.umask(0o077) == 0o077  # read, then restored
     finally:
         os.umask(old)
 
@@ -211,14 +224,14 @@ def test_a_killed_writes_temp_file_is_removed_by_the_next_save(scaler, tmp_path)
 
 @pytest.mark.skipif(os.name != "posix", reason="looks processes up by pid")
 def test_only_stale_temps_of_this_target_are_removed(scaler, tmp_path):
-    prefix = checkpoint._temp_prefix("ckpt.json")
+    prefix = _atomic_file._temp_prefix("ckpt.json")
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         in_flight = tmp_path / f"{prefix}{live.pid}-abcd1234.tmp"  # another live writer's temp
         ours = tmp_path / f"{prefix}{os.getpid()}-abcd1234.tmp"  # this process, e.g. another thread
         old = tmp_path / f"{prefix}{live.pid}-old12345.tmp"  # live pid, but untouched for an hour
         other_host = tmp_path / f".ckpt.json.polyamp-00000000-{live.pid + 1}-abcd1234.tmp"
-        other_target = tmp_path / f"{checkpoint._temp_prefix('other.json')}999999999-abcd1234.tmp"
+        other_target = tmp_path / f"{_atomic_file._temp_prefix('other.json')}999999999-abcd1234.tmp"
         for p in (in_flight, ours, old, other_host, other_target):
             p.write_text("partial")
         hour_ago = time.time() - 3600
@@ -233,5 +246,5 @@ def test_only_stale_temps_of_this_target_are_removed(scaler, tmp_path):
 def test_the_figures_in_the_docs_are_the_code_s():
     doc = (Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text()
     assert checkpoint.MAX_BYTES == 16 * 2**20 and "at most 16 MiB" in doc
-    assert checkpoint.STALE_SECONDS == 600 and "older than 10 minutes" in doc
+    assert _atomic_file.STALE_SECONDS == 600 and "older than 10 minutes" in doc
     assert checkpoint.TRACKER_LIMIT == 2**31 and "below 2**31" in doc
