@@ -66,8 +66,8 @@ class LossScaler:
 
     A scaler belongs to one thread: its iteration state is not locked (torch's GradScaler
     cannot be shared between threads either). Give each thread its own scaler.
-    Copies (``copy.deepcopy``, ``pickle``) are independent and keep the state; the copy
-    recreates its device arrays on first use.
+    Copies (``copy.deepcopy``, ``pickle``, taken between ``update()`` and the next step) are
+    independent and keep the state; the copy recreates its device arrays on first use.
     """
 
     enabled = True
