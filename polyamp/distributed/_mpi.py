@@ -112,6 +112,7 @@ class MPIReducer(Reducer):
             if wait_until(request.Test, self.timeout):
                 return
         except self._mpi.Exception as exc:
-            raise self.fault_error(what, "MPI reported an error (a peer rank may have died)", str(exc)) from exc
+            cause = "MPI reported an error (a peer rank may have died)"
+            raise self.fault_error(what, cause, str(exc)) from exc
         self._abandoned.append((request, buffer))  # never free memory MPI may still write into
-        raise self.timeout_error(what, f"timeout={self.timeout:g} s (polyamp.distributed.reducer(..., timeout=))")
+        raise self.timeout_error(what)

@@ -36,7 +36,8 @@ def _openmpi_query() -> bool:
     """Open MPI's ``MPIX_Query_cuda_support()`` from the libmpi already loaded (False elsewhere)."""
     for path in _loaded_libmpi():
         try:
-            query = getattr(ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0)), "MPIX_Query_cuda_support", None)
+            library = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))
+            query = getattr(library, "MPIX_Query_cuda_support", None)
         except OSError:
             continue
         if query is not None:

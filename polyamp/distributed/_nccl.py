@@ -89,10 +89,11 @@ class NCCLReducer(Reducer):
             done = wait_until(lambda: self._finished(event), self.timeout)
         except self._nccl.NcclError as exc:
             self.comm.abort()
-            raise self.fault_error(what, "NCCL reported an error (a peer rank may have died)", str(exc)) from exc
+            cause = "NCCL reported an error (a peer rank may have died)"
+            raise self.fault_error(what, cause, str(exc)) from exc
         if not done:
             self.comm.abort()  # frees the stream: nothing waits on this collective forever
-            raise self.timeout_error(what, f"timeout={self.timeout:g} s (polyamp.distributed.reducer(..., timeout=))")
+            raise self.timeout_error(what)
 
     def _finished(self, event: Any) -> bool:
         self.comm.check_async_error()

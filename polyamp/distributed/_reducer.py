@@ -117,8 +117,10 @@ class Reducer(abc.ABC):
         """'polyamp reducer NAME (rank R of N)': how messages name this reducer."""
         return f"polyamp reducer {self.name!r} (rank {self.rank} of {self.size})"
 
-    def timeout_error(self, what: str, limit: str) -> ReducerTimeoutError:
-        """The error for a collective that did not complete within ``limit`` (e.g. 'timeout=2.0 s')."""
+    def timeout_error(self, what: str, limit: str | None = None) -> ReducerTimeoutError:
+        """The error for a collective that did not complete within ``limit`` (default: ``timeout``)."""
+        if limit is None:
+            limit = f"timeout={self.timeout:g} s (polyamp.distributed.reducer(..., timeout=))"
         return ReducerTimeoutError(
             f"{self.describe()}: {what} did not complete within {limit}. {_HINT} {_RETIRED}"
         )

@@ -154,14 +154,14 @@ class TorchReducer(Reducer):
         text = str(exc).lower()
         if any(k in text for k in _TIMED_OUT):
             if self._explicit is not None:
-                limit = f"timeout={self._explicit:g} s (polyamp.distributed.reducer(..., timeout=))"
-            else:
-                seconds = "" if self.timeout is None else f" of {self.timeout:g} s"
-                limit = (
-                    f"the process group's timeout{seconds} (set by torch.distributed."
-                    "init_process_group(timeout=...) or new_group(timeout=...))"
-                )
+                return self.timeout_error(what)
+            seconds = "" if self.timeout is None else f" of {self.timeout:g} s"
+            limit = (
+                f"the process group's timeout{seconds} (set by torch.distributed."
+                "init_process_group(timeout=...) or new_group(timeout=...))"
+            )
             return self.timeout_error(what, limit)
         if any(k in text for k in _PEER_GONE):
-            return self.fault_error(what, "a peer rank probably died or exited (its connection closed)", str(exc))
+            cause = "a peer rank probably died or exited (its connection closed)"
+            return self.fault_error(what, cause, str(exc))
         return None
