@@ -106,7 +106,10 @@ class Reducer(abc.ABC):
         try:
             call()
         except ReducerError as exc:
-            self._retired = f"{what} failed earlier: {exc}"
+            self._retired = (
+                f"an earlier {what} failed ({type(exc).__name__}), so the ranks' collectives no longer "
+                "match. Restart the ranks (e.g. from the last checkpoint)."
+            )
             raise
 
     def _usable(self) -> None:
