@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
+
 from .._errors import ConfigError, ForeignArrayError
 from .._hookspecs import hookimpl
 from ._errors import ReducerUnavailableError
@@ -18,6 +20,7 @@ from ._mpi_cuda import mpi_is_cuda_aware
 from ._reducer import DEFAULT_TIMEOUT, Op, Reducer, wait_until
 
 #: dtypes every MPI has a predefined datatype for.
+_DLPACK_CPU = 1  # kDLCPU in DLPack's device enumeration
 DTYPES = ("float32", "float64", "int32", "int64")
 
 
@@ -56,8 +59,16 @@ def _import_mpi() -> Any:
     return MPI
 
 
+def _on_cpu(array: Any) -> bool:
+    """Whether ``array`` offers DLPack with its memory on the CPU (no import, no copy)."""
+    try:
+        return hasattr(array, "__dlpack__") and array.__dlpack_device__()[0] == _DLPACK_CPU
+    except Exception:
+        return False
+
+
 class MPIReducer(Reducer):
-    """All-reduces NumPy arrays (and CuPy arrays) over an mpi4py intra-communicator."""
+    """All-reduces NumPy and CuPy arrays (and CPU DLPack arrays, as views) over an mpi4py intracomm."""
 
     def __init__(self, comm: Any, mpi: Any, timeout: float | None) -> None:
         self.comm, self._mpi = comm, mpi
@@ -66,34 +77,43 @@ class MPIReducer(Reducer):
         self._abandoned: list[Any] = []  # (request, buffer) of timed-out collectives: MPI may still write
         super().__init__("mpi", comm.Get_rank(), comm.Get_size(), timeout or DEFAULT_TIMEOUT)
 
-    def _check(self, array: Any) -> None:
-        numpy, cupy = sys.modules.get("numpy"), sys.modules.get("cupy")
-        if numpy is not None and isinstance(array, numpy.ndarray):
-            kind, writeable = "NumPy", array.flags.writeable
+    def _prepare(self, array: Any) -> Any:
+        cupy = sys.modules.get("cupy")
+        if isinstance(array, np.ndarray):
+            buffer = array
         elif cupy is not None and isinstance(array, cupy.ndarray):
-            kind, writeable = "CuPy", True
+            if self._cuda_aware is None:  # asked once, before the first CuPy collective
+                self._cuda_aware = mpi_is_cuda_aware(self._mpi)
+            buffer = array
+        elif _on_cpu(array):  # e.g. a CPU torch or paddle tensor: a NumPy view of its memory
+            try:
+                buffer = np.from_dlpack(array)
+            except Exception as exc:
+                raise self._refuse(array, f" (DLPack refused: {exc})") from exc
         else:
+            raise self._refuse(array, "")
+        writeable = buffer.flags.writeable if isinstance(buffer, np.ndarray) else True
+        if buffer.dtype.name not in DTYPES or not buffer.flags.c_contiguous or not writeable:
             raise ForeignArrayError(
-                f"{self.describe()} all-reduces NumPy or CuPy arrays, got a "
-                f"{type(array).__module__}.{type(array).__name__}. Fix: pass a NumPy array (a CPU "
-                "torch tensor's .numpy() shares its memory), or use a torch.distributed reducer."
+                f"{self.describe()} cannot all-reduce a {type(array).__name__} of dtype "
+                f"{buffer.dtype.name} (C-contiguous: {buffer.flags.c_contiguous}, writeable: "
+                f"{writeable}) in place. Fix: pass a writeable C-contiguous array of one of {DTYPES}."
             )
-        if array.dtype.name not in DTYPES or not array.flags.c_contiguous or not writeable:
-            raise ForeignArrayError(
-                f"{self.describe()} cannot all-reduce a {kind} array of dtype {array.dtype.name} "
-                f"(C-contiguous: {array.flags.c_contiguous}, writeable: {writeable}) in place. Fix: "
-                f"pass a writeable C-contiguous array of one of {DTYPES}."
-            )
+        return buffer
+
+    def _refuse(self, array: Any, why: str) -> ForeignArrayError:
+        return ForeignArrayError(
+            f"{self.describe()} all-reduces NumPy arrays, CuPy arrays and CPU arrays that share "
+            f"their memory through DLPack, got a {type(array).__module__}.{type(array).__name__}"
+            f"{why}. Fix: pass one of these, or use a torch.distributed reducer for GPU tensors."
+        )
 
     def _allreduce(self, array: Any, op: Op) -> None:
         mpi, what = self._mpi, f"all-reduce ({op})"
-        numpy = sys.modules["numpy"]
-        if isinstance(array, numpy.ndarray):
+        if isinstance(array, np.ndarray):
             self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, array, op=self._ops[op]), what, array)
             return
         stream = sys.modules["cupy"].cuda.get_current_stream()
-        if self._cuda_aware is None:
-            self._cuda_aware = mpi_is_cuda_aware(mpi)
         if self._cuda_aware:  # MPI reads device memory but knows no stream: finish the writers first
             stream.synchronize()
             self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, array, op=self._ops[op]), what, array)

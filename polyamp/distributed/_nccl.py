@@ -53,7 +53,7 @@ class NCCLReducer(Reducer):
         }
         super().__init__("cupy:nccl", comm.rank_id(), comm.size(), timeout or DEFAULT_TIMEOUT)
 
-    def _check(self, array: Any) -> None:
+    def _prepare(self, array: Any) -> Any:
         cupy = sys.modules.get("cupy")
         if cupy is None or not isinstance(array, cupy.ndarray):
             raise ForeignArrayError(
@@ -67,6 +67,7 @@ class NCCLReducer(Reducer):
                 f"device {array.device.id} (C-contiguous: {array.flags.c_contiguous}) in place. Fix: "
                 f"pass a C-contiguous array of one of {DTYPES} on device {self._device}."
             )
+        return array
 
     def _allreduce(self, array: Any, op: Op) -> None:
         stream = sys.modules["cupy"].cuda.get_current_stream()

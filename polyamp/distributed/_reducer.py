@@ -1,9 +1,10 @@
 """The Reducer contract: in-place all-reduces over an existing engine, counted, with a deadline.
 
-Subclasses (one module per engine) implement ``_check`` (refuse an array before anything is
-issued) and ``_allreduce``/``_barrier`` (issue one collective, raise ``ReducerError`` on a
-fault). The base class counts collectives and retires the reducer after a fault, because the
-ranks' sequences of collectives no longer match and every later collective would mismatch.
+Subclasses (one module per engine) implement ``_prepare`` (the buffer to reduce: the array or
+a zero-copy view of it; refuse it before anything is issued) and ``_allreduce``/``_barrier``
+(issue one collective, raise ``ReducerError`` on a fault). The base class counts collectives
+and retires the reducer after a fault, because the ranks' sequences of collectives no longer
+match and every later collective would mismatch.
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ class Reducer(abc.ABC):
 
     def _issue(self, array: Any, op: Op) -> Any:
         self._usable()
-        self._check(array)
+        buffer = self._prepare(array)
         self._collectives += 1
-        self._guarded(lambda: self._allreduce(array, op), f"all-reduce ({op})")
+        self._guarded(lambda: self._allreduce(buffer, op), f"all-reduce ({op})")
         return array
 
     def _guarded(self, call: Callable[[], None], what: str) -> None:
@@ -140,12 +141,19 @@ class Reducer(abc.ABC):
         )
 
     @abc.abstractmethod
-    def _check(self, array: Any) -> None:
-        """Raise ForeignArrayError when this reducer cannot all-reduce ``array`` in place."""
+    def _prepare(self, array: Any) -> Any:
+        """What ``_allreduce`` reduces: ``array`` or a zero-copy view of it sharing its memory.
+
+        Raises ForeignArrayError when this reducer cannot all-reduce ``array`` in place.
+        """
 
     @abc.abstractmethod
-    def _allreduce(self, array: Any, op: Op) -> None:
-        """Issue one all-reduce of ``array`` in place and wait for it; ReducerError on a fault."""
+    def _allreduce(self, buffer: Any, op: Op) -> None:
+        """Issue one all-reduce of ``buffer`` in place; ReducerError on a fault.
+
+        On return the result is in ``buffer`` for any later reader on its device (a stream may
+        still be finishing it, as with NCCL, where the engine's own timeout applies).
+        """
 
     @abc.abstractmethod
     def _barrier(self) -> None:

@@ -12,6 +12,8 @@ import sys
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from .._errors import ConfigError, ForeignArrayError
 from .._hookspecs import hookimpl
 from ._errors import ReducerUnavailableError
@@ -74,7 +76,7 @@ def _group_timeout(group: Any) -> float | None:
 
 
 class TorchReducer(Reducer):
-    """All-reduces torch tensors (and NumPy arrays, zero-copy on CPU) over a ProcessGroup."""
+    """All-reduces torch tensors over a ProcessGroup; NumPy and DLPack arrays through zero-copy views."""
 
     def __init__(self, group: Any, timeout: float | None) -> None:
         import torch
@@ -92,34 +94,39 @@ class TorchReducer(Reducer):
             timeout if timeout is not None else _group_timeout(group),
         )
 
-    def _check(self, array: Any) -> None:
+    def _prepare(self, array: Any) -> Any:
         torch = self._torch
-        if isinstance(array, torch.Tensor):
-            problem = None
-            if array.layout != torch.strided or not array.is_contiguous():
-                problem = "a non-contiguous or sparse tensor"
-            elif self._devices and array.device.type not in self._devices:
-                problem = f"a tensor on {array.device}, a device this group has no backend for"
-            if problem is not None:
-                raise ForeignArrayError(
-                    f"{self.describe()} cannot all-reduce {problem} in place. Fix: pass a dense, "
-                    f"contiguous tensor on one of the group's devices ({sorted(self._devices)})."
-                )
-            return
-        numpy = sys.modules.get("numpy")
-        if numpy is not None and isinstance(array, numpy.ndarray):
-            if array.flags.c_contiguous and array.flags.writeable and "cpu" in (self._devices or {"cpu"}):
-                return
-            problem = "a non-contiguous or read-only NumPy array (or the group has no CPU backend)"
-        else:
-            problem = f"a {type(array).__module__}.{type(array).__name__}"
+        tensor = array if isinstance(array, torch.Tensor) else self._as_tensor(array)
+        problem = None
+        if tensor.layout != torch.strided or not tensor.is_contiguous():
+            problem = "a non-contiguous or sparse tensor"
+        elif self._devices and tensor.device.type not in self._devices:
+            problem = f"a tensor on {tensor.device}, a device this group has no backend for"
+        if problem is not None:
+            raise ForeignArrayError(
+                f"{self.describe()} cannot all-reduce {problem} in place. Fix: pass a dense, "
+                f"contiguous tensor on one of the group's devices ({sorted(self._devices)})."
+            )
+        return tensor
+
+    def _as_tensor(self, array: Any) -> Any:
+        """A tensor sharing ``array``'s memory: NumPy through from_numpy, others through DLPack."""
+        what = f"a {type(array).__module__}.{type(array).__name__}"
+        if isinstance(array, np.ndarray) and not array.flags.writeable:
+            what = "a read-only NumPy array"
+        elif isinstance(array, np.ndarray):
+            return self._torch.from_numpy(array)
+        elif hasattr(array, "__dlpack__"):
+            try:
+                return self._torch.utils.dlpack.from_dlpack(array)
+            except Exception as exc:  # e.g. a dtype torch lacks
+                what = f"{what} (DLPack refused: {exc})"
         raise ForeignArrayError(
-            f"{self.describe()} cannot all-reduce {problem} in place. Fix: pass a torch.Tensor, "
-            "or a writeable C-contiguous NumPy array on a group with a CPU backend (gloo)."
+            f"{self.describe()} cannot all-reduce {what} in place. Fix: pass a torch.Tensor, a "
+            "writeable NumPy array, or another array that shares its memory through DLPack."
         )
 
-    def _allreduce(self, array: Any, op: Op) -> None:
-        tensor = array if isinstance(array, self._torch.Tensor) else self._torch.from_numpy(array)
+    def _allreduce(self, tensor: Any, op: Op) -> None:
         self._run(
             lambda: self._dist.all_reduce(
                 tensor, op=self._ops[op], group=self.group, async_op=self._explicit is not None

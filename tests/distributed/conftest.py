@@ -64,7 +64,7 @@ class Job:
     returncode: int | None  # mpirun's exit status; gloo: the first non-zero rank status (or 0)
     timed_out: bool  # killed at the hard timeout
     wall: float  # seconds from launch to the last process's end
-    output: str = ""  # mpirun's combined output (MPI jobs)
+    output: str = ""  # mpirun's combined output, or the gloo ranks' logs one after another
     details: list[str] = field(default_factory=list)
 
     def results(self) -> list[Any]:
@@ -129,7 +129,19 @@ def run_gloo_job(
     fn: Callable[..., Any], size: int, *args: Any, tmp: Path, pg_timeout: float = 10.0,
     timeout: float = JOB_TIMEOUT,
 ) -> Job:
-    """Run ``fn(rank, size, *args)`` on ``size`` fresh processes joined by a gloo process group."""
+    """Run ``fn(rank, size, *args)`` on ``size`` fresh processes joined by a gloo process group.
+
+    Tried once more on a new port when another process took the free port first.
+    """
+    job = _gloo_once(fn, size, args, tmp, pg_timeout, timeout)
+    if not any(r.finished for r in job.ranks) and "address already in use" in job.output.lower():
+        job = _gloo_once(fn, size, args, tmp, pg_timeout, timeout)
+    return job
+
+
+def _gloo_once(
+    fn: Callable[..., Any], size: int, args: tuple, tmp: Path, pg_timeout: float, timeout: float
+) -> Job:
     out = tmp / f"gloo-{time.monotonic_ns()}"
     out.mkdir()
     (out / "args.pkl").write_bytes(pickle.dumps(args))
@@ -155,7 +167,8 @@ def run_gloo_job(
             proc.wait()
     codes = [p.returncode for p in procs]
     returncode = next((c for c in codes if c), 0)
-    return Job(_read(out, size, logs), returncode, timed_out, time.monotonic() - start,
+    ranks = _read(out, size, logs)
+    return Job(ranks, returncode, timed_out, time.monotonic() - start, "\n".join(r.log for r in ranks),
                details=[f"rank {r} exit {c}" for r, c in enumerate(codes)])
 
 

@@ -40,11 +40,16 @@ def sums_and_counts(rank: int, size: int) -> dict:
     out["random"] = red.allreduce_sum_(random_values(rank))
     out["max"] = red.allreduce_max_(np.array([rank, -rank], np.float32))
     out["zero_d"] = float(red.allreduce_sum_(np.array(1.0, np.float32)))
+    import torch  # a CPU tensor is reduced in place through a NumPy view of its memory
+
+    tensor = torch.from_numpy(exact_values(rank, "float32").copy())
+    out["torch_cpu"] = red.allreduce_sum_(tensor).numpy()
     before = red.collectives
     refused = []
     readonly = np.ones(3, np.float32)
     readonly.flags.writeable = False
-    for bad in ([1.0], np.ones(6, np.float32)[::2], readonly, np.ones(3, np.float16)):
+    for bad in ([1.0], np.ones(6, np.float32)[::2], readonly, np.ones(3, np.float16),
+                torch.ones(3, requires_grad=True)):
         try:
             red.allreduce_sum_(bad)
         except ForeignArrayError as exc:
@@ -87,11 +92,12 @@ def test_sums_maxima_counts_and_subcommunicators_under_mpirun(run_mpi):
         np.testing.assert_array_equal(out["random"], results[0]["random"])  # every rank agrees bitwise
         np.testing.assert_array_equal(out["max"], [SIZE - 1, 0])
         assert out["zero_d"] == SIZE
-        assert len(out["refused"]) == 4 and out["count_after_refusals"] == 0
+        np.testing.assert_array_equal(out["torch_cpu"], sum(exact_values(r, "float32") for r in range(SIZE)))
+        assert len(out["refused"]) == 5 and out["count_after_refusals"] == 0
         assert "builtins.list" in out["refused"][0] and "'mpi' (rank" in out["refused"][0]
         assert "C-contiguous: False" in out["refused"][1] and "writeable: False" in out["refused"][2]
-        assert "dtype float16" in out["refused"][3]
-        assert out["count_total"] == 8  # 4 exact, random, max, 0-d, barrier; refusals issue none
+        assert "dtype float16" in out["refused"][3] and "DLPack refused" in out["refused"][4]
+        assert out["count_total"] == 9  # 4 exact, random, max, 0-d, torch, barrier; refusals issue none
         assert out["world"] == (30.0, SIZE, 1)
         assert "COMM_NULL" in out["comm_null"]
         assert out["cuda_aware"] in (True, False) and out["cuda_aware_forced"] is True

@@ -39,9 +39,10 @@ class LocalReducer(Reducer):
     def __init__(self, timeout: float | None = None) -> None:
         super().__init__("local", 0, 1, timeout)
 
-    def _check(self, array):
+    def _prepare(self, array):
         if not isinstance(array, np.ndarray):
             raise ForeignArrayError(f"{self.describe()} takes NumPy arrays, got {type(array).__name__}")
+        return array
 
     def _allreduce(self, array, op):
         pass
@@ -163,8 +164,8 @@ def test_a_third_party_entry_point_is_found_and_asked_before_the_built_ins(tmp_p
         class ThirdReducer(Reducer):
             def __init__(self, timeout):
                 super().__init__("third", 0, 1, timeout)
-            def _check(self, array):
-                pass
+            def _prepare(self, array):
+                return array
             def _allreduce(self, array, op):
                 pass
             def _barrier(self):

@@ -43,9 +43,14 @@ def sums_and_counts(rank: int, size: int) -> dict:
     out["random"] = red.allreduce_sum_(random_values(rank))
     out["max"] = red.allreduce_max_(torch.tensor([rank, -rank], dtype=torch.float32)).numpy()
     out["int_sum"] = red.allreduce_sum_(torch.tensor([rank], dtype=torch.int32)).item()
+    import array_api_strict as xp  # any DLPack array: reduced through a zero-copy tensor view
+
+    out["dlpack"] = np.asarray(red.allreduce_sum_(xp.asarray(exact_values(rank))))
+    readonly = np.ones(3, np.float32)
+    readonly.flags.writeable = False
     before = red.collectives
     refused = []
-    for bad in (torch.ones(6)[::2], [1.0, 2.0], np.ones(3, np.float32)[::2]):
+    for bad in (torch.ones(6)[::2], [1.0, 2.0], np.ones(3, np.float32)[::2], readonly):
         try:
             red.allreduce_sum_(bad)
         except ForeignArrayError as exc:
@@ -82,12 +87,14 @@ def test_sums_maxima_and_counts_on_gloo(run_gloo, size):
         np.testing.assert_array_equal(out["random"], results[0]["random"])  # every rank agrees bitwise
         np.testing.assert_array_equal(out["max"], [size - 1, 0])
         assert out["int_sum"] == size * (size - 1) // 2
-        assert len(out["refused"]) == 3 and out["count_after_refusals"] == 0
+        np.testing.assert_array_equal(out["dlpack"], exact.astype(np.float32))
+        assert len(out["refused"]) == 4 and out["count_after_refusals"] == 0
         assert "torch:gloo" in out["refused"][0] and "non-contiguous" in out["refused"][0]
-        assert "builtins.list" in out["refused"][1]
+        assert "builtins.list" in out["refused"][1] and "non-contiguous" in out["refused"][2]
+        assert "read-only NumPy array" in out["refused"][3]
         assert out["after_barrier"] == size
         assert out["returns_its_argument"]
-        assert out["count_total"] == 8  # 6 all-reduces, a barrier, 1 after it; refusals issue none
+        assert out["count_total"] == 9  # 7 all-reduces, a barrier, 1 after it; refusals issue none
     if size == 3:
         assert results[0]["sub"] == (0, 2, 3.0) and results[1]["sub"] == (1, 2, 3.0)
         assert "NON_GROUP_MEMBER" in results[2]["sub"]
