@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -21,10 +22,13 @@ from ._errors import ReducerError, ReducerTimeoutError
 
 #: Seconds a collective may take, where the engine has no timeout of its own (MPI, NCCL).
 DEFAULT_TIMEOUT = 300.0
+#: Seconds of back-to-back polls of a pending collective before polyamp sleeps between polls.
+SPIN = 2e-3
 #: The longest sleep between two polls of a pending collective (seconds).
 MAX_POLL_PAUSE = 1e-3
 
 Op = Literal["sum", "max"]
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _HINT = (
     "Another rank probably hung, died, or skipped this collective (every rank must issue the same "
     "collectives in the same order: call step on every rank, also on a rank without gradients)."
@@ -48,16 +52,22 @@ def check_timeout(timeout: Any) -> float | None:
 def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     """Poll ``done()`` until it returns True (then True) or ``timeout`` seconds pass (then False).
 
-    Pauses grow from 0 to ``MAX_POLL_PAUSE``: a fast collective costs no sleep, a slow one
-    little CPU (MPI progresses a non-blocking collective inside each poll).
+    Polls back to back (yielding the CPU) for the first ``SPIN`` seconds, as a blocking MPI wait
+    would, then sleeps between polls, up to ``MAX_POLL_PAUSE``: a fast collective costs no
+    sleep, a slow one little CPU. (MPI progresses a non-blocking collective inside each poll.)
     """
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, spin_until = start + timeout, start + SPIN
     pause = 0.0
     while not done():
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             return done()
-        time.sleep(pause)
-        pause = min(max(2.0 * pause, 1e-5), MAX_POLL_PAUSE)
+        if now < spin_until:
+            _yield()  # time.sleep(0) would cost tens of microseconds (timer slack)
+        else:
+            pause = min(max(2.0 * pause, 1e-5), MAX_POLL_PAUSE)
+            time.sleep(pause)
     return True
 
 
