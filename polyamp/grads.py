@@ -244,7 +244,7 @@ class GradBuffer(FlatArrays):
         return found_inf
 
     def norm(self) -> Any:
-        """The global L2 norm of the unscaled gradients (0-d array): one dot product."""
+        """The global L2 norm of the unscaled gradients (0-d array, see :func:`global_norm`)."""
         return global_norm(self)
 
     def clip_(self, max_norm: float, eps: float = 1e-6) -> Any:
