@@ -21,7 +21,6 @@ from . import _dtypes
 from ._errors import ConfigError
 from .engine import ScalerStateError
 from .flat import FlatArrays
-from .optim.optimizer import _computes_float64
 
 __all__ = ["GradBuffer", "ScaledGradientsError", "clip_grad_norm_", "global_norm"]
 
@@ -90,7 +89,7 @@ def _accumulator(xp: Any, arrays: Sequence[Any]) -> tuple[str, bool]:
     Apple MPS) are rescaled so that no square can overflow.
     """
     wide = any(_dtypes.name_of(g) == "float64" for g in arrays)
-    if not wide and _computes_float64(xp, array_api_compat.device(arrays[0])):
+    if not wide and _dtypes.computes_float64(xp, array_api_compat.device(arrays[0])):
         return "float64", False
     return ("float64" if wide else "float32"), True
 
