@@ -5,6 +5,7 @@ an mpi4py communicator (or "mpi"), a CuPy NCCL communicator, or whatever a plugi
 ``polyamp.reducers`` entry-point group accepts. Importing this package imports no engine.
 """
 
+from ._agree import check_same_config, config_fingerprint
 from ._discovery import reducer, register_reducer
 from ._errors import ReducerError, ReducerTimeoutError, ReducerUnavailableError
 from ._reducer import DEFAULT_TIMEOUT, Reducer, check_timeout, wait_until
@@ -15,7 +16,9 @@ __all__ = [
     "ReducerError",
     "ReducerTimeoutError",
     "ReducerUnavailableError",
+    "check_same_config",
     "check_timeout",
+    "config_fingerprint",
     "reducer",
     "register_reducer",
     "wait_until",
