@@ -3,7 +3,9 @@
 Behaviour, messages and exception types follow torch 2.13 (user code catches them), with
 the state in typed parts: the engine holds the rule and arrays, this module the per-optimizer
 READY/UNSCALED/STEPPED stages and overflow flags. Extra keyword-only arguments: ``backend``,
-``backoff_interval``, ``min_scale``, ``max_scale``. Importing it does not import torch.
+``backoff_interval``, ``min_scale``, ``max_scale``. ``ShardedGradScaler`` (torch's FSDP
+scaler) adds one collective per step that agrees on overflow across ranks
+(:mod:`polyamp.compat._torch_sharded`). Importing it does not import torch.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from polyamp.engine import LossScaler
 from ._torch_accessors import ScalerAccessors
 from ._torch_disabled import DisabledMethods, cuda_missing
 from ._torch_grads import collect_grads
+from ._torch_sharded import DisabledShardedInit, ShardedMethods
 from ._torch_state import TorchConfigError, check_new_scale, is_array, torch_config
 
-__all__ = ["GradScaler", "OptState", "TorchConfigError"]
+__all__ = ["GradScaler", "OptState", "ShardedGradScaler", "TorchConfigError"]
 
 logger = logging.getLogger("polyamp")
 
@@ -55,6 +58,8 @@ class GradScaler(ScalerAccessors):
 
     Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``.
     """
+
+    _allow_fp16 = False  # torch's GradScaler refuses to unscale FP16 gradients
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
         """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type.
@@ -135,15 +140,22 @@ class GradScaler(ScalerAccessors):
             )
         if stage is STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        grads = collect_grads(optimizer, allow_fp16=False, backend=self._engine.backend)
-        self._found[key] = self._engine.unscale_group_(grads) if grads else None
+        grads = collect_grads(optimizer, allow_fp16=self._allow_fp16, backend=self._engine.backend)
+        self._found[key] = self._check_grads(grads, check_only=False)
         self._stages[key] = UNSCALED
+
+    def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
+        """One optimizer's device overflow flag, None without gradients (no sync).
+
+        Unscales ``grads`` in place unless ``check_only``. ShardedGradScaler agrees here.
+        """
+        return self._engine.unscale_group_(grads, check_only=check_only) if grads else None
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
         self._check_initialized("_check_inf_per_device")
         grads = collect_grads(optimizer, allow_fp16=True, backend=self._engine.backend)
-        found = self._engine.unscale_group_(grads, check_only=True) if grads else None
+        found = self._check_grads(grads, check_only=True)
         self._stages.setdefault(id(optimizer), READY)
         self._found[id(optimizer)] = found
         return self._found_inf_per_device(optimizer)
@@ -264,14 +276,31 @@ class DisabledGradScaler(DisabledMethods, GradScaler):
         return (_restore, (self._public_class, {"disabled": dict(self.__dict__)}))
 
 
+class ShardedGradScaler(ShardedMethods, GradScaler):
+    """Drop-in ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
+
+    torch's signature (``backoff_factor`` before ``growth_factor``, then ``process_group``),
+    FP16 and CPU gradients; each optimizer's overflow flag is agreed with one SUM all-reduce
+    over ``process_group`` (None: the default group; or anything
+    :func:`polyamp.distributed.reducer` accepts), so every rank skips together.
+    """
+
+
+class DisabledShardedGradScaler(DisabledShardedInit, DisabledGradScaler, ShardedGradScaler):
+    """What ``ShardedGradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
+
+    _public_class: type = ShardedGradScaler
+
+
 @functools.cache
 def disabled_class(cls: type) -> type:
-    """The disabled type for ``cls``: DisabledGradScaler, or for a user subclass of GradScaler
-    a subclass of both, so the user's overrides run on top of the no-op methods."""
-    if cls is GradScaler:
-        return DisabledGradScaler
+    """The disabled type for ``cls``: DisabledGradScaler (DisabledShardedGradScaler), or for a
+    user subclass a subclass of both, so the user's overrides run on top of the no-op methods."""
+    base = DisabledShardedGradScaler if issubclass(cls, ShardedGradScaler) else DisabledGradScaler
+    if cls is base._public_class:
+        return base
     namespace = {"_public_class": cls, "__module__": cls.__module__}
-    return type(f"Disabled{cls.__name__}", (cls, DisabledGradScaler), namespace)
+    return type(f"Disabled{cls.__name__}", (cls, base), namespace)
 
 
 def _restore(cls: type, state: dict[str, Any]) -> Any:

@@ -1,0 +1,155 @@
+"""What ShardedGradScaler adds to GradScaler: every rank agrees on each optimizer's overflow.
+
+torch's FSDP scaler all-reduces one flag per device per optimizer inside ``unscale_``; here
+the engine folds every device into one flag per optimizer, and one SUM all-reduce through a
+:mod:`polyamp.distributed` reducer agrees it before the skip decision and the update. Imports
+nothing of the facade: ``polyamp.compat.torch`` composes these mixins with its GradScaler.
+Importing it does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyamp._errors import ConfigError
+from polyamp.config import short_repr
+from polyamp.distributed import Reducer, ReducerUnavailableError, check_same_config, reducer
+from polyamp.engine import LossScaler
+
+_PICKLE = (
+    "a ShardedGradScaler built on process_group={group} cannot be pickled or copied: a process "
+    "group belongs to the process that built it. Fix: save scaler.state_dict() and load it into "
+    "a ShardedGradScaler built on the group in the new process (process_group=None, the default "
+    "group, and group names such as 'mpi' do pickle)."
+)
+
+
+def build_reducer(process_group: Any) -> Reducer:
+    """The reducer over ``process_group`` (None: torch.distributed's default group).
+
+    Errors name the argument: a TypeError for an object no reducer accepts, a ConfigError for
+    a rank outside the group, ReducerUnavailableError when the default group is not initialised.
+    """
+    try:
+        return reducer("torch" if process_group is None else process_group)
+    except (TypeError, ConfigError, ReducerUnavailableError) as exc:
+        raise type(exc)(f"ShardedGradScaler(process_group={short_repr(process_group)}): {exc}") from None
+
+
+class ShardedMethods:
+    """Mixin of :class:`polyamp.compat.torch.ShardedGradScaler`: torch's signature, the group,
+    and the agreement of each optimizer's flag (one collective per ``unscale_``/``step``)."""
+
+    _engine: LossScaler
+    _device: str
+    _allow_fp16 = True  # FSDP's mixed precision hands FP16 gradients to the scaler
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        backoff_factor: float = 0.5,
+        growth_factor: float = 2.0,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Any = None,
+        *,
+        backend: str | None = None,
+        backoff_interval: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]  # GradScaler's order: growth_factor first
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
+            backend=backend, backoff_interval=backoff_interval, min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        self.process_group = process_group
+
+    @property
+    def process_group(self) -> Any:
+        """The group as given (None: torch.distributed's default group, resolved at first use)."""
+        return self._group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        """An explicit group is checked now; the next step checks the config across it again."""
+        self._reducer = None if group is None else build_reducer(group)
+        self._group = group
+        self._config_checked = False
+
+    @property
+    def reducer(self) -> Reducer:
+        """The polyamp reducer that agrees the flags (``reducer.collectives`` counts them)."""
+        if self._reducer is None:
+            self._reducer = build_reducer(self._group)
+        return self._reducer
+
+    def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
+        """Unscale (or check) ``grads`` and return the flag summed over the group.
+
+        Every rank issues the same collective, also one with no gradients (its flag is 0).
+        The first time, a MAX all-reduce first checks that every rank has the same config.
+        """
+        red = self.reducer  # resolved before anything changes
+        if not self._config_checked:
+            check_same_config(red, self._engine.config, like=self._engine.state.scale)
+            self._config_checked = True
+        found = self._engine.unscale_group_(grads, check_only=check_only)  # 0 without grads
+        red.allreduce_sum_(found)
+        return found
+
+    def __getstate__(self) -> dict[str, Any]:
+        group = self._group
+        if group is not None and not isinstance(group, str):
+            raise TypeError(_PICKLE.format(group=short_repr(group)))
+        state = super().__getstate__()  # type: ignore[misc]
+        for name in ("_group", "_reducer", "_config_checked"):
+            state["extra"].pop(name, None)
+        state["process_group"] = group
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        self.process_group = state.get("process_group")
+
+    def __repr__(self) -> str:
+        return (f"ShardedGradScaler(device={self._device!r}, process_group={short_repr(self._group)}, "
+                f"engine={self._engine!r})")
+
+
+class DisabledShardedInit:
+    """torch's ShardedGradScaler signature for the disabled scaler: no group is ever used."""
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        backoff_factor: float = 0.5,
+        growth_factor: float = 2.0,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Any = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **extra
+        )
+        self._group = process_group
+
+    @property
+    def process_group(self) -> Any:
+        """The group as given; a disabled scaler issues no collective."""
+        return self._group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        self._group = group
+
+    @property
+    def reducer(self) -> None:
+        """None: a disabled scaler steps on every rank, so there is nothing to agree."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"ShardedGradScaler(device={self._device!r}, enabled=False)"  # type: ignore[attr-defined]
