@@ -43,6 +43,7 @@ class ShardedMethods:
     _engine: LossScaler
     _device: str
     _allow_fp16 = True  # FSDP's mixed precision hands FP16 gradients to the scaler
+    _flags_are_sums = True  # the flags count the ranks that overflowed, as torch's do
 
     def __init__(
         self,

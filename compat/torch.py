@@ -60,6 +60,7 @@ class GradScaler(ScalerAccessors):
     """
 
     _allow_fp16 = False  # torch's GradScaler refuses to unscale FP16 gradients
+    _flags_are_sums = False  # an optimizer's flag is 0 or 1 (sharded: summed over ranks)
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
         """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type.
@@ -212,7 +213,10 @@ class GradScaler(ScalerAccessors):
         if stage is READY:
             self._check_inf_per_device(optimizer)
         found = self._found[id(optimizer)]
-        found = 0 if found is None else found  # torch passes sum([]) == 0 when there are no grads
+        if found is None:
+            found = 0  # torch passes sum([]) == 0 when there are no grads
+        elif self._flags_are_sums:
+            found = found.clip(max=1)  # fused optimizers skip only when found_inf == 1 exactly
         optimizer.grad_scale = (
             getattr(optimizer, "grad_scale", None)
             if stage is UNSCALED
