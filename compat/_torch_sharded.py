@@ -2,13 +2,16 @@
 
 torch's FSDP scaler all-reduces one flag per device per optimizer inside ``unscale_``; here
 the engine folds every device into one flag per optimizer, and one SUM all-reduce through a
-:mod:`polyamp.distributed` reducer agrees it before the skip decision and the update. Imports
-nothing of the facade: ``polyamp.compat.torch`` composes these mixins with its GradScaler.
-Importing it does not import torch.
+:mod:`polyamp.distributed` reducer agrees it before the skip decision and the update.
+FSDP2's DTensor gradients are unscaled as their local shards where the group spans their
+mesh: DTensor's own unscale would all-reduce the flag once more (a MAX per dtype group).
+Imports nothing of the facade: ``polyamp.compat.torch`` composes these mixins with its
+GradScaler. Importing it does not import torch.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from polyamp._errors import ConfigError
@@ -34,6 +37,18 @@ def build_reducer(process_group: Any) -> Reducer:
         return reducer("torch" if process_group is None else process_group)
     except (TypeError, ConfigError, ReducerUnavailableError) as exc:
         raise type(exc)(f"ShardedGradScaler(process_group={short_repr(process_group)}): {exc}") from None
+
+
+def mesh_inside(mesh: Any, red: Reducer) -> bool:
+    """Whether every rank of a DeviceMesh is in the torch process group behind ``red``.
+
+    The same answer on every rank of the mesh, so all of them unscale alike.
+    """
+    group = getattr(red, "group", None)
+    dist = sys.modules.get("torch.distributed")
+    if group is None or dist is None or not isinstance(group, dist.ProcessGroup):
+        return False
+    return set(mesh.mesh.flatten().tolist()) <= set(dist.get_process_group_ranks(group))
 
 
 class ShardedMethods:
@@ -78,6 +93,7 @@ class ShardedMethods:
         self._reducer = None if group is None else build_reducer(group)
         self._group = group
         self._config_checked = False
+        self._meshes: dict[Any, bool] = {}  # DeviceMesh -> do the group's ranks cover it
 
     @property
     def reducer(self) -> Reducer:
@@ -96,16 +112,29 @@ class ShardedMethods:
         if not self._config_checked:
             check_same_config(red, self._engine.config, like=self._engine.state.scale)
             self._config_checked = True
+        grads = self._local_shards(grads, red)
         found = self._engine.unscale_group_(grads, check_only=check_only)  # 0 without grads
         red.allreduce_sum_(found)
         return found
+
+    def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:
+        """DTensor gradients replaced by their local shards (same memory) where ``red``'s group
+        covers the DTensor's mesh, so the one SUM below is the only collective. Elsewhere the
+        DTensor stays, and its unscale agrees across its mesh as in torch."""
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if dtensor is None or not any(issubclass(kind, dtensor) for kind in set(map(type, grads))):
+            return grads
+        meshes = self._meshes
+        for mesh in {g.device_mesh for g in grads if isinstance(g, dtensor)} - meshes.keys():
+            meshes[mesh] = mesh_inside(mesh, red)
+        return [g.to_local() if isinstance(g, dtensor) and meshes[g.device_mesh] else g for g in grads]
 
     def __getstate__(self) -> dict[str, Any]:
         group = self._group
         if group is not None and not isinstance(group, str):
             raise TypeError(_PICKLE.format(group=short_repr(group)))
         state = super().__getstate__()  # type: ignore[misc]
-        for name in ("_group", "_reducer", "_config_checked"):
+        for name in ("_group", "_reducer", "_config_checked", "_meshes"):
             state["extra"].pop(name, None)
         state["process_group"] = group
         return state
