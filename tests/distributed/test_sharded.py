@@ -258,3 +258,60 @@ def test_state_dict_round_trip_crosswise(ranks):
     for results in ranks:
         torch_state, polyamp_state = results["state_dict_round_trip"]["state_dicts"]
         assert torch_state == polyamp_state
+
+
+# -- on a group: errors, pickling, NumPy arrays ------------------------------------------------
+def api_on_a_group(rank: int, size: int) -> dict:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from polyamp.compat.torch import OptState, ShardedGradScaler
+
+    import polyamp
+    from polyamp.optim import SGD
+
+    out = {}
+    # a config that differs on one rank: every rank raises at the first step, nothing unscaled
+    scaler = ShardedGradScaler("cpu", growth_interval=7 if rank == 1 else 2000)
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler.scale(param.sum()).backward()
+    grad = param.grad.clone()
+    try:
+        scaler.step(opt)
+    except polyamp.ConfigError as exc:
+        out["mismatch"] = str(exc)
+    out["grad_kept"] = torch.equal(param.grad, grad) and scaler._stages[id(opt)] is OptState.READY
+    # an explicit group: built at once; a process group does not pickle
+    scaler = ShardedGradScaler("cpu", process_group=dist.group.WORLD)
+    out["explicit"] = (scaler.reducer.name, scaler.process_group is dist.group.WORLD)
+    try:
+        pickle.dumps(scaler)
+    except TypeError as exc:
+        out["pickle"] = str(exc)
+    # NumPy arrays with polyamp's own optimizer: rank 1 overflows at step 0, both ranks skip
+    scaler = ShardedGradScaler("cpu", init_scale=4.0, growth_interval=1, backend="numpy")
+    weights = polyamp.Parameter(np.ones(4, np.float32))
+    opt = SGD([weights], lr=0.5)
+    trace = []
+    for step in range(3):
+        scaled = scaler.scale(np.float32(1.0) * np.ones((), np.float32))
+        bad = np.inf if (rank, step) == (1, 0) else 1.0
+        weights.grad = np.full(4, bad, np.float32) * scaled
+        scaler.step(opt)
+        scaler.update()
+        trace.append((scaler.last_step_skipped, scaler.get_scale(), float(weights.data[0])))
+    out["numpy"] = trace
+    out["numpy_collectives"] = scaler.reducer.collectives
+    return out
+
+
+def test_errors_pickling_and_numpy_arrays_on_a_group(run_gloo):
+    results = run_gloo(api_on_a_group, 2, pg_timeout=30.0).results()
+    for out in results:
+        assert "configs differ" in out["mismatch"] and out["grad_kept"]
+        assert out["explicit"] == ("torch:gloo", True)
+        assert "process_group=" in out["pickle"] and "state_dict()" in out["pickle"]
+        # skipped together, then two steps of 0.5 * 1.0 each; the scale backs off, then grows
+        assert out["numpy"] == [(True, 2.0, 1.0), (False, 4.0, 0.5), (False, 8.0, 0.0)]
+        assert out["numpy_collectives"] == 1 + 3
