@@ -262,13 +262,11 @@ def test_state_dict_round_trip_crosswise(ranks):
 
 # -- on a group: errors, pickling, NumPy arrays ------------------------------------------------
 def api_on_a_group(rank: int, size: int) -> dict:
-    import numpy as np
     import torch
     import torch.distributed as dist
     from polyamp.compat.torch import OptState, ShardedGradScaler
 
     import polyamp
-    from polyamp.optim import SGD
 
     out = {}
     # a config that differs on one rank: every rank raises at the first step, nothing unscaled
@@ -289,21 +287,49 @@ def api_on_a_group(rank: int, size: int) -> dict:
         pickle.dumps(scaler)
     except TypeError as exc:
         out["pickle"] = str(exc)
-    # NumPy arrays with polyamp's own optimizer: rank 1 overflows at step 0, both ranks skip
-    scaler = ShardedGradScaler("cpu", init_scale=4.0, growth_interval=1, backend="numpy")
+    out.update(numpy_training(rank, None))
+    return out
+
+
+def numpy_training(rank: int, group) -> dict:
+    """NumPy arrays with polyamp's own optimizer: rank 1 overflows at step 0, every rank skips."""
+    import numpy as np
+    from polyamp.compat.torch import ShardedGradScaler
+
+    import polyamp
+    from polyamp.optim import SGD
+
+    scaler = ShardedGradScaler("cpu", init_scale=4.0, growth_interval=1, backend="numpy", process_group=group)
     weights = polyamp.Parameter(np.ones(4, np.float32))
     opt = SGD([weights], lr=0.5)
     trace = []
     for step in range(3):
-        scaled = scaler.scale(np.float32(1.0) * np.ones((), np.float32))
+        scaled = scaler.scale(np.ones((), np.float32))
         bad = np.inf if (rank, step) == (1, 0) else 1.0
         weights.grad = np.full(4, bad, np.float32) * scaled
         scaler.step(opt)
         scaler.update()
         trace.append((scaler.last_step_skipped, scaler.get_scale(), float(weights.data[0])))
-    out["numpy"] = trace
-    out["numpy_collectives"] = scaler.reducer.collectives
-    return out
+    copy = pickle.loads(pickle.dumps(scaler))
+    return {"numpy": trace, "numpy_collectives": scaler.reducer.collectives,
+            "numpy_reducer": scaler.reducer.name, "copy_group": copy.process_group}
+
+
+def numpy_under_mpi(rank: int, size: int) -> dict:
+    return numpy_training(rank, "mpi")
+
+
+def check_numpy(out):
+    # skipped together, then two steps of 0.5 * 1.0 each; the scale backs off, then grows
+    assert out["numpy"] == [(True, 2.0, 1.0), (False, 4.0, 0.5), (False, 8.0, 0.0)]
+    assert out["numpy_collectives"] == 1 + 3
+
+
+def test_numpy_arrays_under_mpirun(run_mpi):
+    pytest.importorskip("mpi4py")
+    for out in run_mpi(numpy_under_mpi, 3).results():
+        check_numpy(out)
+        assert out["numpy_reducer"] == "mpi" and out["copy_group"] == "mpi"
 
 
 def test_errors_pickling_and_numpy_arrays_on_a_group(run_gloo):
@@ -312,6 +338,5 @@ def test_errors_pickling_and_numpy_arrays_on_a_group(run_gloo):
         assert "configs differ" in out["mismatch"] and out["grad_kept"]
         assert out["explicit"] == ("torch:gloo", True)
         assert "process_group=" in out["pickle"] and "state_dict()" in out["pickle"]
-        # skipped together, then two steps of 0.5 * 1.0 each; the scale backs off, then grows
-        assert out["numpy"] == [(True, 2.0, 1.0), (False, 4.0, 0.5), (False, 8.0, 0.0)]
-        assert out["numpy_collectives"] == 1 + 3
+        check_numpy(out)
+        assert out["numpy_reducer"] == "torch:gloo" and out["copy_group"] is None
