@@ -125,3 +125,23 @@ def test_repr_names_the_group():
         warnings.simplefilter("error")
         scaler = ShardedGradScaler("cpu")
     assert repr(scaler).startswith("ShardedGradScaler(device='cpu', process_group=None, engine=LossScaler(")
+
+
+class MyScaler(ShardedGradScaler):
+    """A user subclass with an attribute of its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.note = "mine"
+
+
+def test_pickle_round_trip_and_user_subclasses():
+    scaler = MyScaler("cpu", 8.0, 0.25, 4.0, 10)
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert type(copy) is MyScaler and copy.note == "mine" and copy.process_group is None
+    assert copy.state_dict() == scaler.state_dict() == {"scale": 8.0, "growth_factor": 4.0,
+                                                         "backoff_factor": 0.25, "growth_interval": 10,
+                                                         "_growth_tracker": 0}
+    off = MyScaler("cpu", 8.0, 0.25, enabled=False)
+    assert isinstance(off, MyScaler) and not off.is_enabled() and off.get_backoff_factor() == 0.25
+    assert type(pickle.loads(pickle.dumps(off))) is type(off)
