@@ -44,6 +44,9 @@ UNSCALE_KERNELS = {
 UPDATE_KERNEL = "polyamp_update_scale"
 # update_scale's flags argument
 HAS_MIN, HAS_MAX, FLOAT32_PRODUCT = 1, 2, 4
+# polyamp.config.SCALE_FLOOR, repeated so that tools/check_cuda_kernels.py can load this file
+# without polyamp installed; tests/backends/test_cupy_kernels_host.py holds the two equal.
+SCALE_FLOOR = 2.0**-126
 
 _COMMON = r"""
 // polyamp cupy backend: fused multi-tensor unscale-and-check. Shared part.
@@ -226,7 +229,10 @@ __host__ __device__ inline void update_state(float* scale, int* growth, int* bac
     int b = (int)((unsigned)*backoff + 1u);
     if (b == backoff_interval) {
       s = scaled(s, backoff_factor, f32);
-      if ((flags & @HAS_MIN@) && min_scale > s) s = min_scale;  // Python max(s, min_scale)
+      // The floor: min_scale when set (never below SCALE_FLOOR), else SCALE_FLOOR = 2**-126,
+      // so the scale never turns subnormal or 0. Python max(s, floor).
+      const float floor = (flags & @HAS_MIN@) ? min_scale : @SCALE_FLOOR@;
+      if (floor > s) s = floor;
       b = 0;
     }
     *growth = 0;
@@ -268,6 +274,7 @@ def _fill(source: str) -> str:
     values = {
         "@BLOCK@": BLOCK_THREADS, "@UNROLL@": UNROLL, "@HAS_MIN@": HAS_MIN,
         "@HAS_MAX@": HAS_MAX, "@FLOAT32_PRODUCT@": FLOAT32_PRODUCT,
+        "@SCALE_FLOOR@": f"{SCALE_FLOOR!r}f",  # 2**-126: its shortest repr rounds back exactly
     }
     for key, value in values.items():
         source = source.replace(key, str(value))

@@ -232,8 +232,10 @@ def _flat(g: np.ndarray) -> np.ndarray | None:
 def _check_dtype(g: np.ndarray) -> None:
     """Raise TypeError unless ``g`` holds float16, bfloat16, float32 or float64 (as torch does).
 
-    Cheap: a dtype-name lookup.
+    Cheap: a dtype-name lookup. np.matrix is refused: it stays 2-D under reshape(-1).
     """
+    if isinstance(g, np.matrix):
+        raise TypeError("a gradient is a numpy.matrix; pass np.asarray(m), an ndarray view of its memory")
     if not isinstance(g, np.ndarray) or g.dtype.name not in _EXP_MASK:
         raise TypeError(
             f"gradients must be float16/bfloat16/float32/float64 ndarrays, got {getattr(g, 'dtype', type(g))}"

@@ -3,8 +3,9 @@
 * ``unscale_and_check``: one launch per dtype for any number of gradients (a device chunk
   table, see ``_cupy_kernels``), bitwise as torch's ``_amp_foreach_non_finite_check_and_unscale_``;
   ``all_finite`` is the same kernel read-only; ``update_scale`` runs ``polyamp.policy``'s rule
-  (torch's float64 or paddle's float32 product, ``backoff_interval``, min/max scale) in a
-  one-thread kernel. Nothing syncs with the host except ``read_flag`` and ``to_host``.
+  (torch's float64 or paddle's float32 product, ``backoff_interval``, min/max scale, the
+  ``SCALE_FLOOR`` backoff never goes below) in a one-thread kernel. Nothing syncs with the
+  host except ``read_flag`` and ``to_host``.
 * Foreign GPU arrays: ``owns_array`` claims only cupy arrays, so a torch tensor still picks the
   torch backend. Once cupy is *chosen* (``backend="cupy"`` or ``POLYAMP_BACKEND=cupy``) its
   ``accepts_array`` hook also takes CUDA arrays exposing ``__dlpack__`` or

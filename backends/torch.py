@@ -1,8 +1,9 @@
 """PyTorch backend: torch's own fused kernels, grouped per (device, dtype); torch imported lazily.
 
 ``torch._amp_foreach_non_finite_check_and_unscale_`` unscales a whole group in one call and
-``torch._amp_update_scale_`` runs torch's rule on the device when ``backoff_interval`` is 1;
-other configs run :func:`polyamp.policy.next_state` as tensor ops. Nothing here reads a
+``torch._amp_update_scale_`` runs torch's rule on the device when ``backoff_interval`` is 1,
+followed by an in-place clamp at ``SCALE_FLOOR`` (torch's own rule lets the scale reach 0); other
+configs run :func:`polyamp.policy.next_state` as tensor ops. Nothing here reads a
 device value back except :func:`read_flag` and :func:`to_host`.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp._hookspecs import hookimpl
+from polyamp.config import SCALE_FLOOR
 from polyamp.policy import LossScaleState, next_state
 
 _CASTS = ("float32", "float16", "bfloat16", "float64")
@@ -158,6 +160,9 @@ def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
             scale, growth, found_inf,
             config.growth_factor, config.backoff_factor, config.growth_interval,
         )
+        # torch backs off below float32's smallest normal down to 0; stop at the floor instead.
+        # A no-op for every scale torch keeps >= the floor, so trajectories stay bitwise torch's.
+        scale.clamp_(min=SCALE_FLOOR)
         return state
     if not config.dynamic:
         return state

@@ -1,6 +1,8 @@
-"""``GradScaler(enable=False)`` and ``AmpScaler(enable=False)``: no-op types, as paddle's disabled scalers.
+"""What ``GradScaler(enable=False)`` and ``AmpScaler(enable=False)`` do: no-ops, as paddle's disabled scalers.
 
-Each verb passes straight to the optimizer, so no method asks "am I enabled?".
+Mixins placed before an enabled class by :func:`disabled_type`, so each verb passes straight
+to the optimizer and no method asks "am I enabled?". This module imports nothing of
+``compat/paddle.py``: the enabled classes come in as arguments.
 """
 
 from __future__ import annotations
@@ -8,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from ._paddle_steps import apply_optimizer
-from .paddle import AmpScaler, GradScaler
 
 
-class DisabledAmpScaler(AmpScaler):
+class DisabledAmp:
     """``AmpScaler(enable=False)``: scale() returns its input, minimize() just minimizes."""
 
     _enable = False
@@ -20,7 +21,7 @@ class DisabledAmpScaler(AmpScaler):
         """``var`` unchanged."""
         return var
 
-    def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.minimize(*args, **kwargs)`` (``step()`` where there is none); never skipped."""
         return apply_optimizer(optimizer, args, kwargs)
 
@@ -40,7 +41,7 @@ class DisabledAmpScaler(AmpScaler):
         return None
 
 
-class DisabledGradScaler(DisabledAmpScaler, GradScaler):
+class DisabledGrad(DisabledAmp):
     """``GradScaler(enable=False)``: step() steps, update() and unscale_() do nothing."""
 
     def step(self, optimizer: Any) -> None:
@@ -54,3 +55,21 @@ class DisabledGradScaler(DisabledAmpScaler, GradScaler):
     def unscale_(self, optimizer: Any) -> None:
         """Nothing to undo."""
         return None
+
+
+_MADE: dict[type, type] = {}
+
+
+def disabled_type(cls: type, with_step: bool) -> type:
+    """The no-op type for ``cls(enable=False)``: a mixin before ``cls``, made once per class.
+
+    ``with_step``: ``cls`` is a GradScaler (step, update, unscale_). A user's subclass gets
+    its own disabled type, still an instance of the subclass.
+    """
+    if not getattr(cls, "_enable", True):
+        return cls
+    if cls not in _MADE:
+        mixin = DisabledGrad if with_step else DisabledAmp
+        _MADE[cls] = type(f"Disabled{cls.__name__}", (mixin, cls),
+                          {"__module__": cls.__module__, "_public_class": cls})
+    return _MADE[cls]

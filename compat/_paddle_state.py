@@ -18,7 +18,6 @@ behaviour, so default checkpoints are exactly paddle's and torch's.
 
 from __future__ import annotations
 
-import math
 import numbers
 import re
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from polyamp._errors import ConfigError, StateDictError
-from polyamp.config import LossScaleConfig
+from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
 
 from ._torch_state import TORCH_KEYS
@@ -41,6 +40,12 @@ _PADDLE_NAMES = {
     "dynamic": "use_dynamic_loss_scaling",
 }
 _EXTRAS = ("min_scale", "max_scale")
+TORCH_NAMES = {  # paddle key -> the torch key it was converted from, for messages
+    "incr_ratio": "growth_factor", "decr_ratio": "backoff_factor", "incr_every_n_steps": "growth_interval",
+    "decr_every_n_nan_or_inf": "backoff_interval", "incr_count": "_growth_tracker",
+    "decr_count": "_backoff_tracker",
+}
+_COUNT_LIMIT = 2**31  # the device trackers are int32
 
 
 class PaddleConfigError(ConfigError, AssertionError):
@@ -114,25 +119,54 @@ def to_paddle_state(engine: LossScaler) -> dict[str, Any]:
 
 
 def scale_of(value: Any) -> float:
-    """The scale stored under ``"scale"``: a 1-element array/tensor (paddle) or a number (torch)."""
-    flat = np.asarray(value, dtype=np.float64).reshape(-1)
-    if flat.size != 1 or not (math.isfinite(flat[0]) and flat[0] > 0):
+    """The scale stored under ``"scale"``: a 1-element array/tensor (paddle) or a number (torch).
+
+    Checked by :func:`polyamp.config.check_scale` before rounding to float32, so the result is
+    a positive normal float32 value. Raises StateDictError naming the key and the value.
+    """
+    number = value
+    if hasattr(value, "shape") or hasattr(value, "__array__"):  # paddle's [1] array, a tensor
+        try:
+            flat = np.asarray(value).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            flat = np.empty(0)
+        if flat.size != 1 or flat.dtype.kind not in "iuf":
+            raise StateDictError(
+                f"state_dict['scale'] must hold one number, got {short_repr(value)} "
+                f"({flat.size} elements). Fix: store it as paddle does, a 1-element float32 array "
+                "such as np.array([65536.0], np.float32), or as a float (torch's format)."
+            )
+        number = flat[0].item()
+    try:
+        scale = check_scale("scale", plain(number), StateDictError)
+    except StateDictError as exc:
+        raise StateDictError(f"state_dict['scale'] is invalid: {exc}") from None
+    return float(np.float32(scale))
+
+
+def _count(state: dict[str, Any], key: str, interval: int, interval_key: str, names: dict[str, str]) -> int:
+    """A saved counter: an int in [0, its interval) and below 2**31 (the trackers are int32)."""
+    value, name = plain(state[key]), names.get(key, key)
+    limit = min(interval, _COUNT_LIMIT)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < limit:
+        bound = f"{names.get(interval_key, interval_key)}={interval}" if limit == interval else "2**31"
         raise StateDictError(
-            f"state_dict['scale'] must be one finite number > 0 (paddle saves a 1-element "
-            f"float32 array), got {value!r}"
+            f"state_dict[{name!r}] must be an int >= 0 and below {bound}, got {name}={short_repr(value)}; "
+            "a scaler never saves a count that has reached its interval. Fix: set it to 0 to "
+            "restart the count."
         )
-    return float(np.float32(flat[0]))
-
-
-def _count(state: dict[str, Any], key: str) -> int:
-    value = plain(state[key])
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise StateDictError(f"state_dict[{key!r}] must be an int >= 0, got {value!r}")
     return int(value)
 
 
-def load_paddle_state(engine: LossScaler, state: dict[str, Any]) -> float:
-    """Load a paddle-format state dict into ``engine``; validated whole first. Returns the scale."""
+def parse_paddle_state(
+    state: dict[str, Any], base: LossScaleConfig, names: dict[str, str] | None = None
+) -> tuple[LossScaleConfig, float, int, int]:
+    """Validate a paddle-format state dict whole: ``(config, scale, incr_count, decr_count)``.
+
+    ``base`` supplies the fields paddle does not save; ``names`` maps paddle's keys to the
+    user's (torch's when converted), so every message names a key the user wrote.
+    """
+    names = names or {}
     missing = [k for k in PADDLE_KEYS if k not in state]
     if missing:
         raise PaddleStateDictError(
@@ -140,18 +174,34 @@ def load_paddle_state(engine: LossScaler, state: dict[str, Any]) -> float:
             "(or torch's, which are converted)"
         )
     scale = scale_of(state["scale"])
+    dynamic = plain(state["use_dynamic_loss_scaling"])
+    if not isinstance(dynamic, bool):
+        raise StateDictError(
+            f"state_dict['use_dynamic_loss_scaling'] must be True or False, got {short_repr(dynamic)} "
+            f"({type(dynamic).__name__}). Fix: store a bool, as paddle's state_dict() does."
+        )
+    engine_names = {field: names.get(key, key) for field, key in _PADDLE_NAMES.items()}
     try:
         config = build_config(
-            engine.config.replace, growth_factor=state["incr_ratio"], backoff_factor=state["decr_ratio"],
-            growth_interval=state["incr_every_n_steps"],
-            backoff_interval=state["decr_every_n_nan_or_inf"],
-            dynamic=bool(state["use_dynamic_loss_scaling"]), **{k: state.get(k) for k in _EXTRAS},
+            base.replace, engine_names, growth_factor=state["incr_ratio"],
+            backoff_factor=state["decr_ratio"], growth_interval=state["incr_every_n_steps"],
+            backoff_interval=state["decr_every_n_nan_or_inf"], dynamic=dynamic,
+            **{k: state.get(k) for k in _EXTRAS},
         )
     except PaddleConfigError as exc:
         raise StateDictError(f"GradScaler state_dict has an invalid value: {exc}") from None
+    incr = _count(state, "incr_count", config.growth_interval, "incr_every_n_steps", names)
+    decr = _count(state, "decr_count", config.backoff_interval, "decr_every_n_nan_or_inf", names)
+    return config, scale, incr, decr
+
+
+def load_paddle_state(
+    engine: LossScaler, state: dict[str, Any], names: dict[str, str] | None = None
+) -> float:
+    """Load a paddle-format state dict into ``engine``; validated whole first. Returns the scale."""
+    config, scale, incr, decr = parse_paddle_state(state, engine.config, names)
     full = engine.state_dict()
-    full.update(config=config.to_dict(), scale=scale, growth_tracker=_count(state, "incr_count"),
-                backoff_tracker=_count(state, "decr_count"))
+    full.update(config=config.to_dict(), scale=scale, growth_tracker=incr, backoff_tracker=decr)
     engine.load_state_dict(full)
     return scale
 
@@ -197,24 +247,21 @@ def to_torch_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     """
     if len(state) == 0:
         return {}
-    missing = [k for k in PADDLE_KEYS if k not in state]
-    if missing:
-        raise PaddleStateDictError(f"paddle GradScaler state_dict lacks key(s) {missing}")
-    if not state["use_dynamic_loss_scaling"]:
+    config, scale, incr, decr = parse_paddle_state(state, LossScaleConfig(product_dtype="float32"))
+    if not config.dynamic:
         raise StateDictError(
             "use_dynamic_loss_scaling=False has no torch equivalent (torch.amp.GradScaler always "
             "scales dynamically). Fix: load it into polyamp.compat.paddle.GradScaler, or set "
             "state_dict['use_dynamic_loss_scaling'] = True to convert it as a dynamic scaler."
         )
     torch_state: dict[str, Any] = {
-        "scale": scale_of(state["scale"]),
-        "growth_factor": float(plain(state["incr_ratio"])),
-        "backoff_factor": float(plain(state["decr_ratio"])),
-        "growth_interval": int(plain(state["incr_every_n_steps"])),
-        "_growth_tracker": int(plain(state["incr_count"])),
+        "scale": scale,
+        "growth_factor": float(config.growth_factor),
+        "backoff_factor": float(config.backoff_factor),
+        "growth_interval": config.growth_interval,
+        "_growth_tracker": incr,
     }
-    interval, decr_count = int(plain(state["decr_every_n_nan_or_inf"])), int(plain(state["decr_count"]))
-    if interval != 1 or decr_count:
-        torch_state.update(backoff_interval=interval, _backoff_tracker=decr_count)
-    torch_state.update({k: state[k] for k in _EXTRAS if state.get(k) is not None})
+    if config.backoff_interval != 1 or decr:
+        torch_state.update(backoff_interval=config.backoff_interval, _backoff_tracker=decr)
+    torch_state.update({k: getattr(config, k) for k in _EXTRAS if getattr(config, k) is not None})
     return torch_state

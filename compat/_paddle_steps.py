@@ -31,17 +31,20 @@ def param_grad_pairs(optimizer: Any) -> list[tuple[Any, Any]]:
     return pairs
 
 
-def apply_optimizer(optimizer: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    """``optimizer.minimize(*args, **kwargs)``, or ``step()`` where there is none: paddle's pair."""
+def apply_optimizer(optimizer: Any, args: tuple, kwargs: dict) -> Any:
+    """``optimizer.minimize(*args, **kwargs)``'s result as it is (paddle's is a pair), or, where
+    there is no ``minimize``, ``step()`` and paddle's pair ``([], [(param, grad), ...])``."""
     if callable(getattr(optimizer, "minimize", None)):
-        optimize_ops, params_grads = optimizer.minimize(*args, **kwargs)
-        return optimize_ops, params_grads
+        return optimizer.minimize(*args, **kwargs)
     optimizer.step()
     return [], param_grad_pairs(optimizer)
 
 
 def log_change(before: HostState, after: HostState, found: bool, config: Any) -> None:
-    """Say on the ``polyamp`` logger how the scale moved (paddle prints only its decreases)."""
+    """Say on the ``polyamp`` logger how the scale moved (paddle prints only its decreases).
+
+    Overflows at INFO; growth, routine in a healthy run, at DEBUG (importing paddle turns INFO on).
+    """
     if found and after.scale != before.scale:
         logger.info("Found inf or nan in gradients: loss scale decreased %g -> %g (decr_ratio=%g)",
                     before.scale, after.scale, config.backoff_factor)
@@ -52,5 +55,5 @@ def log_change(before: HostState, after: HostState, found: bool, config: Any) ->
     elif found:
         logger.info("Found inf or nan in gradients: loss scale kept at min_scale=%g", after.scale)
     elif after.scale != before.scale:
-        logger.info("loss scale increased %g -> %g after %d finite steps (incr_every_n_steps)",
-                    before.scale, after.scale, config.growth_interval)
+        logger.debug("loss scale increased %g -> %g after %d finite steps (incr_every_n_steps)",
+                     before.scale, after.scale, config.growth_interval)

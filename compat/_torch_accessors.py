@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from polyamp import schedule
+from polyamp._errors import ConfigError
 from polyamp.engine import LossScaler
 
-from ._torch_state import load_torch_state, to_torch_state
+from ._torch_state import check_interval, load_torch_state, to_torch_state
 
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_stages", "_found",
@@ -101,7 +102,8 @@ class ScalerAccessors:
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval; validated (ValueError naming the value), unlike torch."""
-        self._engine.reconfigure(growth_interval=new_interval)
+        self._engine.reconfigure(growth_interval=check_interval("growth_interval", new_interval,
+                                                                 ConfigError))
 
     def _get_growth_tracker(self) -> int:
         """torch's private getter: consecutive clean steps so far (a device sync)."""
@@ -130,9 +132,6 @@ class ScalerAccessors:
             )
         load_torch_state(self._engine, state_dict)
 
-    def __reduce__(self) -> Any:
-        return (_restore, (type(self), self.__getstate__()))
-
     def __getstate__(self) -> dict[str, Any]:
         if self._stages:
             raise AssertionError(
@@ -155,13 +154,3 @@ class ScalerAccessors:
     def __repr__(self) -> str:
         return f"GradScaler(device={self._device!r}, engine={self._engine!r})"
 
-
-def _restore(cls: type, state: dict[str, Any]) -> Any:
-    """Unpickle without ``__new__``'s CUDA check: a scaler stays enabled or disabled as it was."""
-    if "disabled" in state:
-        from ._torch_disabled import disabled_class
-
-        cls, state = disabled_class(cls), state["disabled"]
-    obj = object.__new__(cls)
-    obj.__setstate__(state)
-    return obj

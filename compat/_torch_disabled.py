@@ -1,22 +1,54 @@
-"""``GradScaler(enabled=False)``: its own type, so no method of the enabled scaler asks "am I on?".
+"""When ``GradScaler()`` is disabled, and the no-op methods a disabled scaler has.
 
+Imports nothing of the facade: ``polyamp.compat.torch`` builds the disabled type from
+:class:`DisabledMethods` and its ``GradScaler``, so no two modules import each other.
 Mirrors torch's disabled scaler: every method is a pass-through and nothing is validated.
 Unlike torch, the getters return the values given instead of raising AttributeError.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib.util
+import os
+import sys
+import warnings
 from typing import Any
 
-from ._torch_accessors import _restore
-from .torch import GradScaler
+from polyamp._registry import ENV_VAR
+
+CUDA_MISSING = (
+    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."  # torch's
+    " (polyamp: to scale NumPy or CuPy arrays here, pass backend='numpy' or backend='cupy'.)"
+)
 
 
-class DisabledGradScaler(GradScaler):
-    """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
+def cuda_missing(device: str, backend: str | None) -> bool:
+    """torch's rule for ``device="cuda"``: warn and disable when CUDA cannot work here.
 
-    _public_class: type = GradScaler
+    Asked only when the arrays may be torch's (backend None or "torch", after
+    POLYAMP_BACKEND) and torch is installed; it is imported then (at construction, never at
+    ``import polyamp``), so the answer does not depend on whether torch was imported first.
+    Without torch installed the scaler stays enabled: NumPy and CuPy users are not turned off.
+    """
+    chosen = backend or os.environ.get(ENV_VAR, "").strip() or None
+    if device != "cuda" or chosen not in (None, "torch"):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None:
+        if importlib.util.find_spec("torch") is None:
+            return False
+        import torch
+    if not torch.cuda.amp.common.amp_definitely_not_available():
+        return False
+    warnings.warn(CUDA_MISSING, stacklevel=3)
+    return True
+
+
+class DisabledMethods:
+    """The no-op methods of ``GradScaler(enabled=False)`` (or device="cuda" without CUDA)."""
+
+    _device: str
+    _enabled: bool
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -95,9 +127,6 @@ class DisabledGradScaler(GradScaler):
         """Ignored, as torch's disabled scaler."""
         return None
 
-    def __reduce__(self) -> Any:
-        return (_restore, (self._public_class, {"disabled": dict(self.__dict__)}))
-
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
@@ -107,12 +136,3 @@ class DisabledGradScaler(GradScaler):
     def __repr__(self) -> str:
         return f"GradScaler(device={self._device!r}, enabled=False)"
 
-
-@functools.cache
-def disabled_class(cls: type) -> type:
-    """The disabled type for ``cls``: DisabledGradScaler, or for a user subclass of GradScaler
-    a subclass of both, so the user's overrides run on top of the no-op methods."""
-    if cls is GradScaler:
-        return DisabledGradScaler
-    namespace = {"_public_class": cls, "__module__": cls.__module__}
-    return type(f"Disabled{cls.__name__}", (cls, DisabledGradScaler), namespace)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from polyamp._errors import ForeignArrayError
 from polyamp.adapters import iter_params
+from polyamp.backend import Backend
 
 _FP16: dict[Any, bool] = {}  # dtype -> is it float16; dtypes are few, so this stays tiny
 
@@ -61,12 +63,46 @@ def _coalesce_sparse_fp16(optimizer: Any) -> None:
             param.grad = grad.coalesce()
 
 
-def collect_grads(optimizer: Any, allow_fp16: bool) -> list[Any]:
-    """The non-None gradients of ``optimizer``; ValueError on FP16 unless ``allow_fp16``.
+def _library_name(kind: type) -> str:
+    """``numpy.ndarray``, ``torch.Tensor``, ``cupy.ndarray``: the library and the type."""
+    return f"{kind.__module__.partition('.')[0]}.{kind.__name__}"
+
+
+def check_one_library(grads: list[Any], backend: Backend) -> None:
+    """ForeignArrayError unless every gradient is of one array library that ``backend`` holds.
+
+    Costs one pass over the gradient types (in C) and one ``accepts_array`` call per step.
+    """
+    kinds = set(map(type, grads))
+    if len(kinds) == 1 and backend.accepts_array(grads[0]):
+        return
+    names = sorted({_library_name(kind) for kind in kinds})
+    if len({name.partition(".")[0] for name in names}) > 1:
+        raise ForeignArrayError(
+            f"one optimizer holds parameters of more than one array library: its gradients "
+            f"are {' and '.join(names)}, and a GradScaler unscales the arrays of one library. "
+            "Fix: one optimizer per array library, each with its own GradScaler "
+            "(a scaler keeps its scale in one library: backend= or its first scale() call's)."
+        )
+    foreign = next(g for g in grads if not backend.accepts_array(g))
+    raise ForeignArrayError(
+        f"the optimizer's gradients are {' and '.join(names)}, but this GradScaler keeps its "
+        f"scale in backend {backend.name!r} (chosen by backend= or its first scale() call), "
+        f"which cannot hold a {_library_name(type(foreign))}. Fix: one GradScaler per array "
+        "library, each scaling that library's loss."
+    )
+
+
+def collect_grads(optimizer: Any, allow_fp16: bool, backend: Backend) -> list[Any]:
+    """The non-None gradients of ``optimizer``; ValueError on FP16 unless ``allow_fp16``,
+    ForeignArrayError when they are not all arrays of one library that ``backend`` holds.
 
     Reads each ``.grad`` once and each dtype once: no per-parameter branching in Python.
+    Every check comes before anything is changed.
     """
     grads = [g for g in _all_grads(optimizer) if g is not None]
+    if grads:
+        check_one_library(grads, backend)
     if grads and any(is_fp16(dtype) for dtype in {g.dtype for g in grads}):
         if not allow_fp16:
             raise ValueError("Attempting to unscale FP16 gradients.")

@@ -9,15 +9,19 @@ state dict is exactly torch's and each loads into the other.
 
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from polyamp import checkpoint
 from polyamp._errors import ConfigError, StateDictError
-from polyamp.config import LossScaleConfig
+from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+TRACKER_LIMIT = 2**31  # the trackers are int32 on the device
+INTERVAL_LIMIT = 2**63 - 1  # torch's _amp_update_scale_ takes growth_interval as an int64
 NEW_SCALE = (
     "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
     "torch.FloatTensor with requires_grad=False."
@@ -51,13 +55,19 @@ def to_torch_state(engine: LossScaler) -> dict[str, Any]:
     return state
 
 
-def load_torch_state(engine: LossScaler, state: dict[str, Any]) -> None:
+def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> None:
     """Load a torch-format (or polyamp engine) state dict into ``engine``; all or nothing.
 
-    Validated completely before anything changes: a bad dict leaves the scaler as it was.
+    Validated completely before anything changes: a bad dict leaves the scaler as it was,
+    and the error names the key as written in the dict.
     """
+    if not isinstance(state, Mapping):
+        raise StateDictError(
+            f"GradScaler.load_state_dict: state_dict must be a dict as written by "
+            f"GradScaler.state_dict(), got {short_repr(state)} ({type(state).__name__})"
+        )
     if state.get("format") == checkpoint.FORMAT:
-        engine.load_state_dict(state)
+        engine.load_state_dict(dict(state))
         return
     missing = [k for k in TORCH_KEYS if k not in state]
     if missing:
@@ -65,32 +75,99 @@ def load_torch_state(engine: LossScaler, state: dict[str, Any]) -> None:
             f"GradScaler state_dict lacks key(s) {missing}; expected torch's keys "
             f"{list(TORCH_KEYS)} as written by GradScaler.state_dict()"
         )
-    full = engine.state_dict()
-    full["config"].update(
-        growth_factor=_convert(state, "growth_factor", float),
-        backoff_factor=_convert(state, "backoff_factor", float),
-        growth_interval=_convert(state, "growth_interval", int),
-        backoff_interval=_convert(state, "backoff_interval", int, 1),
-        min_scale=state.get("min_scale"),
-        max_scale=state.get("max_scale"),
-    )
-    full["scale"] = _convert(state, "scale", float)
-    full["growth_tracker"] = _convert(state, "_growth_tracker", int)
-    full["backoff_tracker"] = _convert(state, "_backoff_tracker", int, 0)
+    try:
+        full = _engine_state(engine, state)
+    except StateDictError as exc:
+        raise StateDictError(
+            f"GradScaler.load_state_dict: {exc}. Fix: load a state dict written by "
+            "GradScaler.state_dict(), or correct that value; the scaler is unchanged."
+        ) from None
     engine.load_state_dict(full)
 
 
-def _convert(state: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
-    """``kind(state[key])``, or a StateDictError naming the key and the value."""
-    value = state.get(key, default)
+def _engine_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's state dict holding ``state``'s values, each checked under its torch key."""
+    growth_interval = check_interval("growth_interval", _integer(state, "growth_interval"),
+                                     StateDictError)
+    backoff_interval = check_interval("backoff_interval", _integer(state, "backoff_interval", 1),
+                                      StateDictError)
+    bounds = {k: None if state.get(k) is None else check_scale(k, _number(state, k), StateDictError)
+              for k in ("min_scale", "max_scale")}
     try:
-        if isinstance(value, bool) or (kind is int and value != int(value)):
-            raise ValueError
-        return kind(value)
-    except (TypeError, ValueError):
+        config = engine.config.replace(
+            growth_factor=_factor(state, "growth_factor"),
+            backoff_factor=_factor(state, "backoff_factor"),
+            growth_interval=growth_interval, backoff_interval=backoff_interval, **bounds,
+        )
+    except ConfigError as exc:
+        raise StateDictError(str(exc)) from None
+    full = engine.state_dict()
+    full.update(
+        config=config.to_dict(),
+        scale=check_scale("scale", _number(state, "scale"), StateDictError),
+        growth_tracker=_tracker(state, "_growth_tracker", "growth_interval", growth_interval),
+        backoff_tracker=_tracker(state, "_backoff_tracker", "backoff_interval", backoff_interval),
+    )
+    return full
+
+
+def _number(state: Mapping[str, Any], key: str, default: Any = None) -> int | float:
+    """``state[key]`` as a Python int or float; NumPy scalars and 1-element tensors (which
+    torch's loader also takes) by their ``.item()``. Strings, bools and None are refused."""
+    value = state.get(key, default)
+    if is_array(value) and hasattr(value, "item") and _numel(value) == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise StateDictError(
-            f"GradScaler state_dict[{key!r}] must be a {kind.__name__}, got {value!r}"
-        ) from None
+            f"{key} must be a number, got {key}={short_repr(value)} ({type(value).__name__})"
+        )
+    return value
+
+
+def _factor(state: Mapping[str, Any], key: str) -> float:
+    """A finite factor as a float (its range is the config's to check)."""
+    value = _number(state, key)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float64
+        number = math.inf
+    if not math.isfinite(number):
+        raise StateDictError(f"{key} must be a finite number, got {key}={short_repr(value)}")
+    return number
+
+
+def _integer(state: Mapping[str, Any], key: str, default: Any = None) -> int:
+    """An int, or a float holding an integer (as torch's int tensors take); else an error."""
+    value = _number(state, key, default)
+    if isinstance(value, float):
+        if not value.is_integer():  # also inf and nan
+            raise StateDictError(f"{key} must be an int, got {key}={short_repr(value)}")
+        return int(value)
+    return value
+
+
+def _tracker(state: Mapping[str, Any], key: str, interval_key: str, interval: int) -> int:
+    """A step counter: an int in [0, interval) and below 2**31 (it is int32 on the device)."""
+    value = _integer(state, key, 0 if key == "_backoff_tracker" else None)
+    limit = min(interval, TRACKER_LIMIT)
+    if not 0 <= value < limit:
+        raise StateDictError(
+            f"{key} must be an int in [0, {limit}) (below {interval_key}={interval} and 2**31, "
+            f"as the update keeps it), got {key}={short_repr(value)}"
+        )
+    return value
+
+
+def check_interval(name: str, value: Any, error: type[Exception]) -> Any:
+    """``value`` unless it is an int beyond int64 (torch's update kernel takes an int64;
+    beyond it, the update raised a raw OverflowError on the first step)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > INTERVAL_LIMIT:
+        raise error(
+            f"{name} must be at most 2**63 - 1 (the update kernels take an int64), got "
+            f"{name}={short_repr(value)}; for an interval that is never reached, pass e.g. "
+            f"{name}=2**62"
+        )
+    return value
 
 
 def is_array(value: Any) -> bool:
@@ -142,6 +219,8 @@ def torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
         raise TorchConfigError(
             f"The backoff factor must be < 1.0. Got backoff_factor={backoff_factor!r}."
         )
+    check_interval("growth_interval", growth_interval, TorchConfigError)
+    check_interval("backoff_interval", backoff_interval, TorchConfigError)
     try:
         return LossScaleConfig(
             init_scale=init_scale, growth_factor=growth_factor,

@@ -18,13 +18,15 @@ polyamp's ``_backoff_tracker`` and (no torch key: torch is always dynamic).
 Where polyamp differs from paddle, on purpose:
 
 * it works on CPU (paddle's disables itself off GPU/XPU) and over NumPy, torch and CuPy;
-* scale changes go to the ``polyamp`` logger (INFO), not ``print``;
+* scale changes go to the ``polyamp`` logger (overflows at INFO, growth at DEBUG), not ``print``;
 * ``scale()`` keeps its input's shape (paddle returns shape [1] for a 0-d loss) and never
   turns itself off (paddle disables dynamic scaling when ``scale()`` runs outside
   ``auto_cast(dtype='float16')``; pass ``enable=False`` for bfloat16);
 * a growth that would overflow float32 keeps the scale (paddle's dygraph update makes it inf);
 * bad arguments raise at once, also when disabled (paddle asserts only two, when enabled);
-* a disabled scaler's getters return the values it was given (paddle's raise AttributeError).
+* a disabled scaler's getters return the values it was given (paddle's raise AttributeError);
+* ``use_dynamic_loss_scaling`` and state-dict values are checked, not passed through ``bool()``;
+* ``pickle`` and ``copy.deepcopy`` copy a scaler with its state without pickling the engine.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from typing import Any
 from polyamp import schedule
 from polyamp.engine import LossScaler
 
+from ._paddle_copy import facade_state, restore, restore_facade
+from ._paddle_disabled import disabled_type
 from ._paddle_state import (
+    TORCH_NAMES,
     PaddleConfigError,
     PaddleStateDictError,
     build_config,
@@ -64,7 +69,7 @@ class AmpScaler:
     _enable = True
 
     def __new__(cls, enable: bool = True, *args: Any, **kwargs: Any) -> AmpScaler:
-        return object.__new__(cls if enable else _DISABLED.get(cls, cls))
+        return object.__new__(cls if enable else disabled_type(cls, issubclass(cls, GradScaler)))
 
     def __init__(
         self,
@@ -103,19 +108,20 @@ class AmpScaler:
         backend = self._engine.bind(var)
         return backend.scale_array(var, self._engine.state.scale)  # type: ignore[union-attr]
 
-    def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless unscale_ ran), ``optimizer.minimize(...)`` unless inf/nan, update the scale.
 
-        Optimizers without ``minimize`` get ``step()`` (``args`` are not passed). Returns paddle's
-        ``(optimize_ops, params_grads)``; ``(None, None)`` when skipped. Reads one flag on the host.
+        Optimizers without ``minimize`` get ``step()`` (``args`` are not passed). Returns what
+        ``optimizer.minimize`` returned (paddle's ``(optimize_ops, params_grads)``), as it is;
+        ``(None, None)`` when skipped. Reads one flag on the host.
         """
         if self._stage(optimizer) is OptimizerState.INIT:
             self._unscale(optimizer)
-        result = self._run(optimizer, lambda: apply_optimizer(optimizer, args, kwargs))
+        ran, result = self._run(optimizer, lambda: apply_optimizer(optimizer, args, kwargs))
         if self.is_use_dynamic_loss_scaling():
             self._update()
         self._stages.clear()
-        return (None, None) if result is None else result
+        return result if ran else (None, None)
 
     def _stage(self, optimizer: Any) -> OptimizerState:
         return self._stages.get(id(optimizer), OptimizerState.INIT)
@@ -134,32 +140,34 @@ class AmpScaler:
         self._found_inf = engine.unscale_group_(grads) if grads or engine.state is not None else None
         self._stages[id(optimizer)] = OptimizerState.UNSCALED
 
-    def _run(self, optimizer: Any, call: Callable[[], Any]) -> Any:
-        """``call()`` unless the last unscale saw inf/nan; paddle optimizers decide themselves.
-
-        Paddle optimizers take the flag as their ``found_inf`` auxiliary variable, as paddle does.
+    def _run(self, optimizer: Any, call: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(ran, call())``, not calling it if the last unscale saw inf/nan; paddle optimizers
+        take the flag as their ``found_inf`` auxiliary variable and decide themselves, as in paddle.
         """
-        flag = self._found_inf
+        flag = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
-            result = call()
+            ran, result = True, call()
             found = bool(optimizer._get_auxiliary_var("found_inf"))
         else:
-            found = flag is not None and self._engine.backend.read_flag(flag)  # type: ignore[union-attr]
-            result = None if found else call()
+            found = flag if isinstance(flag, bool) else (
+                flag is not None and self._engine.backend.read_flag(flag))  # type: ignore[union-attr]
+            ran = not found
+            result = call() if ran else None
         self._cache_found_inf = self.last_step_skipped = found
         self.skipped_steps += found
-        return result
+        return ran, result
 
     def _update(self) -> None:
         """One step of paddle's rule with the last step's flag; reads the scale only to log it."""
         found, engine = bool(self._cache_found_inf), self._engine
-        if not logger.isEnabledFor(logging.INFO):
+        if not logger.isEnabledFor(logging.INFO if found else logging.DEBUG):  # else no sync
             engine.update(found_inf=found)
-            return
-        before = engine.host_state()
-        engine.update(found_inf=found)
-        log_change(before, engine.host_state(), found, engine.config)
+        else:
+            before = engine.host_state()
+            engine.update(found_inf=found)
+            log_change(before, engine.host_state(), found, engine.config)
+        engine.warn_if_at_floor(found)
 
     def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
         """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped."""
@@ -240,9 +248,22 @@ class AmpScaler:
                 "The input state dict is empty, possibly because it was saved "
                 "from a disabled instance of GradScaler."
             )
+        names = None
         if is_torch_format(state_dict):
-            state_dict = from_torch_state_dict(state_dict)
-        self._init_loss_scaling = load_paddle_state(self._engine, state_dict)
+            state_dict, names = from_torch_state_dict(state_dict), TORCH_NAMES
+        self._init_loss_scaling = load_paddle_state(self._engine, state_dict, names)
+
+    # -- copies -----------------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuilt through ``restore``, so disabled scalers (types made per class) copy too."""
+        return (restore, (getattr(self, "_public_class", type(self)), self._enable, self.__getstate__()))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Plain data: the engine as its backend name and state dict (a device sync)."""
+        return facade_state(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        restore_facade(self, state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(enable={self._enable}, engine={self._engine!r})"
@@ -294,6 +315,5 @@ class GradScaler(AmpScaler):
         return self._unscale(optimizer)
 
 
-from ._paddle_disabled import DisabledAmpScaler, DisabledGradScaler  # noqa: E402
-
-_DISABLED: dict[type, type] = {AmpScaler: DisabledAmpScaler, GradScaler: DisabledGradScaler}
+DisabledAmpScaler = disabled_type(AmpScaler, with_step=False)
+DisabledGradScaler = disabled_type(GradScaler, with_step=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 import warnings
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -20,6 +19,7 @@ from typing import Any
 from polyamp.engine import LossScaler
 
 from ._torch_accessors import ScalerAccessors
+from ._torch_disabled import DisabledMethods, cuda_missing
 from ._torch_grads import collect_grads
 from ._torch_state import TorchConfigError, check_new_scale, is_array, torch_config
 
@@ -44,12 +44,6 @@ class OptState(Enum):
 READY, UNSCALED, STEPPED = OptState.READY, OptState.UNSCALED, OptState.STEPPED
 
 
-def _cuda_missing() -> bool:
-    """torch's "CUDA cannot work here" test, asked only when torch is already imported."""
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.amp.common.amp_definitely_not_available()
-
-
 @functools.lru_cache(maxsize=64)
 def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
     """Whether an optimizer's step accepts ``grad_scaler=`` (torch's deprecated protocol)."""
@@ -63,19 +57,15 @@ class GradScaler(ScalerAccessors):
     """
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
-        """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type."""
-        from ._torch_disabled import DisabledGradScaler, disabled_class
+        """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type.
 
+        The CUDA rule is :func:`polyamp.compat._torch_disabled.cuda_missing` (torch's test,
+        asked of torch whenever torch is installed).
+        """
         enabled = kwargs.get("enabled", args[4] if len(args) > 4 else True)
-        if issubclass(cls, DisabledGradScaler):
+        if issubclass(cls, DisabledMethods):
             return object.__new__(cls)
-        if enabled and device == "cuda" and kwargs.get("backend") in (None, "torch") and (
-            _cuda_missing()
-        ):
-            warnings.warn(
-                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
-                stacklevel=2,
-            )
+        if enabled and cuda_missing(device, kwargs.get("backend")):
             enabled = False
         return object.__new__(cls if enabled else disabled_class(cls))
 
@@ -103,6 +93,9 @@ class GradScaler(ScalerAccessors):
         self._skipped_host = 0
         self._unread: list[Any] = []
         self._last_skipped: Any = None
+
+    def __reduce__(self) -> Any:
+        return (_restore, (type(self), self.__getstate__()))
 
     def _reset_iteration(self) -> None:
         self._stages: dict[int, OptState] = {}
@@ -142,14 +135,14 @@ class GradScaler(ScalerAccessors):
             )
         if stage is STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        grads = collect_grads(optimizer, allow_fp16=False)
+        grads = collect_grads(optimizer, allow_fp16=False, backend=self._engine.backend)
         self._found[key] = self._engine.unscale_group_(grads) if grads else None
         self._stages[key] = UNSCALED
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
         self._check_initialized("_check_inf_per_device")
-        grads = collect_grads(optimizer, allow_fp16=True)
+        grads = collect_grads(optimizer, allow_fp16=True, backend=self._engine.backend)
         found = self._engine.unscale_group_(grads, check_only=True) if grads else None
         self._stages.setdefault(id(optimizer), READY)
         self._found[id(optimizer)] = found
@@ -239,6 +232,7 @@ class GradScaler(ScalerAccessors):
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
             self._advance(flags[0] if len(flags) == 1 else sum(flags[1:], flags[0]))
+            self._engine.warn_if_at_floor(self._skip_seen)
         self._reset_iteration()
 
     def _advance(self, found_inf: Any) -> None:
@@ -259,3 +253,31 @@ class GradScaler(ScalerAccessors):
         else:
             logger.info("overflow in gradients: step skipped, loss scale kept at %g "
                         "(absorbed by backoff_interval=%d)", before, engine.config.backoff_interval)
+
+
+class DisabledGradScaler(DisabledMethods, GradScaler):
+    """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
+
+    _public_class: type = GradScaler
+
+    def __reduce__(self) -> Any:
+        return (_restore, (self._public_class, {"disabled": dict(self.__dict__)}))
+
+
+@functools.cache
+def disabled_class(cls: type) -> type:
+    """The disabled type for ``cls``: DisabledGradScaler, or for a user subclass of GradScaler
+    a subclass of both, so the user's overrides run on top of the no-op methods."""
+    if cls is GradScaler:
+        return DisabledGradScaler
+    namespace = {"_public_class": cls, "__module__": cls.__module__}
+    return type(f"Disabled{cls.__name__}", (cls, DisabledGradScaler), namespace)
+
+
+def _restore(cls: type, state: dict[str, Any]) -> Any:
+    """Unpickle without ``__new__``'s CUDA check: a scaler stays enabled or disabled as it was."""
+    if "disabled" in state:
+        cls, state = disabled_class(cls), state["disabled"]
+    obj = object.__new__(cls)
+    obj.__setstate__(state)
+    return obj

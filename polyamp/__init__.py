@@ -68,9 +68,13 @@ def make_scaler(
     return (LossScaler if enabled else NoOpLossScaler)(config, backend)
 
 
-def __getattr__(name: str):  # lazy: the facade module stays out of a bare import
+def __getattr__(name: str):  # lazy: the facade and polyamp.optim stay out of a bare import
     if name == "GradScaler":
         from polyamp.compat.torch import GradScaler
 
         return GradScaler
+    if name == "optim":  # as torch.optim after `import torch`
+        import importlib
+
+        return importlib.import_module("polyamp.optim")
     raise AttributeError(f"module 'polyamp' has no attribute {name!r}")

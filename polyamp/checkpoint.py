@@ -1,22 +1,38 @@
-"""Versioned state dicts and atomic checkpoint files (JSON, gzip when the path ends in .gz)."""
+"""Versioned state dicts and checkpoint files: a path (atomic; gzip when it ends in .gz) or a binary file.
+
+Paths are written by :func:`polyamp._atomic_file.atomic_write`. Reading detects gzip by content and
+caps what is read or decompressed at :data:`MAX_BYTES`; every failure to parse names the file and
+raises :class:`StateDictError`.
+"""
 
 from __future__ import annotations
 
 import gzip
+import io
 import json
-import math
 import os
-import tempfile
-from typing import Any
+import zlib
+from typing import IO, Any
 
+from ._atomic_file import atomic_write
 from ._errors import StateDictError
-from .config import LossScaleConfig
+from .config import LossScaleConfig, check_scale, short_repr
 from .policy import HostState
 
 FORMAT = "polyamp.LossScaler"
 VERSION = 1
+#: The most a checkpoint may hold, after decompression (a real one is under 1 KiB): 16 MiB.
+MAX_BYTES = 16 * 2**20
+#: The scale trackers are int32 on the device; a loaded one must stay below this.
+TRACKER_LIMIT = 2**31
+#: steps and skipped_steps are host ints; below this they fit an int64 anywhere.
+COUNTER_LIMIT = 2**63
+_GZIP_MAGIC = b"\x1f\x8b"
+
+Target = str | os.PathLike[str] | IO[bytes]
 
 
+# -- state dicts ------------------------------------------------------------------------
 def to_state_dict(
     config: LossScaleConfig, host: HostState, steps: int, skipped_steps: int
 ) -> dict[str, Any]:
@@ -39,71 +55,127 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
         raise StateDictError(f"state_dict must be a dict, got {type(sd).__name__}")
     if sd.get("format") != FORMAT:
         raise StateDictError(
-            f"state_dict has format={sd.get('format')!r}, expected {FORMAT!r}: it was not "
+            f"state_dict has format={short_repr(sd.get('format'))}, expected {FORMAT!r}: it was not "
             "written by polyamp.LossScaler.state_dict() (facades load their own formats)"
         )
     version = sd.get("version")
     if not isinstance(version, int) or version > VERSION or version < 1:
         raise StateDictError(
-            f"state_dict version={version!r} is not supported; this polyamp reads versions 1..{VERSION}"
+            f"state_dict version={short_repr(version)} is not supported; this polyamp reads "
+            f"versions 1..{VERSION}"
         )
     missing = sorted({"config", "scale", "growth_tracker", "backoff_tracker"} - set(sd))
     if missing:
         raise StateDictError(f"state_dict lacks key(s) {missing}")
     try:
         config = LossScaleConfig.from_dict(dict(sd["config"]))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise StateDictError(f"state_dict['config'] is invalid: {exc}") from exc
-    scale = _number(sd, "scale", float)
-    if not (math.isfinite(scale) and scale > 0):
-        raise StateDictError(f"state_dict['scale'] must be finite and > 0, got {scale!r}")
-    host = HostState(scale, _count(sd, "growth_tracker"), _count(sd, "backoff_tracker"))
-    return config, host, _count(sd, "steps", 0), _count(sd, "skipped_steps", 0)
+    scale = check_scale("state_dict['scale']", sd["scale"], StateDictError)
+    growth = _count(sd, "growth_tracker", min(config.growth_interval, TRACKER_LIMIT),
+                    f"below config growth_interval={config.growth_interval} and 2**31 (int32)")
+    backoff = _count(sd, "backoff_tracker", min(config.backoff_interval, TRACKER_LIMIT),
+                     f"below config backoff_interval={config.backoff_interval} and 2**31 (int32)")
+    steps = _count(sd, "steps", COUNTER_LIMIT, "below 2**63", default=0)
+    skipped = _count(sd, "skipped_steps", COUNTER_LIMIT, "below 2**63", default=0)
+    return config, HostState(scale, growth, backoff), steps, skipped
 
 
-def _number(sd: dict[str, Any], key: str, kind: type) -> Any:
-    value = sd[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise StateDictError(f"state_dict[{key!r}] must be a number, got {value!r}")
-    return kind(value)
-
-
-def _count(sd: dict[str, Any], key: str, default: int | None = None) -> int:
+def _count(sd: dict[str, Any], key: str, limit: int, rule: str, default: int | None = None) -> int:
+    """``sd[key]`` as an int in [0, limit); StateDictError naming the key otherwise."""
     if key not in sd and default is not None:
         return default
     value = sd[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise StateDictError(f"state_dict[{key!r}] must be an int >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise StateDictError(
+            f"state_dict[{key!r}] must be an int >= 0 {rule}, got {key}={short_repr(value)}. "
+            "Fix: load a state_dict written by LossScaler.state_dict() with this config."
+        )
     return value
 
 
-def write(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-    """Write ``state`` as JSON to ``path`` atomically: a temp file in the same folder, then rename."""
-    path = os.fspath(path)
-    payload = json.dumps(state, sort_keys=True).encode()
-    if path.endswith(".gz"):
+# -- writing ----------------------------------------------------------------------------
+def write(f: Target, state: dict[str, Any]) -> None:
+    """Write ``state`` as JSON to a binary file object, or atomically to a path (gzip for .gz/.GZ)."""
+    payload = json.dumps(state, sort_keys=True).encode()  # fails before any file is touched
+    if hasattr(f, "write"):
+        if isinstance(f, io.TextIOBase):
+            raise TypeError(f"save() needs a binary file, got text file {_name(f)}. Fix: open it with 'wb'.")
+        f.write(payload)
+        return
+    path = _as_path(f, "save")
+    if path.lower().endswith(".gz"):
         payload = gzip.compress(payload, mtime=0)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".polyamp-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, payload)
 
 
-def read(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`write` (gzip is detected by content, not name)."""
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+def _as_path(f: Any, verb: str) -> str:
+    if not isinstance(f, (str, os.PathLike)):
+        raise TypeError(
+            f"{verb}() needs a path or a binary file object, got f={short_repr(f)} "
+            f"({type(f).__name__}). Fix: pass a str/pathlib.Path, or a file opened in binary mode."
+        )
+    return os.fspath(f)
+
+
+# -- reading ----------------------------------------------------------------------------
+def read(f: Target) -> dict[str, Any]:
+    """The JSON object in a checkpoint file (gzip detected by content); StateDictError naming it."""
+    name = _name(f)
+    raw = _read_capped(f, name)
+    if raw[:2] == _GZIP_MAGIC:
+        raw = _gunzip(raw, name)
     try:
         return json.loads(raw)
-    except ValueError as exc:
-        raise StateDictError(f"{os.fspath(path)!r} is not a polyamp checkpoint: {exc}") from exc
+    except (ValueError, RecursionError) as exc:
+        raise StateDictError(
+            f"{name} is not a polyamp checkpoint: not valid JSON ({type(exc).__name__}: "
+            f"{str(exc)[:200]}). Fix: load a file written by LossScaler.save()."
+        ) from exc
+
+
+def load(f: Target) -> tuple[LossScaleConfig, HostState, int, int]:
+    """Read and validate a checkpoint; every StateDictError names the file."""
+    data = read(f)
+    try:
+        return from_state_dict(data)
+    except StateDictError as exc:
+        raise StateDictError(f"{_name(f)}: {exc}") from exc
+
+
+def _name(f: Any) -> str:
+    if isinstance(f, (str, os.PathLike)):
+        return repr(os.fspath(f))
+    name = getattr(f, "name", None)
+    return repr(name) if isinstance(name, (str, bytes)) else f"<{type(f).__name__} object>"
+
+
+def _read_capped(f: Target, name: str) -> bytes:
+    if hasattr(f, "read"):
+        raw = f.read(MAX_BYTES + 1)
+        if isinstance(raw, str):
+            raise TypeError(f"load() needs a binary file, got text file {name}. Fix: open it with 'rb'.")
+    else:
+        with open(_as_path(f, "load"), "rb") as fh:
+            raw = fh.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise StateDictError(f"{name} is larger than {MAX_BYTES} bytes: not a polyamp checkpoint.")
+    return raw
+
+
+def _gunzip(raw: bytes, name: str) -> bytes:
+    """Decompress at most MAX_BYTES + 1 bytes (streaming, so a gzip bomb cannot fill memory)."""
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as fh:
+            data = fh.read(MAX_BYTES + 1)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise StateDictError(
+            f"{name} is not a readable gzip file ({type(exc).__name__}: {exc}): truncated or "
+            "corrupt. Fix: load an intact checkpoint written by LossScaler.save()."
+        ) from exc
+    if len(data) > MAX_BYTES:
+        raise StateDictError(
+            f"{name} decompresses to more than {MAX_BYTES} bytes (16 MiB): not a polyamp "
+            "checkpoint (a real one is under 1 KiB)."
+        )
+    return data

@@ -8,17 +8,20 @@ device, created on first use (as torch does), plus host counters.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
-from . import _registry, checkpoint
+from . import _inputs, _registry, checkpoint
 from ._errors import PolyampError
 from .backend import Backend
-from .config import LossScaleConfig
+from .config import SCALE_FLOOR, LossScaleConfig
 from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
+
+_LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
 
 
 class ScalerStateError(PolyampError, RuntimeError):
@@ -27,26 +30,48 @@ class ScalerStateError(PolyampError, RuntimeError):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one :meth:`LossScaler.step` did; ``skipped`` was read on the host (the one sync)."""
+    """What one :meth:`LossScaler.step` did; truthy exactly when the optimizer step ran.
+
+    ``skipped`` was read on the host (the one sync); ``scale_before`` is the scale the step
+    unscaled with (a 0-d device array). The next scale exists only after ``update()``.
+    """
 
     skipped: bool
     scale_before: Any
-    scale_after: Any
+
+    def __bool__(self) -> bool:
+        return not self.skipped
 
     @property
     def applied(self) -> bool:
         """True when the optimizer step ran."""
         return not self.skipped
 
+    @property
+    def scale_after(self) -> Any:
+        """Gone: step() no longer updates the scale, so it cannot know the next one."""
+        raise AttributeError(
+            "StepResult.scale_after no longer exists: step() does not update the scale. "
+            "Fix: call scaler.update() after step(), then read scaler.get_scale()."
+        )
+
 
 class LossScaler:
     """Dynamic loss scaling over any backend: torch's and paddle's rule in one engine.
 
+    The loop is ``stepped = scaler.step(grads, step_fn); scaler.update()``: step unscales
+    (unless ``unscale_`` ran), skips on inf/nan and counts; update moves the scale.
     ``backend`` (or ``POLYAMP_BACKEND``) picks the kernels now; otherwise the first arrays
     seen pick them. Errors about the backend are raised here, before any state changes.
+
+    A scaler belongs to one thread: its iteration state is not locked (torch's GradScaler
+    cannot be shared between threads either). Give each thread its own scaler.
+    Copies (``copy.deepcopy``, ``pickle``, taken between ``update()`` and the next step) are
+    independent and keep the state; the copy recreates its device arrays on first use.
     """
 
     enabled = True
+    _floor_warned = False  # set per instance by warn_if_at_floor; a class default survives copies
 
     def __init__(self, config: LossScaleConfig | None = None, backend: str | None = None) -> None:
         if config is None:
@@ -61,9 +86,15 @@ class LossScaler:
         self._backend: Backend | None = _registry.get_backend(name, source) if name else None
         self._state: LossScaleState | None = None
         self._host = HostState(float(config.init_scale), 0, 0)
-        self._pending: Any = None
+        self._end_iteration()
         self.steps = 0
         self.skipped_steps = 0
+
+    def _end_iteration(self) -> None:
+        """Forget this iteration's checks: what update() (or set_scale) does last."""
+        self._pending: Any = None  # the summed device overflow flags of this iteration
+        self._unscaled = False  # unscale_ (or step) divided this iteration's gradients
+        self._skipped: bool | None = None  # step()'s host decision, until update()
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -122,6 +153,7 @@ class LossScaler:
     # -- the four verbs ---------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """``outputs * scale`` for an array or a nested list/tuple of arrays."""
+        _inputs.check_outputs(outputs)
         first = _registry.first_array(outputs)
         if first is None:
             return outputs
@@ -132,19 +164,22 @@ class LossScaler:
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
         """Divide ``grads`` in place by the scale; return this call's device overflow flag.
 
-        The flag is also added to the iteration's pending check that :meth:`update` uses.
-        ``check_only=True`` checks without dividing (for optimizers that unscale themselves).
-        No host synchronisation.
+        Once per iteration (a second call would divide twice; torch refuses it too). The flag
+        is added to the iteration's check that :meth:`update` uses. ``check_only=True`` checks
+        without dividing (for optimizers that unscale themselves). No host synchronisation.
         """
-        grads = [g for g in grads if g is not None]
-        backend = self.bind(grads[0]) if grads else self._ready_backend()
-        scale = self._state.scale  # type: ignore[union-attr]
-        found = backend.full(0.0, "float32", scale)
-        if grads:
-            by = backend.full(1.0, "float32", scale) if check_only else scale
-            backend.unscale_and_check(grads, by, found)
-        self._pending = found if self._pending is None else self._pending + found
-        return found
+        if self._skipped is not None:
+            raise ScalerStateError(
+                "unscale_() was called after step() in the same iteration; step() already "
+                f"unscaled. Fix: call update() after step() (the loop is `{_LOOP}`)."
+            )
+        if self._unscaled:
+            raise ScalerStateError(
+                "unscale_() was already called in this iteration (since the last update()); a "
+                "second call would divide the gradients by the scale twice. Fix: remove the second "
+                "scaler.unscale_(...) call; step() does not unscale again after unscale_()."
+            )
+        return self._unscale(grads, check_only)
 
     def unscale_group_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
         """Unscale one group of this iteration's gradients (one optimizer's); return its flag.
@@ -152,7 +187,23 @@ class LossScaler:
         For facades that keep their own per-optimizer stages: may be called once per group in
         an iteration, and the flags are summed into the pending check. No host synchronisation.
         """
-        return self.unscale_(grads, check_only=check_only)
+        if self._skipped is not None:
+            raise ScalerStateError(
+                f"unscale_group_() was called after step(). Fix: call update() after step() (`{_LOOP}`)."
+            )
+        return self._unscale(grads, check_only)
+
+    def _unscale(self, grads: Iterable[Any], check_only: bool) -> Any:
+        grads = _inputs.gradient_list(grads)  # refuses what cannot change in place, first
+        backend = self.bind(grads[0]) if grads else self._ready_backend()
+        scale = self._state.scale  # type: ignore[union-attr]
+        found = backend.full(0.0, "float32", scale)
+        if grads:
+            by = backend.full(1.0, "float32", scale) if check_only else scale
+            backend.unscale_and_check(grads, by, found)
+        self._pending = found if self._pending is None else self._pending + found
+        self._unscaled = True
+        return found
 
     def record_found_inf(self, flag: Any) -> None:
         """Add a device flag (non-zero = bad step, e.g. a non-finite gradient norm) to the
@@ -161,57 +212,76 @@ class LossScaler:
         self._pending = flag if self._pending is None else self._pending + flag
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
-        """Unscale (unless done this iteration), run ``step_fn`` if finite, update the scale.
+        """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
 
-        Reads the overflow flag on the host: the one synchronisation of an iteration.
+        Reads the overflow flag on the host: the one synchronisation of an iteration. The scale
+        is not changed here: ``update()`` after every step does that.
         """
-        if self._pending is None:
-            self.unscale_(grads)
+        if self._skipped is not None:
+            raise ScalerStateError(
+                "step() was already called in this iteration. Fix: call update() after step() "
+                f"(the loop is `{_LOOP}`)."
+            )
+        if not self._unscaled:
+            self._unscale(grads, False)
         backend = self._backend
-        skipped = backend.read_flag(self._pending)  # type: ignore[union-attr]
-        before = self._state.scale + 0  # a copy: kernels may update in place
+        skipped = bool(backend.read_flag(self._pending))  # type: ignore[union-attr]
+        before = self._state.scale + 0  # a copy: update() may change the scale in place
         if not skipped:
             step_fn()
-        self.update()
+        self._skipped = skipped
         self.steps += 1
-        self.skipped_steps += int(skipped)
-        if skipped and logger.isEnabledFor(logging.INFO):
-            self._log_overflow(before)
-        return StepResult(skipped, before, self._state.scale)  # type: ignore[union-attr]
+        self.skipped_steps += skipped
+        return StepResult(skipped, before)
 
     def update(self, found_inf: Any = None) -> None:
         """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync.
 
-        ``found_inf`` is a device flag, or a host bool: put on the state's device, or applied
-        to the host state when no array has been seen yet (no backend is chosen by it).
+        ``found_inf`` is a flag array of the bound backend, or a host bool: put on the state's
+        device, or applied to the host state when no array has been seen yet (no backend is
+        chosen by it). After a skipped step it logs the scale change at INFO, after a growth at
+        DEBUG (reading the scale only when that level is on).
         """
+        if found_inf is not None:
+            found_inf = _inputs.flag_value(found_inf, self._backend)
+            if not isinstance(found_inf, bool):
+                self.bind(found_inf)  # picks the backend if none; the state goes to the flag's device
         flag = self._pending if found_inf is None else found_inf
         if flag is None:
             raise ScalerStateError(
                 "update() found no inf checks recorded this iteration. Fix: call "
                 "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
             )
+        log = self._skipped is not None and logger.isEnabledFor(
+            logging.INFO if self._skipped else logging.DEBUG
+        )
+        before = self.get_scale() if log else None
         if isinstance(flag, bool) and self._state is None:
-            self._host, self._pending = next_host_state(self._host, flag, self._config), None
-            return
-        backend = self._ready_backend()
-        if isinstance(flag, bool):
-            flag = backend.full(float(flag), "float32", self._state.scale)  # type: ignore[union-attr]
-        self._state = backend.update_scale(self._state, flag, self._config)
-        self._pending = None
+            self._host = next_host_state(self._host, flag, self._config)
+        else:
+            backend = self._ready_backend()
+            if isinstance(flag, bool):
+                flag = backend.full(float(flag), "float32", self._state.scale)  # type: ignore[union-attr]
+            self._state = backend.update_scale(self._state, flag, self._config)
+        if log:
+            self._log_change(before, bool(self._skipped))  # type: ignore[arg-type]
+        self.warn_if_at_floor(bool(self._skipped))
+        self._end_iteration()
 
     def set_scale(self, value: Any) -> None:
-        """Set the scale (a number, or a 1-element array copied on device); trackers kept."""
-        state, backend = self._state, self._backend
-        if state is not None and hasattr(value, "shape") and backend.owns_array(value):
-            new_scale = backend.full(0.0, "float32", state.scale)
-            new_scale[...] = value.reshape(())
-            self._state = state._replace(scale=new_scale)
-        elif state is not None:
-            self._state = state._replace(scale=backend.full(float(value), "float32", state.scale))
+        """Set the scale (a number, or a 1-element array read once to check it); trackers kept.
+
+        Like torch's ``update(new_scale)`` it ends the iteration. The value must be a
+        positive normal float32 (ConfigError otherwise, nothing changed).
+        """
+        number = _inputs.scale_value(value)
+        state = self._state
+        if state is not None:
+            new = self._backend.full(number, "float32", state.scale)  # type: ignore[union-attr]
+            self._state = state._replace(scale=new)
         else:
-            self._host = self._host._replace(scale=float(value))
-        self._pending = None
+            self._host = self._host._replace(scale=number)
+        self._end_iteration()
 
     # -- reading back (host syncs) ----------------------------------------------------
     def host_state(self) -> HostState:
@@ -226,20 +296,37 @@ class LossScaler:
         """The current scale as a float (a device sync)."""
         return self.host_state().scale
 
-    def _log_overflow(self, before: Any) -> None:
-        to_host = self._backend.to_host  # type: ignore[union-attr]
-        old, new = float(to_host(before)), self.get_scale()
-        if new != old:
-            logger.info(
-                "overflow in gradients: step skipped, loss scale backed off %g -> %g", old, new
+    def warn_if_at_floor(self, skipped: bool) -> None:
+        """After a skipped step's update: warn once per scaler if the scale sits at SCALE_FLOOR.
+
+        Reads the scale (a device sync) only on skipped steps and only until the warning is given,
+        so the per-step hot path is untouched. Facades call it with their host-read skip flag.
+        """
+        if not skipped or self._floor_warned or not self._config.dynamic:
+            return
+        if self.get_scale() <= SCALE_FLOOR:
+            self._floor_warned = True
+            logger.warning(
+                "loss scale hit its floor 2**-126 (float32's smallest normal) after repeated "
+                "overflows; it stays there instead of decaying to 0. Usual causes: a NaN or inf "
+                "loss or forward pass, gradients not zeroed between steps, or a learning rate "
+                "that diverged."
             )
+
+    def _log_change(self, old: float, skipped: bool) -> None:
+        new = self.get_scale()
+        if not skipped:
+            if new != old:
+                logger.debug("loss scale grew %g -> %g", old, new)
+        elif new != old:
+            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g", old, new)
         else:
             logger.info(
                 "overflow in gradients: step skipped, loss scale kept at %g "
                 "(absorbed by backoff_interval=%d)", old, self._config.backoff_interval,
             )
 
-    # -- checkpoints ------------------------------------------------------------------
+    # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A versioned, JSON-safe dict of config, state and counters (a device sync)."""
         host = self.host_state()
@@ -247,7 +334,10 @@ class LossScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; validated whole before anything changes."""
-        config, host, steps, skipped = checkpoint.from_state_dict(state_dict)
+        self._apply(checkpoint.from_state_dict(state_dict))
+
+    def _apply(self, parts: tuple[LossScaleConfig, HostState, int, int]) -> None:
+        config, host, steps, skipped = parts
         new_state = None
         if self._state is not None:
             like, full = self._state.scale, self._backend.full  # type: ignore[union-attr]
@@ -257,15 +347,34 @@ class LossScaler:
                 full(host.backoff_tracker, "int32", like),
             )
         self._config, self._host, self._state = config, host, new_state
-        self.steps, self.skipped_steps, self._pending = steps, skipped, None
+        self.steps, self.skipped_steps = steps, skipped
+        self._end_iteration()
 
-    def save(self, path: str) -> None:
-        """Write :meth:`state_dict` to ``path`` atomically (gzip when it ends in .gz)."""
-        checkpoint.write(path, self.state_dict())
+    def save(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
+        """Write :meth:`state_dict` to a path (atomically; gzip when it ends in .gz) or a binary file."""
+        checkpoint.write(f, self.state_dict())
 
-    def load(self, path: str) -> None:
-        """Load a checkpoint written by :meth:`save`."""
-        self.load_state_dict(checkpoint.read(path))
+    def load(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
+        """Load a checkpoint written by :meth:`save` from a path or a binary file; errors name it."""
+        self._apply(checkpoint.load(f))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The backend by name and the state as host values (one sync); device arrays are rebuilt."""
+        if self._pending is not None or self._skipped is not None:
+            raise ScalerStateError(
+                "a LossScaler can be copied or pickled only between update() and the next "
+                "unscale_()/step(): this iteration's overflow checks live on the device. "
+                "Fix: call update() first."
+            )
+        state = self.__dict__.copy()
+        state.update(_backend=self._backend.name if self._backend else None, _state=None,
+                     _host=self.host_state())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        name = state["_backend"]
+        backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
+        self.__dict__.update(state, _backend=backend)
 
     def __repr__(self) -> str:
         name = self._backend.name if self._backend else "undecided"
@@ -277,4 +386,3 @@ def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_map_tree(t, fn) for t in tree)
     return fn(tree)
-

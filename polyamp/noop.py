@@ -6,11 +6,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .config import LossScaleConfig
-from .engine import StepResult
+from .engine import ScalerStateError, StepResult
 
 
 class NoOpLossScaler:
-    """Same API as :class:`polyamp.LossScaler`; scales by 1 and always applies the step."""
+    """Same API and loop as :class:`polyamp.LossScaler`; scales by 1 and always applies the step.
+
+    It keeps the loop's order too (``step`` then ``update``, one ``unscale_``), so code written
+    against it keeps working when scaling is turned on. Copyable and picklable.
+    """
 
     enabled = False
     backend = None
@@ -21,23 +25,36 @@ class NoOpLossScaler:
 
     def __init__(self, config: LossScaleConfig | None = None, backend: str | None = None) -> None:
         self.config = config or LossScaleConfig()
+        self._unscaled = self._stepped = False
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` unchanged."""
         return outputs
 
-    def unscale_(self, grads: Iterable[Any]) -> None:
-        """Nothing to undo."""
-        return None
+    def unscale_(self, grads: Iterable[Any], *, check_only: bool = False) -> None:
+        """Nothing to undo; once per iteration, before step(), as on LossScaler."""
+        if self._stepped or self._unscaled:
+            raise ScalerStateError(
+                "unscale_() was already called (or step() was) in this iteration. Fix: remove the "
+                "second unscale_() call, and call update() after step()."
+            )
+        self._unscaled = True
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
-        """Run ``step_fn``; never skipped."""
+        """Run ``step_fn``; never skipped (the result is truthy). Call update() next."""
+        if self._stepped:
+            raise ScalerStateError(
+                "step() was already called in this iteration. Fix: call update() after step() "
+                "(the loop is `stepped = scaler.step(grads, step_fn); scaler.update()`)."
+            )
         step_fn()
+        self._stepped = True
         self.steps += 1
-        return StepResult(False, 1.0, 1.0)
+        return StepResult(False, 1.0)
 
     def update(self, found_inf: Any = None) -> None:
-        """Nothing to update."""
+        """Ends the iteration; the scale stays 1."""
+        self._unscaled = self._stepped = False
 
     def get_scale(self) -> float:
         """Always 1.0."""

@@ -5,15 +5,17 @@ is paddle's ``decr_every_n_nan_or_inf=n`` with ``incr_every_n_steps=growth_inter
 
     on overflow (found_inf): growth_tracker = 0; backoff_tracker += 1
         if backoff_tracker == backoff_interval:
-            scale = max(scale * backoff_factor, min_scale); backoff_tracker = 0
+            scale = max(scale * backoff_factor, floor); backoff_tracker = 0
     on a finite step:        backoff_tracker = 0; growth_tracker += 1
         if growth_tracker == growth_interval:
             new = scale * growth_factor
             if new is finite: scale = min(new, max_scale)
             growth_tracker = 0
 
-Products are formed in ``config.product_dtype`` (float64 for torch, float32 for paddle) and
-rounded to float32. With ``dynamic=False`` the state never changes. Backends' device
+``floor`` is ``min_scale`` when set, else ``SCALE_FLOOR`` (2**-126, float32's smallest normal):
+the scale never becomes subnormal or 0, which torch's rule allows and which turns the unscaled
+gradients into NaN. Products are formed in ``config.product_dtype`` (float64 for torch, float32
+for paddle) and rounded to float32. With ``dynamic=False`` the state never changes. Backends' device
 kernels must agree with :func:`next_host_state`; the tests hold each one against it.
 """
 
@@ -23,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .config import LossScaleConfig
+from .config import SCALE_FLOOR, LossScaleConfig
 
 
 class LossScaleState(NamedTuple):
@@ -56,6 +58,16 @@ def _float32(value: float) -> float:
         return float(np.float32(value))
 
 
+def scale_floor(config: LossScaleConfig) -> float:
+    """The lowest scale a backoff may leave: ``min_scale`` (as float32) when set, else SCALE_FLOOR.
+
+    The config refuses a ``min_scale`` below SCALE_FLOOR, so this is ``max(min_scale, SCALE_FLOOR)``.
+    """
+    if config.min_scale is None:
+        return SCALE_FLOOR
+    return max(_float32(config.min_scale), SCALE_FLOOR)
+
+
 def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) -> HostState:
     """One update of the rule on Python numbers; the reference every kernel must match."""
     if not config.dynamic:
@@ -64,9 +76,7 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
     if found_inf:
         growth, backoff = 0, backoff + 1
         if backoff == config.backoff_interval:
-            scale = _product(scale, config.backoff_factor, config)
-            if config.min_scale is not None:
-                scale = max(scale, _float32(config.min_scale))
+            scale = max(_product(scale, config.backoff_factor, config), scale_floor(config))
             backoff = 0
         return HostState(scale, growth, backoff)
     growth, backoff = growth + 1, 0
@@ -100,8 +110,7 @@ def next_state(
     wide = xp.float32 if config.product_dtype == "float32" else xp.float64
     scale_w = xp.astype(scale, wide)
     backed = xp.astype(scale_w * config.backoff_factor, xp.float32)
-    if config.min_scale is not None:
-        backed = xp.maximum(backed, xp.asarray(config.min_scale, dtype=xp.float32))
+    backed = xp.maximum(backed, xp.asarray(scale_floor(config), dtype=xp.float32))
     grown = xp.astype(scale_w * config.growth_factor, xp.float32)
     grow_ok = do_grow & xp.isfinite(grown)
     if config.max_scale is not None:

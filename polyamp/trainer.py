@@ -164,6 +164,7 @@ class MixedPrecisionTrainer:
         grads.unscale_(scaler)
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
         result = scaler.step([grads.flat], self._optimizer.step)
+        scaler.update()
         return StepMetrics(float(loss), float(result.scale_before), bool(result.skipped), float(norm))
 
     def __repr__(self) -> str:

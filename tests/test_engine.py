@@ -26,11 +26,14 @@ def test_scale_unscale_step_update(backend_name, make_array, to_numpy):
     grads = _grads(make_array, [[8.0, 16.0], [4.0]])
     calls = []
     result = scaler.step(grads, lambda: calls.append(1))
-    assert result.applied and not result.skipped and calls == [1]
+    assert result and result.applied and not result.skipped and calls == [1]
+    assert scaler.host_state() == (8.0, 0, 0)  # step does not update
+    scaler.update()
     assert [to_numpy(g).tolist() for g in grads] == [[1.0, 2.0], [0.5]]
-    assert float(to_numpy(result.scale_before)) == 8.0
+    assert float(to_numpy(result.scale_before)) == 8.0 and scaler.host_state() == (8.0, 1, 0)
     grads = _grads(make_array, [[8.0, 16.0]])
     scaler.step(grads, lambda: calls.append(2))
+    scaler.update()
     assert scaler.get_scale() == 16.0 and scaler.host_state().growth_tracker == 0
 
 
@@ -40,8 +43,9 @@ def test_overflow_skips_and_backs_off(backend_name, make_array, to_numpy):
     for bad in (np.inf, -np.inf, np.nan):
         calls: list[int] = []
         result = scaler.step(_grads(make_array, [[1.0], [2.0, bad]]), lambda c=calls: c.append(1))
-        assert result.skipped and calls == []
-        assert float(to_numpy(result.scale_after)) == float(to_numpy(result.scale_before)) / 2
+        assert result.skipped and not result and calls == []
+        scaler.update()
+        assert scaler.get_scale() == float(to_numpy(result.scale_before)) / 2
     assert scaler.skipped_steps == 3 and scaler.steps == 3
 
 
@@ -49,6 +53,7 @@ def test_backoff_interval_absorbs_overflows(backend_name, make_array):
     scaler = LossScaler(LossScaleConfig(init_scale=8.0, backoff_interval=3))
     for expected in (8.0, 8.0, 4.0, 4.0):
         scaler.step(_grads(make_array, [[np.inf]]), lambda: None)
+        scaler.update()
         assert scaler.get_scale() == expected
 
 
@@ -58,12 +63,12 @@ def test_update_without_check_is_an_error():
         scaler.update()
 
 
-def test_explicit_found_inf_and_unscale_accumulates(make_array, backend_name, to_numpy):
+def test_unscale_group_accumulates(make_array, backend_name, to_numpy):
     scaler = LossScaler(LossScaleConfig(init_scale=4.0))
     grads = _grads(make_array, [[4.0]])
-    flag = scaler.unscale_(grads)
+    flag = scaler.unscale_group_(grads)
     assert float(to_numpy(flag)) == 0.0 and scaler.has_pending_check
-    bad = scaler.unscale_(_grads(make_array, [[np.nan]]))
+    bad = scaler.unscale_group_(_grads(make_array, [[np.nan]]))
     assert float(to_numpy(bad)) == 1.0
     scaler.update()
     assert scaler.get_scale() == 2.0 and not scaler.has_pending_check
@@ -72,7 +77,9 @@ def test_explicit_found_inf_and_unscale_accumulates(make_array, backend_name, to
 def test_dynamic_false_keeps_scale_but_skips(backend_name, make_array):
     scaler = LossScaler(LossScaleConfig(init_scale=4.0, growth_interval=1, dynamic=False))
     assert scaler.step(_grads(make_array, [[np.inf]]), lambda: None).skipped
+    scaler.update()
     assert not scaler.step(_grads(make_array, [[1.0]]), lambda: None).skipped
+    scaler.update()
     assert scaler.get_scale() == 4.0
 
 
@@ -83,6 +90,7 @@ def test_state_dict_round_trip_every_field(backend_name, make_array):
     scaler = LossScaler(config)
     for g in ([1.0], [np.inf], [2.0], [2.0]):
         scaler.step(_grads(make_array, [g]), lambda: None)
+        scaler.update()
     sd = scaler.state_dict()
     json.dumps(sd)  # JSON-safe
     other = LossScaler()
@@ -106,6 +114,7 @@ def test_state_dict_round_trip_every_field(backend_name, make_array):
 def test_bad_state_dict_changes_nothing(mutate, message):
     scaler = LossScaler(LossScaleConfig(init_scale=16.0))
     scaler.step([np.ones(2, np.float32)], lambda: None)
+    scaler.update()
     before = scaler.state_dict()
     bad = json.loads(json.dumps(before))
     mutate(bad)
@@ -117,6 +126,7 @@ def test_bad_state_dict_changes_nothing(mutate, message):
 def test_save_load_atomic_and_gzip(tmp_path):
     scaler = LossScaler(LossScaleConfig(init_scale=64.0, growth_interval=1))
     scaler.step([np.ones(3, np.float32)], lambda: None)
+    scaler.update()
     for name in ("ckpt.json", "ckpt.json.gz"):
         path = tmp_path / name
         scaler.save(path)
@@ -151,6 +161,7 @@ def test_noop_scaler():
     assert scaler.scale(x) is x and scaler.get_scale() == 1.0
     calls = []
     assert not scaler.step([x], lambda: calls.append(1)).skipped and calls == [1]
+    scaler.update()
     assert scaler.state_dict() == {}
 
 

@@ -10,12 +10,19 @@ from hypothesis import strategies as st
 import polyamp
 from polyamp import HostState, LossScaleConfig, LossScaleState, next_host_state, next_state
 
+TINY = np.float32(np.finfo(np.float32).tiny)  # float32's smallest normal, 2**-126
 
-@np.errstate(over="ignore")  # growth past float32's max is part of the rule
+
+@np.errstate(over="ignore", under="ignore")  # growth past float32's max is part of the rule
 def model_run(config: LossScaleConfig, overflows: list[bool]) -> list[tuple[float, int, int]]:
-    """DESIGN.md's pseudo-code, written out independently with float32 rounding."""
+    """DESIGN.md's pseudo-code, written out independently with float32 rounding.
+
+    The floor: a backoff never leaves the scale below min_scale, or below float32's smallest
+    normal when min_scale is None (torch's rule would go on to subnormals and 0).
+    """
     scale, growth, backoff = np.float32(config.init_scale), 0, 0
     wide = np.float64 if config.product_dtype == "float64" else np.float32
+    floor = TINY if config.min_scale is None else np.float32(config.min_scale)
     out = []
     for found in overflows:
         if config.dynamic and found:
@@ -23,8 +30,8 @@ def model_run(config: LossScaleConfig, overflows: list[bool]) -> list[tuple[floa
             backoff += 1
             if backoff == config.backoff_interval:
                 scale = np.float32(wide(scale) * wide(config.backoff_factor))
-                if config.min_scale is not None and scale < np.float32(config.min_scale):
-                    scale = np.float32(config.min_scale)
+                if scale < floor:
+                    scale = floor
                 backoff = 0
         elif config.dynamic:
             backoff = 0
@@ -42,14 +49,15 @@ def model_run(config: LossScaleConfig, overflows: list[bool]) -> list[tuple[floa
 
 @st.composite
 def configs(draw):
-    lo = draw(st.one_of(st.none(), st.sampled_from([1.0, 2.0**-3, 128.0])))
+    lo = draw(st.one_of(st.none(), st.sampled_from([1.0, 2.0**-3, 128.0, float(TINY), 1e-37])))
     hi = draw(st.one_of(st.none(), st.sampled_from([2.0**18, 2.0**20, 3e38])))
     if lo is not None and hi is not None and lo > hi:
         lo, hi = hi, lo
+    near_floor = [float(TINY), 3.0 * float(TINY), 2.0**-120, 1.5e-38, 1e-35]
     return LossScaleConfig(
-        init_scale=draw(st.sampled_from([2.0**16, 1.0, 3.0, 2.0**120, 1e-3])),
+        init_scale=draw(st.sampled_from([2.0**16, 1.0, 3.0, 2.0**120, 1e-3, *near_floor])),
         growth_factor=draw(st.sampled_from([2.0, 1.5, 3.0, 1.0001])),
-        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.7, 0.999])),
+        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.7, 0.999, 0.1])),
         growth_interval=draw(st.integers(1, 5)),
         backoff_interval=draw(st.integers(1, 4)),
         min_scale=lo,
@@ -59,7 +67,13 @@ def configs(draw):
     )
 
 
-overflow_seqs = st.lists(st.booleans(), min_size=1, max_size=60)
+short_seqs = st.lists(st.booleans(), min_size=1, max_size=60)
+# Long overflow runs: from 2**16 (or 2**120) the default rule reaches 2**-126 in ~140 (~250)
+# backoffs; the tail checks that growth restarts from the floor.
+long_runs = st.builds(
+    lambda n, tail: [True] * n + tail, st.integers(150, 400), st.lists(st.booleans(), max_size=12)
+)
+overflow_seqs = st.one_of(short_seqs, long_runs)
 
 
 @settings(max_examples=300, deadline=None)
@@ -142,3 +156,52 @@ def test_found_inf_counts_as_overflow_when_summed(found_value):
                              [(8.0, "float32"), (0, "int32"), (0, "int32")]))
     state = backend.update_scale(state, backend.full(found_value, "float32", None), config)
     assert backend.to_host(state.scale) == 4.0
+
+
+FLOOR_CONFIGS = [
+    LossScaleConfig(),  # torch's rule: torch's fused kernel on the torch backend
+    LossScaleConfig(product_dtype="float32", growth_interval=3),  # paddle's product
+    LossScaleConfig(backoff_interval=2, backoff_factor=0.1, init_scale=2.0**120),
+    LossScaleConfig(init_scale=1e-30, backoff_factor=0.7, growth_factor=1.0001, growth_interval=1),
+]
+
+
+@pytest.mark.parametrize("config", FLOOR_CONFIGS, ids=["torch", "paddle", "hysteresis", "slow"])
+def test_long_overflow_runs_stop_at_the_floor_in_every_backend(config):
+    # torch's rule reaches 0 after ~150 overflows from 2**16 and the next finite step writes
+    # NaN into the weights; here the scale stops at 2**-126, then grows from there.
+    overflows = [True] * 320 * config.backoff_interval + [False] * config.growth_interval * 2
+    want = model_run(config, overflows)
+    assert want[-1 - config.growth_interval * 2][0] == float(TINY) == polyamp.config.SCALE_FLOOR
+    assert want[-1][0] > want[-1 - config.growth_interval][0] > float(TINY)  # grew, twice
+    for info in polyamp.available_backends():
+        if not info.available:
+            continue
+        backend = polyamp.get_backend(info.name)
+        like = _like(info.name)
+        state = LossScaleState(*(backend.full(v, d, like) for v, d in
+                                 [(config.init_scale, "float32"), (0, "int32"), (0, "int32")]))
+        got = []
+        for found in overflows:
+            state = backend.update_scale(state, backend.full(float(found), "float32", like), config)
+            got.append(tuple(backend.to_host(a) for a in state))
+        assert got == want, info.name
+        assert min(g[0] for g in got) == polyamp.config.SCALE_FLOOR, info.name
+
+
+def test_scale_floor_is_min_scale_when_set_else_float32_smallest_normal():
+    from polyamp.policy import scale_floor
+
+    assert scale_floor(LossScaleConfig()) == 2.0**-126
+    assert scale_floor(LossScaleConfig(min_scale=2.0**-126)) == 2.0**-126
+    assert scale_floor(LossScaleConfig(min_scale=1.0)) == 1.0
+    assert scale_floor(LossScaleConfig(min_scale=0.1)) == float(np.float32(0.1))  # as float32
+
+
+@pytest.mark.parametrize("product_dtype", ["float64", "float32"])
+def test_host_rule_backoff_below_the_floor_lands_on_it(product_dtype):
+    config = LossScaleConfig(product_dtype=product_dtype, init_scale=3.0 * 2.0**-126)
+    state = next_host_state(HostState(3.0 * 2.0**-126), True, config)
+    assert state.scale == 1.5 * 2.0**-126  # normal: kept as the product
+    assert next_host_state(HostState(1.5 * 2.0**-126), True, config).scale == 2.0**-126
+    assert next_host_state(HostState(2.0**-126), True, config).scale == 2.0**-126

@@ -20,6 +20,7 @@ from polyamp.backends import _cupy_kernels as kern
 from polyamp.backends._cupy_launch import dtype_kind, group_by_kind
 
 from polyamp import LossScaleConfig
+from polyamp.config import SCALE_CEILING, SCALE_FLOOR
 from polyamp.policy import HostState, next_host_state
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -228,19 +229,27 @@ def host_update(lib, state, found, config):
 
 configs = st.builds(
     LossScaleConfig,
-    init_scale=st.floats(1e-30, 3e38),
+    init_scale=st.one_of(st.floats(1e-30, 3e38), st.floats(SCALE_FLOOR, 1e-36),
+                         st.sampled_from([SCALE_FLOOR, 3 * SCALE_FLOOR])),
     growth_factor=st.sampled_from([2.0, 1.5, 3.0, 1.0001, 1.1, 10.0]),
     backoff_factor=st.sampled_from([0.5, 0.3, 0.7, 0.999, 0.1]),
     growth_interval=st.integers(1, 4),
     backoff_interval=st.integers(1, 3),
-    min_scale=st.one_of(st.none(), st.floats(1e-3, 10.0)),
-    max_scale=st.one_of(st.none(), st.floats(1e4, 1e39)),
+    min_scale=st.one_of(st.none(), st.floats(1e-3, 10.0), st.sampled_from([SCALE_FLOOR, 1e-37])),
+    max_scale=st.one_of(st.none(), st.floats(1e4, SCALE_CEILING)),
     product_dtype=st.sampled_from(["float64", "float32"]),
 ).filter(lambda c: c.min_scale is None or c.max_scale is None or c.min_scale <= c.max_scale)
 
+# Short mixed runs, and long overflow runs that reach the floor (2**-126) and then grow again.
+update_flags = st.one_of(
+    st.lists(st.sampled_from([0.0, 1.0, 2.0, np.nan]), max_size=30),
+    st.builds(lambda n, tail: [1.0] * n + tail, st.integers(100, 300),
+              st.lists(st.sampled_from([0.0, 1.0]), max_size=10)),
+)
+
 
 @settings(max_examples=300, deadline=None)
-@given(config=configs, flags=st.lists(st.sampled_from([0.0, 1.0, 2.0, np.nan]), max_size=30))
+@given(config=configs, flags=update_flags)
 def test_update_kernel_agrees_with_the_policy(lib, config, flags):
     state = HostState(float(np.float32(config.init_scale)), 0, 0)
     for found in flags:
@@ -249,3 +258,30 @@ def test_update_kernel_agrees_with_the_policy(lib, config, flags):
         assert np.float32(got.scale).view(np.uint32) == np.float32(want.scale).view(np.uint32)
         assert got[1:] == want[1:]
         state = want
+
+
+def test_kernel_floor_constant_is_polyamps():
+    # _cupy_kernels repeats SCALE_FLOOR so the nvcc tool can load it without polyamp.
+    assert kern.SCALE_FLOOR == SCALE_FLOOR == float(np.finfo(np.float32).tiny)
+
+
+@pytest.mark.parametrize("product_dtype", ["float64", "float32"])
+@pytest.mark.parametrize("start", [SCALE_FLOOR, 1.5 * SCALE_FLOOR, 2.0**-125, 2.0**16])
+def test_update_kernel_stops_at_the_floor(lib, product_dtype, start):
+    """Backoffs from any scale end exactly on 2**-126 (bitwise), never on a subnormal or 0."""
+    config = LossScaleConfig(init_scale=start, product_dtype=product_dtype)
+    state = HostState(start, 0, 0)
+    for _ in range(200):
+        state = host_update(lib, state, 1.0, config)
+        assert state.scale >= SCALE_FLOOR
+    assert np.float32(state.scale).view(np.uint32) == np.float32(SCALE_FLOOR).view(np.uint32)
+    grown = host_update(lib, state._replace(growth_tracker=config.growth_interval - 1), 0.0, config)
+    assert grown.scale == 2 * SCALE_FLOOR
+
+
+def test_update_kernel_floor_is_min_scale_when_set(lib):
+    config = LossScaleConfig(init_scale=1.0, min_scale=0.3)
+    state = HostState(1.0, 0, 0)
+    for _ in range(5):
+        state = host_update(lib, state, 1.0, config)
+    assert state.scale == float(np.float32(0.3))

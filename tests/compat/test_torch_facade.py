@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import subprocess
 import sys
 import warnings
@@ -72,6 +73,8 @@ def test_bad_factors_raise_torchs_assertion(kwargs):
                {"growth_interval": 2.5}, {"min_scale": 4.0, "max_scale": 2.0}],
 )
 def test_values_torch_accepts_silently_are_refused_with_the_field_named(kwargs):
+    if "min_scale" not in kwargs:
+        torch.amp.GradScaler("cpu", **kwargs)  # accepted by torch
     with pytest.raises(AssertionError) as info:
         GradScaler("cpu", **kwargs)
     assert isinstance(info.value, ValueError) and isinstance(info.value, polyamp.ConfigError)
@@ -86,12 +89,51 @@ def test_numpy_scalars_are_accepted_as_factors():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
 def test_cuda_without_cuda_warns_and_disables_like_torch():
+    messages = []
     for cls in SCALERS:
-        with pytest.warns(UserWarning, match="CUDA is not available.  Disabling."):
+        with pytest.warns(UserWarning, match="CUDA is not available.  Disabling.") as caught:
             scaler = cls()
         assert scaler.is_enabled() is False
         x = torch.ones(2)
         assert scaler.scale(x) is x and scaler.state_dict() == {}
+        messages.append(str(caught[0].message))
+        assert caught[0].filename == __file__  # points at the user's line, as torch's does
+    assert messages[1].startswith(messages[0]) and "backend='numpy'" in messages[1]
+
+
+_ENABLED = """
+import sys, warnings
+warnings.simplefilter("ignore")
+{first}
+scaler = polyamp.GradScaler({args})
+print(scaler.is_enabled(), sys.modules.get("torch") is not None)
+"""
+
+
+@pytest.mark.parametrize("first", ["import torch, polyamp", "import polyamp"],
+                         ids=["torch-imported-first", "torch-not-imported"])
+def test_default_device_is_enabled_as_torch_decides_whatever_the_import_order(first):
+    out = subprocess.run([sys.executable, "-c", _ENABLED.format(first=first, args="")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    torch_decides = torch.cuda.amp.common.amp_definitely_not_available() is False
+    assert out == [str(torch_decides), "True"]
+
+
+@pytest.mark.parametrize("args, env", [("backend='numpy'", {}), ("", {"POLYAMP_BACKEND": "numpy"}),
+                                       ("'cpu'", {})], ids=["backend=", "env", "cpu"])
+def test_no_torch_test_when_the_arrays_are_not_torchs(args, env):
+    code = _ENABLED.format(first="import polyamp", args=args)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}).stdout.split()
+    assert out == ["True", "False"]  # enabled, and torch was not imported to decide it
+
+
+def test_without_torch_installed_the_default_device_stays_enabled():
+    first = "sys.modules['torch'] = None  # as if torch were not installed\nimport polyamp"
+    code = _ENABLED.format(first=first, args="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["True", "False"]
 
 
 def test_disabled_scaler_passes_everything_through():
@@ -108,6 +150,16 @@ def test_disabled_scaler_passes_everything_through():
     disabled = GradScaler("cpu", enabled=False)
     assert isinstance(disabled, GradScaler) and disabled.skipped_steps == 0
     assert disabled.last_step_skipped is None
+    assert disabled.get_growth_factor() == 2.0  # torch's disabled scaler: AttributeError
+    with pytest.raises(AttributeError):
+        torch.amp.GradScaler("cpu", enabled=False).get_growth_factor()
+
+
+def test_setters_torch_takes_silently_are_refused():
+    theirs, ours = torch.amp.GradScaler("cpu"), GradScaler("cpu")
+    theirs.set_growth_interval(0)
+    with pytest.raises(polyamp.ConfigError, match="growth_interval=0"):
+        ours.set_growth_interval(0)
 
 
 # -- scale() -----------------------------------------------------------------------------

@@ -92,3 +92,46 @@ def test_numpy_state_dict_is_torchs_format():
     torch_scaler = _train(lambda a: torch.nn.Parameter(torch.from_numpy(a)), torch.from_numpy,
                           None)[2]
     assert scaler.state_dict() == torch_scaler.state_dict()
+
+
+def _mixed(order):
+    """A NumPy and a torch parameter with unit gradients, in ``order``, and their optimizer."""
+    pair = {"numpy": polyamp.Parameter(np.zeros(2, np.float32)),
+            "torch": torch.nn.Parameter(torch.zeros(2))}
+    pair["numpy"].grad, pair["torch"].grad = np.ones(2, np.float32), torch.ones(2)
+    return pair, ArraySGD([pair[name] for name in order])
+
+
+def _unchanged(pair):
+    return (np.array_equal(pair["numpy"].data, np.zeros(2)) and np.array_equal(pair["numpy"].grad, np.ones(2))
+            and torch.equal(pair["torch"].detach(), torch.zeros(2))
+            and torch.equal(pair["torch"].grad, torch.ones(2)))
+
+
+@pytest.mark.parametrize("order", [("numpy", "torch"), ("torch", "numpy")], ids="-first".join)
+@pytest.mark.parametrize("scaled", ["numpy", "torch"])
+@pytest.mark.parametrize("verb", ["unscale_", "step"])
+def test_numpy_and_torch_parameters_in_one_optimizer_are_named_before_anything_changes(
+        order, scaled, verb):
+    pair, opt = _mixed(order)
+    scaler = GradScaler("cpu")
+    scaler.scale(np.ones((), np.float32) if scaled == "numpy" else torch.ones(()))
+    with pytest.raises(polyamp.ForeignArrayError) as info:  # a TypeError
+        getattr(scaler, verb)(opt)
+    message = str(info.value)
+    assert "numpy.ndarray and torch.Tensor" in message and "one optimizer per array library" in message
+    assert _unchanged(pair) and scaler.get_scale() == 2.0**16
+    with pytest.raises(AssertionError, match="No inf checks"):
+        scaler.update()  # nothing was recorded for the refused optimizer
+
+
+def test_an_optimizer_of_another_library_than_the_scale_is_named():
+    pair, _ = _mixed(())
+    scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(polyamp.ForeignArrayError, match=r"gradients are numpy.ndarray.*'torch'"):
+        scaler.step(ArraySGD([pair["numpy"]]))
+    assert _unchanged(pair)
+    scaler.step(ArraySGD([pair["torch"]]))  # its own library's optimizer still steps
+    scaler.update()
+    assert torch.equal(pair["torch"].detach(), torch.full((2,), -0.125 / 2**16))

@@ -6,6 +6,7 @@ import copy
 import math
 import pickle
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,6 +14,7 @@ torch = pytest.importorskip("torch")
 from polyamp.compat.torch import GradScaler  # noqa: E402
 
 import polyamp  # noqa: E402
+from polyamp.config import short_repr  # noqa: E402
 
 SCALERS = [torch.amp.GradScaler, GradScaler]
 
@@ -86,8 +88,10 @@ def test_update_with_a_bad_tensor_raises_torchs_assertion(new_scale):
 
 def test_update_with_an_int_is_accepted_and_a_string_refused():
     scaler, _, _ = _scaled(GradScaler)
-    scaler.update(1024)  # torch: AttributeError ('int' object has no attribute 'device')
+    scaler.update(1024)
     assert scaler.get_scale() == 1024.0
+    with pytest.raises(AttributeError):  # 'int' object has no attribute 'device'
+        _scaled(torch.amp.GradScaler)[0].update(1024)
     with pytest.raises(TypeError, match="new_scale='big'"):
         scaler.update("big")
 
@@ -182,14 +186,73 @@ def test_missing_key_is_a_key_error_and_changes_nothing():
     assert scaler.state_dict() == before
 
 
-@pytest.mark.parametrize("key, value", [("scale", -1.0), ("growth_factor", 0.5),
-                                        ("growth_interval", "many"), ("_growth_tracker", -2)])
-def test_invalid_values_are_refused_whole(key, value):
-    scaler = trained(GradScaler, 3)[0]
-    before = scaler.state_dict()
-    with pytest.raises(polyamp.StateDictError, match=key.lstrip("_")):
-        scaler.load_state_dict({**before, key: value})
-    assert scaler.state_dict() == before
+BAD_VALUES = [
+    ("growth_factor", "2"), ("growth_factor", math.inf), ("growth_factor", math.nan),
+    ("growth_factor", 10**400), ("growth_factor", 0.5), ("growth_factor", True),
+    ("backoff_factor", math.nan), ("backoff_factor", -math.inf), ("backoff_factor", 1.0),
+    ("scale", math.inf), ("scale", math.nan), ("scale", 1e300), ("scale", 10**400),
+    ("scale", 1e-46), ("scale", -1.0), ("scale", "big"), ("scale", None),
+    ("growth_interval", math.inf), ("growth_interval", 10**30), ("growth_interval", 2.5),
+    ("growth_interval", "many"), ("growth_interval", 0),
+    ("_growth_tracker", math.inf), ("_growth_tracker", math.nan), ("_growth_tracker", 10**30),
+    ("_growth_tracker", 2**31), ("_growth_tracker", 9), ("_growth_tracker", -2),
+    ("_growth_tracker", 1.5), ("_growth_tracker", "3"),
+    ("backoff_interval", 10**30), ("backoff_interval", 0), ("_backoff_tracker", 1),
+    ("min_scale", "x"), ("max_scale", math.inf), ("max_scale", 1e39),
+]
+
+
+@pytest.mark.parametrize("key, value", BAD_VALUES, ids=lambda v: short_repr(v, 16))
+def test_invalid_values_are_refused_naming_the_key_as_written_and_nothing_changes(key, value):
+    scaler, model, opt = trained(GradScaler, 3)
+    before, scale_tensor = scaler.state_dict(), scaler._scale.clone()
+    with pytest.raises(polyamp.StateDictError) as info:  # torch loads all but None; see docs
+        scaler.load_state_dict({**before, "growth_interval": 9, key: value})
+    message = str(info.value)
+    assert f"{key}={short_repr(value)}" in message, message  # the user's key and value
+    assert "Fix: load a state dict written by GradScaler.state_dict()" in message
+    if key.startswith("_"):
+        assert f" {key.lstrip('_')}" not in message and "config" not in message, message
+    assert scaler.state_dict() == before and torch.equal(scaler._scale, scale_tensor)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()  # and it trains on as before
+    scaler.step(opt)
+    scaler.update()
+    grown = before["_growth_tracker"] + 1 == before["growth_interval"]
+    assert scaler.get_scale() == before["scale"] * (2 if grown else 1)
+
+
+def test_values_torch_writes_or_takes_still_load():
+    scaler = GradScaler("cpu")
+    scaler.load_state_dict({"scale": torch.tensor(8.0), "growth_factor": np.float32(4),
+                            "backoff_factor": np.float64(0.25), "growth_interval": 7.0,
+                            "_growth_tracker": torch.tensor(6, dtype=torch.int32)})
+    assert scaler.state_dict() == {"scale": 8.0, "growth_factor": 4.0, "backoff_factor": 0.25,
+                                   "growth_interval": 7, "_growth_tracker": 6}
+
+
+@pytest.mark.parametrize("interval", [2**31, 2**62, 2**63 - 1])
+def test_a_never_reached_interval_round_trips(interval):
+    scaler = trained(GradScaler, 3, growth_interval=interval)[0]
+    again = GradScaler("cpu")
+    again.load_state_dict(scaler.state_dict())
+    assert again.state_dict() == scaler.state_dict()
+    assert again.get_growth_interval() == interval
+
+
+def test_an_interval_past_int64_is_refused_where_torch_fails_at_the_first_update():
+    with pytest.raises(ValueError, match="Overflow"):  # torch: a raw error, after the step
+        trained(torch.amp.GradScaler, 1, growth_interval=10**30)
+    with pytest.raises(AssertionError, match=r"growth_interval must be at most 2\*\*63 - 1"):
+        GradScaler("cpu", growth_interval=10**30)
+    scaler = GradScaler("cpu")
+    with pytest.raises(polyamp.ConfigError, match="growth_interval=10000"):
+        scaler.set_growth_interval(10**30)
+    assert scaler.get_growth_interval() == 2000
+
+
+def test_a_state_dict_that_is_not_a_dict_is_named():
+    with pytest.raises(polyamp.StateDictError, match=r"must be a dict.*\(list\)"):
+        GradScaler("cpu").load_state_dict([("scale", 2.0)])
 
 
 # -- pickling ----------------------------------------------------------------------------
@@ -247,3 +310,38 @@ def test_disabled_scaler_pickles_as_disabled():
     for cls in SCALERS:
         again = pickle.loads(pickle.dumps(cls("cpu", enabled=False)))
         assert again.is_enabled() is False
+
+
+def _one_step(scaler):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("key, value, later", [
+    ("growth_factor", "2", TypeError), ("scale", 1e300, RuntimeError),
+    ("_growth_tracker", 10**30, OverflowError),
+])
+def test_torch_loads_what_polyamp_refuses_and_fails_later(key, value, later):
+    """What docs/coming-from-torch.md says of torch: the bad value loads, the next step fails."""
+    good = trained(torch.amp.GradScaler, 3)[0].state_dict()
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict({**good, key: value})  # no error from torch
+    with pytest.raises(later):
+        _one_step(theirs)
+    with pytest.raises(polyamp.StateDictError):
+        GradScaler("cpu").load_state_dict({**good, key: value})
+
+
+def test_torch_loads_a_tracker_at_its_interval_and_never_grows_again():
+    good = trained(torch.amp.GradScaler, 3)[0].state_dict()
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict({**good, "_growth_tracker": good["growth_interval"]})
+    for _ in range(2 * good["growth_interval"]):
+        _one_step(theirs)
+    assert theirs.get_scale() == good["scale"]  # stuck: the tracker passed the interval
+    with pytest.raises(polyamp.StateDictError, match="_growth_tracker=2"):
+        GradScaler("cpu").load_state_dict({**good, "_growth_tracker": good["growth_interval"]})

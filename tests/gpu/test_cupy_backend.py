@@ -213,7 +213,8 @@ def test_engine_step_skips_and_backs_off(backend):
         if bad:
             grad[3] = cupy.inf
         result = scaler.step([grad], lambda: applied.append(True))
-        assert result.skipped is bad
+        scaler.update()
+        assert result.skipped is bad and bool(result) is not bad
     assert len(applied) == 3 and scaler.get_scale() == 1024.0  # 1024 -> 512 -> 1024
 
 

@@ -76,6 +76,8 @@ def test_polyamp_backend_env_sends_cuda_tensors_to_cupy(monkeypatch):
     copies = [g.clone() for g in grads]
     ours.step(grads, lambda: None)
     theirs.step(copies, lambda: None)
+    ours.update()
+    theirs.update()
     assert ours.backend.name == "cupy" and isinstance(ours.state.scale, cupy.ndarray)
     for got, want in zip(grads, copies, strict=True):
         assert_bitwise(got, want)

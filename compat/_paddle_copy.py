@@ -1,0 +1,46 @@
+"""Copies of the paddle facade (``pickle``, ``copy.deepcopy``) that never pickle the engine.
+
+The engine holds its backend (a module), so a copy keeps the backend's name and the engine's
+state dict and rebuilds a fresh engine from them; its state arrays are made again, on the
+device of the first arrays the copy sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyamp.engine import LossScaler
+
+_REBUILT = ("_engine", "_found_inf")
+
+
+def facade_state(scaler: Any) -> dict[str, Any]:
+    """``scaler.__dict__`` with the engine as (backend name, state dict): plain, picklable data.
+
+    A device sync (the state dict); mid-iteration (after ``unscale_``) also one for the
+    pending overflow flag, which the copy keeps as a host bool.
+    """
+    state = {k: v for k, v in vars(scaler).items() if k not in _REBUILT}
+    engine, flag = scaler._engine, scaler._found_inf
+    backend = engine.backend
+    state["_engine"] = {"backend": backend.name if backend else None, "state_dict": engine.state_dict()}
+    if flag is not None and not isinstance(flag, bool):
+        flag = bool(backend.read_flag(flag)) if scaler._stages else None  # stale once stages clear
+    state["_found_inf"] = flag
+    return state
+
+
+def restore_facade(scaler: Any, state: dict[str, Any]) -> None:
+    """Fill a bare ``scaler`` from :func:`facade_state`'s output, with an engine of its own."""
+    state = dict(state)
+    saved = state.pop("_engine")
+    engine = LossScaler(backend=saved["backend"])
+    engine.load_state_dict(saved["state_dict"])
+    scaler.__dict__.update(state, _engine=engine)
+
+
+def restore(cls: type, enable: bool, state: dict[str, Any]) -> Any:
+    """Unpickle: a bare ``cls`` (its disabled type unless ``enable``) filled from ``state``."""
+    scaler = cls.__new__(cls, enable)
+    scaler.__setstate__(state)
+    return scaler
