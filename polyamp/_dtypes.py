@@ -85,3 +85,19 @@ def is_floating(array: Any) -> bool:
         return True
     xp = array_api_compat.array_namespace(array)
     return bool(xp.isdtype(array.dtype, "real floating"))
+
+
+_FLOAT64_OK: dict[tuple[int, Any], bool] = {}  # (id(namespace), device) -> computes in float64
+
+
+def computes_float64(xp: Any, device: Any) -> bool:
+    """Whether ``device`` of ``xp`` computes in float64 (Apple MPS does not); cached."""
+    key = (id(xp), device)
+    if key not in _FLOAT64_OK:
+        try:
+            kinds = xp.__array_namespace_info__().dtypes(device=device, kind="real floating")
+            ok = "float64" in kinds and getattr(device, "type", None) != "mps"
+        except (AttributeError, TypeError, ValueError):  # no inspection API, odd device
+            ok = False
+        _FLOAT64_OK[key] = ok
+    return _FLOAT64_OK[key]

@@ -102,3 +102,33 @@ def read_flag(found_inf: Any) -> bool:
 @hookspec
 def to_host(array: Any) -> float | int:
     """A 0-d array as a Python number (for state_dict and logging; synchronises)."""
+
+
+# --- Reducers (polyamp.distributed) -------------------------------------------------------------
+#: The entry-point group of reducer plugins (built-in and third-party alike). It is not the
+#: backends' group, so the backend registry never loads a reducer plugin as a backend.
+REDUCER_GROUP = "polyamp.reducers"
+REDUCER_HOOKS = ("make_reducer",)
+
+
+class ReducerSpec:
+    """The reducer plugin contract: a module of ``@hookimpl`` functions under ``REDUCER_GROUP``.
+
+    A namespace of its own, so the backend registry (which adds this module's top-level specs)
+    does not see it. polyamp asks plugins in turn; built-ins are ``trylast``, so a third-party
+    plugin may claim an object before them.
+    """
+
+    @hookspec(firstresult=True)
+    def make_reducer(group: Any, timeout: float | None) -> Any:
+        """A ``polyamp.distributed.Reducer`` over ``group``, or None when this plugin does not accept it.
+
+        ``timeout`` (seconds, already validated; None: the plugin's default) bounds every
+        collective. Must not import a library just to look at ``group`` (use sys.modules); may
+        import it when ``group`` is a name this plugin owns (e.g. "mpi"). Raise, naming the
+        value and the fix, when ``group`` is this plugin's kind but unusable.
+        """
+
+    @hookspec
+    def reducer_accepts() -> str:
+        """One line saying which objects ``make_reducer`` accepts, for error messages (optional)."""

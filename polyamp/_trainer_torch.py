@@ -13,16 +13,15 @@ from typing import Any
 import torch
 
 from . import _dtypes
+from ._masters import check_masters
 
 
 class TorchSteps:
     """Forward and backward of an ``nn.Module``; ``loss_fn(output, target)`` returns a tensor."""
 
     def __init__(self, model: torch.nn.Module, dtype: str) -> None:
-        from .trainer import _check_masters
-
         self.params = [p for p in model.parameters() if p.requires_grad]
-        _check_masters(self.params, torch.Tensor, lambda p: p)
+        check_masters(self.params, torch.Tensor, lambda p: p)
         self.model, self.dtype = model, dtype
         self.device_type = self.params[0].device.type
         self.torch_dtype = getattr(torch, dtype)

@@ -1,5 +1,9 @@
 """The ``polyamp`` command: ``polyamp info`` (backends and POLYAMP_BACKEND in effect) and
-``polyamp demo`` (float32 vs float16 with and without loss scaling, with a plot)."""
+``polyamp demo`` (float32 vs float16 with and without loss scaling, with a plot).
+
+Help text is plain (no markup); a closed pipe (``polyamp info | head -1``) ends the command
+quietly, as Python's documentation recommends for SIGPIPE.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,10 @@ from collections.abc import Sequence
 
 from . import __version__
 from ._registry import ENV_VAR, available_backends
+
+DESCRIPTION = ("Dynamic loss scaling over NumPy, CuPy and PyTorch arrays. 'polyamp info' lists the "
+               "backends and the POLYAMP_BACKEND in effect; 'polyamp demo' trains one MLP in float32 "
+               "and in float16 without and with loss scaling, and plots the result.")
 
 
 def _env_line(infos: list) -> str:
@@ -43,7 +51,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; subcommands register themselves here."""
-    parser = argparse.ArgumentParser(prog="polyamp", description=__doc__)
+    parser = argparse.ArgumentParser(prog="polyamp", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"polyamp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="list backends, their availability and versions").set_defaults(
@@ -52,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="train an MLP in float32, float16 without and with loss scaling; plot it",
         description="Train one MLP three ways (float32, float16 without loss scaling, float16 + "
-        "polyamp) where float16 gradients underflow; print a table and write a PNG plot.",
+        "polyamp) where float16 gradients underflow; print a table and write a plot.",
     )
     from .demo.command import add_arguments
 
@@ -70,7 +78,16 @@ def _demo(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script and of ``python -m polyamp``."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        # the reader went away (e.g. `| head -1`): stop quietly; point stdout at devnull so
+        # the interpreter's final flush does not raise again (Python docs, "Note on SIGPIPE")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return status
 
 
 if __name__ == "__main__":

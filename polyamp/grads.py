@@ -2,13 +2,15 @@
 contiguous gradient buffer whose every gradient is a view of one flat array.
 
 Array-API code through array-api-compat: no Python loop over elements and no host
-synchronisation (norms are 0-d arrays on the gradients' device). Norms and clipping refuse
-gradients that are still multiplied by the loss scale; they learn that from a
-:class:`GradBuffer` (``scaled``) or from the scaler passed as ``scaler=``.
+synchronisation (norms are 0-d arrays on the gradients' device). Finite gradients always
+have a finite norm: squares are summed in float64, where no float32 square can overflow.
+Norms and clipping refuse gradients that are still multiplied by the loss scale; they learn
+that from a :class:`GradBuffer` (``scaled``) or from the scaler passed as ``scaler=``.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -75,24 +77,70 @@ def _namespace(arrays: Sequence[Any], what: str) -> Any:
         ) from exc
 
 
-def _sum_of_squares(xp: Any, grad: Any) -> Any:
-    """Sum of squares of one gradient, accumulated in float32 (float64 stays float64)."""
-    flat = xp.reshape(grad, (-1,))
-    if _dtypes.name_of(flat) in ("float16", "bfloat16"):
-        flat = xp.astype(flat, xp.float32)
-    return xp.vecdot(flat, flat)
+#: Elements per chunk of the norm's wide copy: bounds the temporary to 8 MiB of float64.
+_CHUNK = 2**20
+
+
+def _accumulator(xp: Any, arrays: Sequence[Any]) -> tuple[str, bool]:
+    """The dtype to sum squares in, and whether values must first be divided by their max-abs.
+
+    float64 holds the square of any float16/bfloat16/float32 value, so those need no rescale
+    where the device computes float64; float64 gradients (or a device without float64, e.g.
+    Apple MPS) are rescaled so that no square can overflow.
+    """
+    wide = any(_dtypes.name_of(g) == "float64" for g in arrays)
+    if not wide and _dtypes.computes_float64(xp, array_api_compat.device(arrays[0])):
+        return "float64", False
+    return ("float64" if wide else "float32"), True
+
+
+def _zero(xp: Any, acc: str, like: Any) -> Any:
+    return xp.zeros((), dtype=_dtypes.resolve(xp, acc), device=array_api_compat.device(like))
+
+
+def _peak(xp: Any, arrays: Sequence[Any], acc: str) -> Any:
+    """max |value| over all arrays, 0-d in ``acc`` (nan or inf when any value is); no copies."""
+    peaks = [_dtypes.cast(xp.maximum(xp.max(g), -xp.min(g)), acc) for g in arrays if math.prod(g.shape)]
+    return xp.max(xp.stack(peaks)) if peaks else _zero(xp, acc, arrays[0])
+
+
+def _sum_of_squares(xp: Any, arrays: Sequence[Any], acc: str, inv: Any = None) -> Any:
+    """sum((g * inv)**2) over all arrays, each chunk cast to ``acc`` first: a fixed number of passes."""
+    parts = []
+    for grad in arrays:
+        flat = xp.reshape(grad, (-1,))
+        size = flat.shape[0]
+        for start in range(0, size, _CHUNK):
+            chunk = _dtypes.cast(flat[start:min(start + _CHUNK, size)], acc)
+            if inv is not None:
+                chunk = chunk * inv
+            parts.append(xp.vecdot(chunk, chunk))
+    if not parts:
+        return _zero(xp, acc, arrays[0])
+    return parts[0] if len(parts) == 1 else xp.sum(xp.stack(parts))
 
 
 def global_norm(grads: Any, *, scaler: Any = None) -> Any:
-    """The L2 norm of all gradients together, a 0-d array (inf/nan when any value is).
+    """The L2 norm of all gradients together, a 0-d array: finite whenever every value is finite.
 
-    One dot product per array, one in all for a GradBuffer; no host synchronisation.
+    Squares of float16/bfloat16/float32 values are summed in float64 (the norm is float64),
+    copied to float64 in chunks of 2**20 values, so one huge value (3e19) cannot overflow the
+    sum; float64 gradients, and devices without float64 (there the norm is float32 and can only
+    overflow past float32's max), are divided by their max-abs first. inf/nan when any value
+    is. A fixed number of passes, no host synchronisation.
     """
     arrays = _arrays(grads, scaler, "global_norm")
     xp = _namespace(arrays, "global_norm")
-    squares = [_sum_of_squares(xp, g) for g in arrays]
-    total = squares[0] if len(squares) == 1 else xp.sum(xp.stack(squares))
-    return xp.sqrt(total)
+    acc, rescale = _accumulator(xp, arrays)
+    if not rescale:
+        return xp.sqrt(_sum_of_squares(xp, arrays, acc))
+    peak = _peak(xp, arrays, acc)
+    ok = xp.isfinite(peak)
+    tiny = xp.full_like(peak, xp.finfo(peak.dtype).smallest_normal)
+    peak = xp.maximum(peak, tiny)  # so 1 / peak is finite
+    # inf/nan values: any finite factor keeps the sum inf/nan; tiny keeps finite squares finite
+    root = xp.sqrt(_sum_of_squares(xp, arrays, acc, xp.where(ok, xp.ones_like(peak) / peak, tiny)))
+    return xp.where(ok, peak * root, root)
 
 
 def _check_max_norm(max_norm: Any) -> float:
@@ -107,8 +155,9 @@ def _check_max_norm(max_norm: Any) -> float:
 def clip_grad_norm_(grads: Any, max_norm: float, *, scaler: Any = None, eps: float = 1e-6) -> Any:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the pre-clip norm.
 
-    A non-finite norm leaves the gradients untouched and is returned as is (the scaler skips
-    that step). One read and one write pass per array, no host synchronisation.
+    Finite gradients, however large, are clipped (their norm is finite, see :func:`global_norm`).
+    A non-finite norm (some value is inf/nan) leaves the gradients untouched and is returned as
+    is: the scaler skips that step. The norm's passes plus one write pass, no host synchronisation.
     """
     max_norm = _check_max_norm(max_norm)
     arrays = _arrays(grads, scaler, "clip_grad_norm_")
@@ -194,7 +243,7 @@ class GradBuffer(FlatArrays):
         return found_inf
 
     def norm(self) -> Any:
-        """The global L2 norm of the unscaled gradients (0-d array): one dot product."""
+        """The global L2 norm of the unscaled gradients (0-d array, see :func:`global_norm`)."""
         return global_norm(self)
 
     def clip_(self, max_norm: float, eps: float = 1e-6) -> Any:

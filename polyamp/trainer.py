@@ -5,7 +5,8 @@
     inputs (and floating targets) -> compute dtype; forward in the compute dtype
     loss (float32) -> scaled by the loss scale -> backward in the compute dtype
     gradients -> float32 master gradients (one flat GradBuffer) -> unscale_ (one call)
-    -> global norm / clip (one call) -> optimizer step on the masters unless inf/nan -> update
+    -> global norm / clip (one call) -> optimizer step on the masters unless the gradients or
+    their norm hold inf/nan -> update
 
 Torch models (``torch.nn.Module``) run under ``torch.autocast``; anything else follows the
 :class:`ArrayModel` protocol (NumPy, CuPy, any array-API library). torch is imported only
@@ -18,13 +19,17 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import array_api_compat
 import numpy as np
 
 from . import _dtypes
 from ._errors import ConfigError
+from ._masters import check_masters
 from .adapters import iter_params
 from .config import LossScaleConfig
+from .engine import LossScaler
 from .grads import GradBuffer, _check_max_norm
+from .noop import NoOpLossScaler
 from .parameter import Parameter
 
 __all__ = ["ArrayLossFn", "ArrayModel", "MixedPrecisionTrainer", "StepMetrics"]
@@ -77,8 +82,9 @@ class MixedPrecisionTrainer:
     """Train ``model`` with float32 master weights, ``compute_dtype`` compute, dynamic loss scaling.
 
     ``config`` configures the :class:`polyamp.LossScaler`; ``loss_scaling=False`` uses the
-    no-op scaler instead (to see what goes wrong without it). ``max_grad_norm`` clips by
-    global norm. Each step reads the loss, the skip decision and the norm on the host.
+    no-op scaler instead (to see what goes wrong without it; a step with inf/nan gradients is
+    still skipped). ``max_grad_norm`` clips by global norm. Each step reads the loss, the skip
+    decision and the norm on the host.
     """
 
     def __init__(
@@ -92,13 +98,12 @@ class MixedPrecisionTrainer:
         max_grad_norm: float | None = None,
         backend: str | None = None,
     ) -> None:
-        from . import make_scaler
-
         self._dtype = _dtypes.compute_dtype_name(compute_dtype)
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
-        self._scaler = make_scaler(config, backend, enabled=loss_scaling)
+        self._scaler = (LossScaler if loss_scaling else NoOpLossScaler)(config, backend)
+        self._unscaled_skips = 0  # steps skipped for a non-finite norm without loss scaling
         if _is_torch_module(model):
             from ._trainer_torch import TorchSteps
 
@@ -141,8 +146,8 @@ class MixedPrecisionTrainer:
 
     @property
     def skipped_steps(self) -> int:
-        """How many steps were skipped because gradients held inf or nan."""
-        return self._scaler.skipped_steps
+        """How many steps were skipped because gradients (or their norm) held inf or nan."""
+        return self._scaler.skipped_steps + self._unscaled_skips
 
     @property
     def steps(self) -> int:
@@ -163,9 +168,28 @@ class MixedPrecisionTrainer:
             grads.mark_scaled()
         grads.unscale_(scaler)
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
-        result = scaler.step([grads.flat], self._optimizer.step)
+        finite = self._check_norm(norm)
+        result = scaler.step([grads.flat], self._optimizer.step if finite else _no_step)
         scaler.update()
-        return StepMetrics(float(loss), float(result.scale_before), bool(result.skipped), float(norm))
+        skipped = bool(result.skipped) or not finite
+        return StepMetrics(float(loss), float(result.scale_before), skipped, float(norm))
+
+    def _check_norm(self, norm: Any) -> bool:
+        """False when a non-finite norm must keep this step off the weights (loss scaling off).
+
+        With loss scaling, ``~isfinite(norm)`` joins the scaler's overflow check on the device
+        (the scaler skips and counts the step); without, the norm is read here, as the metrics
+        read it anyway, and the trainer skips and counts the step.
+        """
+        xp = array_api_compat.array_namespace(norm)
+        bad = ~xp.isfinite(norm)
+        if self._scaler.enabled:
+            self._scaler.record_found_inf(xp.astype(bad, xp.float32))
+            return True
+        if bool(bad):
+            self._unscaled_skips += 1
+            return False
+        return True
 
     def __repr__(self) -> str:
         return (
@@ -184,7 +208,7 @@ class ArraySteps:
                 f"forward(x, compute_dtype), backward(grad_output)), got {type(model).__qualname__}"
             )
         self.params = list(model.parameters())
-        _check_masters(self.params, Parameter, lambda p: p.data)
+        check_masters(self.params, Parameter, lambda p: p.data)
         self.model, self.dtype = model, dtype
 
     def forward_backward(self, input: Any, target: Any, loss_fn: Any, scaler: Any) -> Any:
@@ -201,21 +225,8 @@ class ArraySteps:
         return loss
 
 
-def _check_masters(params: list[Any], kind: type, data_of: Any) -> None:
-    """Raise unless every parameter is a ``kind`` holding float32 values (the masters)."""
-    if not params:
-        raise ConfigError("the model has no parameters to train; model.parameters() returned none")
-    for i, p in enumerate(params):
-        if not isinstance(p, kind):
-            raise TypeError(
-                f"model.parameters()[{i}] is a {type(p).__qualname__}, expected {kind.__qualname__}; "
-                "wrap master arrays as polyamp.Parameter(array)"
-            )
-        if _dtypes.name_of(data_of(p)) != "float32":
-            raise ConfigError(
-                f"master weights must be float32, but model.parameters()[{i}] has dtype "
-                f"{data_of(p).dtype}; keep float32 masters (the trainer casts to the compute dtype)"
-            )
+def _no_step() -> None:
+    """The optimizer step of a step that must not reach the weights."""
 
 
 def _check_optimizer_holds(optimizer: Any, params: list[Any]) -> None:

@@ -64,9 +64,84 @@ def test_clip_leaves_nonfinite_gradients_untouched(make_array, to_numpy, bad):
         np.testing.assert_array_equal(to_numpy(g), v)
 
 
-def test_float16_gradients_are_accumulated_in_float32():
+def test_float16_gradients_are_accumulated_wide():
     grads = [np.full(70000, 200.0, dtype=np.float16)]  # the float16 sum of squares overflows
     assert float(global_norm(grads)) == pytest.approx(200.0 * math.sqrt(70000), rel=1e-6)
+
+
+# -- huge finite gradients: the norm must stay finite, clipping must clip ------------------------
+def _hypot(arrays):
+    """The exact-as-float64 L2 norm (math.hypot scales internally, so it cannot overflow)."""
+    return math.hypot(*np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays]).tolist())
+
+
+# float32 squares are exact in float64 and ~30 of them sum with relative error <= 30 * 2**-53
+NORM_RTOL = 1e-12
+
+
+@pytest.mark.parametrize("big", [3e19, 3e38])  # squares past float32's max; the norm itself too
+def test_huge_finite_gradients_have_a_finite_norm_and_are_clipped(make_array, to_numpy, big):
+    values = _values()
+    values[0][1, 2] = big
+    values[3][0, 0, 1] = -big
+    grads = [make_array(v) for v in values]
+    expected = _hypot(values)
+    assert float(to_numpy(global_norm(grads))) == pytest.approx(expected, rel=NORM_RTOL)
+    before = clip_grad_norm_(grads, 1.0)
+    assert float(to_numpy(before)) == pytest.approx(expected, rel=NORM_RTOL)
+    coef = 1.0 / (expected + 1e-6)  # rounded to float32 once, the product once: 2 * 2**-24
+    for g, v in zip(grads, values):
+        np.testing.assert_allclose(to_numpy(g), v * coef, rtol=2.5e-7, atol=0)
+    assert _hypot([to_numpy(g) for g in grads]) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_float64_gradients_past_the_square_range_are_rescaled(make_array, to_numpy):
+    huge = [np.array([3e200, -4e200, 1.0]), np.array([[1e199]])]
+    assert float(to_numpy(global_norm([make_array(v) for v in huge]))) == pytest.approx(
+        _hypot(huge), rel=NORM_RTOL)
+    tiny = [np.full(10, 3e-320), np.zeros(3)]  # subnormal: their squares underflow to 0
+    assert float(to_numpy(global_norm([make_array(v) for v in tiny]))) == pytest.approx(
+        _hypot(tiny), rel=1e-3)  # 3e-320 holds ~14 significant bits
+    for bad, expected in ((np.inf, math.inf), (-np.inf, math.inf), (np.nan, math.nan)):
+        norm = float(to_numpy(global_norm([make_array(np.array([1e300, bad, 2.0]))])))
+        assert norm == expected or (math.isnan(expected) and math.isnan(norm))
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_huge_bfloat16_gradients_have_a_finite_norm(library):
+    values = np.array([1e30, -2e30, 3.0], np.float32)
+    if library == "numpy":
+        grads = [values.astype(pytest.importorskip("ml_dtypes").bfloat16)]
+    else:
+        grads = [pytest.importorskip("torch").tensor(values).bfloat16()]
+    exact = _hypot([np.asarray(grads[0].tolist() if library == "torch" else grads[0], np.float64)])
+    assert float(global_norm(grads)) == pytest.approx(exact, rel=NORM_RTOL)
+
+
+def test_chunked_sum_matches_one_pass(monkeypatch, make_array, to_numpy):
+    import polyamp.grads as grads_module
+
+    values = _values(shapes=[(40,), (7, 3), (0,), (1,)], scale=5.0)
+    values[1][2, 2] = 1e25
+    expected = _hypot(values)
+    for chunk in (1, 7, 21, 40, 2**20):
+        monkeypatch.setattr(grads_module, "_CHUNK", chunk)
+        norm = global_norm([make_array(v) for v in values])
+        assert float(to_numpy(norm)) == pytest.approx(expected, rel=NORM_RTOL), chunk
+
+
+def test_torch_clip_zeroes_huge_gradients_where_polyamp_clips():
+    """torch.nn.utils.clip_grad_norm_ computes the norm in float32: inf, so it multiplies the
+    gradients by max_norm / inf = 0 and the step runs with zero gradients (docs/training.md)."""
+    torch = pytest.importorskip("torch")
+    values = torch.tensor([3e19, 1.0, -2.0])
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = values.clone()
+    assert torch.nn.utils.clip_grad_norm_([param], 1.0).item() == math.inf
+    assert not param.grad.any()
+    ours = values.clone()
+    assert clip_grad_norm_([ours], 1.0).item() == pytest.approx(3e19, rel=1e-6)
+    assert ours[0].item() == pytest.approx(1.0, rel=1e-6) and ours[1].item() != 0
 
 
 def test_still_scaled_gradients_are_refused():

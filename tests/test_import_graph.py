@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"polyamp": ROOT / "polyamp", "polyamp.compat": ROOT / "compat",
             "polyamp.backends": ROOT / "backends"}
@@ -93,25 +91,8 @@ def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return found
 
 
-# Circles that other parts of issue 9 are breaking in parallel (compat/paddle.py <->
-# _paddle_disabled.py; trainer.py <-> _trainer_torch.py, and trainer's function-level import
-# of the polyamp package): a circle through these modules is counted in their own case, which
-# is xfail until those branches land. The lead removes these marks.
-KNOWN = {
-    "paddle": frozenset({"polyamp.compat.paddle", "polyamp.compat._paddle_disabled"}),
-    "trainer": frozenset({"polyamp.trainer", "polyamp._trainer_torch"}),
-}
-_BEING_FIXED = pytest.mark.xfail(strict=False, reason="issue 9: being broken in another branch")
-
-
-@pytest.mark.parametrize("area", ["all others", pytest.param("paddle", marks=_BEING_FIXED),
-                                  pytest.param("trainer", marks=_BEING_FIXED)])
-def test_no_module_imports_one_that_imports_it_back(area):
+def test_no_module_imports_one_that_imports_it_back():
     found = circles(import_graph())
-    if area == "all others":
-        found = [c for c in found if not any(c & known for known in KNOWN.values())]
-    else:
-        found = [c for c in found if c & KNOWN[area]]
     assert found == [], [sorted(c) for c in found]
 
 

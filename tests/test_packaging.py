@@ -42,3 +42,50 @@ def test_wheel_installs_and_imports_in_fresh_venv(tmp_path):
         [python, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
     )
     assert out.stdout.strip().endswith("8.0")
+
+
+# -- extras give ranges, CI pins ------------------------------------------------------------------
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _constraints() -> dict[str, str]:
+    """Package name (normalised) -> the exact version .ci/constraints.txt pins."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[canonicalize_name(req.name)] = spec.version
+    return pins
+
+
+def test_extras_give_ranges_so_a_users_torch_is_kept():
+    project = _pyproject()["project"]
+    for extra, requirements in project["optional-dependencies"].items():
+        for requirement in requirements:
+            assert "==" not in requirement and "===" not in requirement, (extra, requirement)
+    assert "ml_dtypes>=0.4" in project["optional-dependencies"]["demo"]  # for --dtype bfloat16
+
+
+def test_ci_pins_every_requirement_through_the_constraints_file():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = _pyproject()["project"]
+    pins = _constraints()
+    assert pins["torch"] == "2.13.0"
+    wanted = project["dependencies"] + [r for reqs in project["optional-dependencies"].values() for r in reqs]
+    for requirement in map(Requirement, wanted):
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} has no pin in .ci/constraints.txt"
+        assert requirement.specifier.contains(pins[name]), (str(requirement), pins[name])
+    ci = (ROOT / ".ci" / "run").read_text()
+    installs = [line for line in ci.splitlines() if line.startswith("python -m pip install")]
+    assert installs and all("-c .ci/constraints.txt" in line for line in installs), installs

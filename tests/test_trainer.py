@@ -190,3 +190,102 @@ def test_torch_loss_must_be_a_scalar(torch):
     x, y = (torch.from_numpy(a) for a in _data())
     with pytest.raises(ValueError, match="scalar"):
         trainer.train_step(x, y, lambda out, t: torch.nn.functional.mse_loss(out, t, reduction="none"))
+
+
+# -- bad steps never reach the weights ---------------------------------------------------------
+class HugeGradient:
+    """``x @ w``; backward writes d(scaled loss)/d(output) summed, times a fixed pattern with a
+    huge but finite element: the float32 sum of its squares overflows, the values do not."""
+
+    def __init__(self, pattern):
+        self.w = Parameter(np.zeros(len(pattern), np.float32))
+        self.pattern = np.asarray(pattern, np.float32)
+
+    def parameters(self):
+        return [self.w]
+
+    def forward(self, x, compute_dtype):
+        return x @ self.w.data
+
+    def backward(self, grad_output):
+        self.w.grad[...] = np.float32(np.sum(grad_output, dtype=np.float32)) * self.pattern
+
+
+def _unit_loss(output, target):
+    """A loss whose gradient sums to 1, so backward's seed sums to the loss scale."""
+    return np.float32(0.0), np.full(output.shape, 1.0 / output.size, np.float32)
+
+
+PATTERN = [3e19, -1.0, 2.0]
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_huge_finite_gradients_are_clipped_and_applied(max_grad_norm):
+    model = HugeGradient(PATTERN)
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.5), "float32",
+                                    max_grad_norm=max_grad_norm)
+    metrics = trainer.train_step(np.ones((4, 3), np.float32), np.zeros(4, np.float32), _unit_loss)
+    norm = math.hypot(*np.asarray(PATTERN, np.float32).tolist())
+    assert metrics.grad_norm == pytest.approx(norm, rel=1e-12) and not metrics.skipped
+    if max_grad_norm is not None:  # the step moved the weights by lr * (gradient clipped to norm 1)
+        np.testing.assert_allclose(model.w.data, -0.5 * np.asarray(PATTERN) / norm, rtol=1e-6)
+        assert trainer.skipped_steps == 0
+
+
+def test_torch_huge_finite_gradients_are_clipped(torch):
+    model = _torch_model(torch)
+    trainer = MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "float32",
+                                    max_grad_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = (torch.from_numpy(a) for a in _data())
+    metrics = trainer.train_step(x, y, lambda out, t: out.sum() * 3e19)  # d loss / d out = 3e19
+    assert math.isfinite(metrics.grad_norm) and metrics.grad_norm > 1e20 and not metrics.skipped
+    moved = math.sqrt(sum(float(((p.detach() - b) ** 2).sum()) for b, p in zip(before, model.parameters())))
+    assert moved == pytest.approx(0.1, rel=1e-4)  # lr * the clipped norm, 1
+
+
+def test_without_loss_scaling_an_overflowed_step_is_skipped_and_counted():
+    model = Linear(4, 2)
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16", loss_scaling=False)
+    x, y = _data()
+    before = [p.data.copy() for p in model.parameters()]
+    metrics = trainer.train_step(x * 1e3, y * 1e3, mse())  # float16 gradients overflow to inf
+    assert metrics.skipped and not math.isfinite(metrics.grad_norm) and trainer.skipped_steps == 1
+    assert all(np.array_equal(b, p.data) for b, p in zip(before, model.parameters()))
+    assert not trainer.train_step(x, y, mse()).skipped and trainer.skipped_steps == 1
+
+
+def test_a_non_finite_norm_joins_the_scalers_check():
+    """With loss scaling the norm's flag goes to the scaler (no host read); the scaler then skips."""
+    model = Linear(4, 2)
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float32")
+    scaler = trainer.scaler
+    grads = [np.ones(3, np.float32)]
+    scaler.unscale_(grads)  # finite gradients: the scaler alone would apply the step
+    assert trainer._check_norm(np.float64(np.nan)) is True
+    ran = []
+    assert scaler.step(grads, lambda: ran.append(1)).skipped and ran == [] and scaler.skipped_steps == 1
+
+
+def test_trainer_halves_do_not_import_each_other():
+    """trainer -> _trainer_torch and both -> _masters; no import back, not even in a function."""
+    import ast
+    from pathlib import Path
+
+    root = Path(polyamp.__file__).parent
+
+    def imports(name):
+        """The polyamp modules ``name`` imports anywhere (``__init__``: the package itself)."""
+        found = set()
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                targets = [node.module] if node.module else [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "polyamp":
+                targets = [node.module.partition(".")[2] or "__init__"]
+            else:
+                continue
+            found |= {t if (root / f"{t}.py").exists() else "__init__" for t in targets}
+        return found
+
+    assert "trainer" not in imports("_trainer_torch") and "_masters" in imports("_trainer_torch")
+    assert "__init__" not in imports("trainer") and "_masters" in imports("trainer")

@@ -4,7 +4,8 @@
 ``ArrayModel``) with ``polyamp.optim.Adam``; ``torch`` trains the same network as an
 ``nn.Module`` under ``torch.autocast`` with ``torch.optim.Adam``. All start from the same
 initial weights; the loss is summed and divided by the global batch size. Libraries are
-imported only when their backend is asked for.
+imported only when their backend is asked for. Without ``--backend`` the demo runs where
+``POLYAMP_BACKEND`` points, as every scaler does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from polyamp._errors import BackendNotFoundError, BackendUnavailableError
+from polyamp import _dtypes, _registry
+from polyamp._errors import BackendNotFoundError, BackendUnavailableError, ConfigError
 
 from .mlp import MLP, softmax_cross_entropy
 
@@ -121,3 +123,33 @@ def get(name: str) -> Kit:
     if name == "torch":
         return _torch_kit()
     return _array_kit(name, importlib.import_module(name))
+
+
+def chosen(name: str | None) -> str:
+    """The demo backend: ``name`` (``--backend``), else ``POLYAMP_BACKEND``, else numpy.
+
+    A ``POLYAMP_BACKEND`` that names no installed backend raises the registry's error; one
+    that the demo cannot train with (e.g. paddle) raises BackendNotFoundError naming both.
+    """
+    if name is not None:
+        return name
+    env, source = _registry.requested_backend(None)
+    if env is None:
+        return "numpy"
+    _registry.get_backend(env, source)  # unknown or unavailable: the registry's message
+    if env not in NAMES:
+        raise BackendNotFoundError(
+            f"{source} names a backend the demo cannot train with; the demo runs on {list(NAMES)}. "
+            f"Fix: pass --backend numpy (or another of those), or unset {_registry.ENV_VAR}."
+        )
+    return env
+
+
+def check_dtype(kit: Kit, dtype: str) -> None:
+    """Raise ConfigError now, before any training, when ``kit``'s library cannot hold ``dtype``."""
+    try:
+        _dtypes.cast(kit.asarray(np.zeros(1, np.float32)), dtype)
+    except (ImportError, ConfigError) as exc:
+        raise ConfigError(
+            f"--dtype {dtype} cannot run on the demo backend {kit.name!r} here: {exc}"
+        ) from exc

@@ -1,28 +1,31 @@
-"""``polyamp demo``: run the three trainings, print the table, write the plot."""
+"""``polyamp demo``: check every setting, run the three trainings, print the table, write the plot."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from polyamp._errors import BackendError, ConfigError
 
 from . import backends
-from .report import INSTALL_HINT, progress_factory, write_plot
-from .run import DemoSettings, format_table, run_demo, summary
+from .report import INSTALL_HINT, plot_path, progress_factory, write_plot
+from .run import DemoSettings, format_table, preflight, run_demo, summary
 
 DEFAULTS = DemoSettings()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's command-line flags (defaults are the full demo)."""
-    parser.add_argument("--backend", default=DEFAULTS.backend, metavar="NAME",
-                        help=f"array library to train with: {', '.join(backends.NAMES)} (default: numpy)")
+    """The demo's command-line flags (defaults are the full demo); help text is plain."""
+    parser.add_argument("--backend", default=None, metavar="NAME",
+                        help=f"array library to train with: {', '.join(backends.NAMES)} "
+                             "(default: POLYAMP_BACKEND when set, else numpy)")
     parser.add_argument("--dtype", default=DEFAULTS.dtype, choices=("float16", "bfloat16"),
                         help="low-precision compute dtype compared with float32 (default: float16)")
     parser.add_argument("--steps", type=int, default=DEFAULTS.steps, help="training steps per run")
     parser.add_argument("--output", default="polyamp-demo.png", metavar="PATH",
-                        help="where to write the PNG plot (default: polyamp-demo.png)")
+                        help="where to write the plot; its suffix picks the format (.png, .pdf, .svg, "
+                             "...; none means .png) (default: polyamp-demo.png)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="data and weight seed")
     parser.add_argument("--batch", type=int, default=DEFAULTS.batch, help="samples computed per step")
     parser.add_argument("--global-batch", type=int, default=DEFAULTS.global_batch,
@@ -38,14 +41,20 @@ def _title(settings: DemoSettings) -> str:
             f"({settings.batch:,} computed per step)")
 
 
+def _checked(args: argparse.Namespace) -> tuple[DemoSettings, Path | None]:
+    """The settings and the plot's path, every one checked before any training."""
+    settings = DemoSettings(
+        backend=backends.chosen(args.backend), dtype=args.dtype, steps=args.steps, seed=args.seed,
+        batch=args.batch, global_batch=args.global_batch,
+    )
+    preflight(settings)
+    return settings, None if args.no_plot else plot_path(args.output)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the demo from parsed arguments; 2 for a backend that cannot run or a bad setting."""
+    """Run the demo from parsed arguments; 2 (before any training) for a setting that cannot run."""
     try:
-        settings = DemoSettings(
-            backend=args.backend, dtype=args.dtype, steps=args.steps, seed=args.seed,
-            batch=args.batch, global_batch=args.global_batch,
-        )
-        backends.get(settings.backend)
+        settings, output = _checked(args)
     except (BackendError, ConfigError) as exc:
         print(f"polyamp demo: error: {exc}", file=sys.stderr)
         return 2
@@ -54,11 +63,11 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(format_table(results))
     print(summary(results))
-    if not args.no_plot:
+    if output is not None:
         try:
-            write_plot(results, args.output, _title(settings))
+            write_plot(results, output, _title(settings))
         except ImportError:
             print(f"no plot written: matplotlib is not installed ({INSTALL_HINT})")
         else:
-            print(f"plot written to {args.output}")
+            print(f"plot written to {output}")
     return 0

@@ -1,11 +1,15 @@
-"""The demo's output: progress (tqdm when installed, plain lines otherwise) and the PNG plot
-(matplotlib, from the optional ``demo`` extra)."""
+"""The demo's output: progress (tqdm when installed, plain lines otherwise) and the plot
+(matplotlib, from the optional ``demo`` extra), whose path is checked before any training."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
+
+from polyamp._errors import ConfigError
 
 from .run import RunResult
 
@@ -52,8 +56,49 @@ def progress_factory(enabled: bool = True, stream: TextIO | None = None) -> Call
     return start
 
 
-def write_plot(results: list[RunResult], path: str, title: str) -> None:
-    """Plot loss (log scale) and loss scale over the steps for every run; write a PNG to ``path``.
+def _plot_formats() -> list[str] | None:
+    """The file suffixes matplotlib can write (without the dot); None without matplotlib."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def plot_path(path: str, option: str = "--output") -> Path:
+    """The absolute path the plot will be written to, checked before any training.
+
+    No suffix means ``.png`` (as matplotlib appends); another suffix must be a format
+    matplotlib writes (not checked without matplotlib, which writes no plot). The folder
+    must exist and be writable. Raises ConfigError naming ``option``, the value and the fix.
+    """
+    target = Path(os.path.abspath(os.path.expanduser(path)))
+    if target.is_dir():
+        raise ConfigError(f"{option} {path!r} is a folder. Fix: give a file name, e.g. {target / 'demo.png'}")
+    suffix = target.suffix[1:].lower()
+    formats = _plot_formats()
+    if not suffix:
+        target = target.with_name(target.name + ".png")
+    elif formats is not None and suffix not in formats:
+        raise ConfigError(
+            f"{option} {path!r}: matplotlib cannot write .{suffix} files. Fix: end the path in "
+            f"one of {', '.join('.' + f for f in formats)} (e.g. .png)"
+        )
+    folder = target.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{option} {path!r}: the folder {folder} does not exist. Fix: create it "
+                          "first, or pick a path in an existing folder")
+    if target.is_dir():  # "plot" was given and "plot.png" is a folder
+        raise ConfigError(f"{option} {path!r}: {target} is a folder. Fix: give another file name")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"{option} {path!r}: {target} is not writable here. Fix: pick a path in a "
+                          "folder you can write to")
+    return target
+
+
+def write_plot(results: list[RunResult], path: str | Path, title: str) -> None:
+    """Plot loss (log scale) and loss scale over the steps for every run; write it to ``path``
+    (the format follows the suffix, see :func:`plot_path`).
 
     Raises ImportError with the install command when matplotlib is missing.
     """

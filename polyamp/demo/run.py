@@ -25,7 +25,8 @@ from . import backends
 from .data import spirals
 
 __all__ = [
-    "DemoSettings", "RunResult", "format_table", "run_demo", "summary", "train_once", "within_tolerance",
+    "DemoSettings", "RunResult", "format_table", "preflight", "run_demo", "summary", "train_once",
+    "within_tolerance",
 ]
 
 #: float16 + polyamp must end within these of float32 (final training loss, test accuracy).
@@ -117,7 +118,8 @@ def train_once(
     kit = backends.get(settings.backend)
     x, y, x_test, y_test = (kit.asarray(a) for a in data)
     model, optimizer, loss_fn = kit.build(settings)
-    trainer = MixedPrecisionTrainer(model, optimizer, dtype, settings.scale_config, loss_scaling=loss_scaling)
+    trainer = MixedPrecisionTrainer(model, optimizer, dtype, settings.scale_config, loss_scaling=loss_scaling,
+                                    backend=kit.name)  # the scaler works where the arrays are
     result = RunResult(_label(dtype, loss_scaling), dtype, loss_scaling)
     per_sample = settings.global_batch / settings.batch  # the loss is a share of a global mean
     tick = progress(result.label, settings.steps) if progress else None
@@ -136,9 +138,14 @@ def train_once(
     return result
 
 
+def preflight(settings: DemoSettings) -> None:
+    """Raise now, before any training, when the backend or the dtype cannot run here."""
+    backends.check_dtype(backends.get(settings.backend), settings.dtype)
+
+
 def run_demo(settings: DemoSettings, progress: Progress | None = None) -> list[RunResult]:
     """The demo's three runs, on the same spirals and from the same initial weights."""
-    backends.get(settings.backend)  # fail before any work when the backend cannot run
+    preflight(settings)
     x, y = spirals(settings.batch, seed=settings.seed)
     x_test, y_test = spirals(settings.test_size, seed=settings.seed + 1)
     data = (x, y, x_test, y_test)

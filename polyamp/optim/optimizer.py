@@ -14,28 +14,13 @@ from typing import Any
 
 import array_api_compat
 
+from .._dtypes import computes_float64 as _computes_float64
 from .._errors import ConfigError, StateDictError
 from ..parameter import Parameter
 
 __all__ = ["Optimizer", "ParamsT"]
 
 ParamsT = Iterable[Parameter] | Iterable[dict[str, Any]]
-
-_FLOAT64_OK: dict[tuple[int, Any], bool] = {}  # (id(namespace), device) -> computes in float64
-
-
-def _computes_float64(xp: Any, device: Any) -> bool:
-    """Whether ``device`` of ``xp`` computes in float64 (Apple MPS does not); cached."""
-    key = (id(xp), device)
-    if key not in _FLOAT64_OK:
-        try:
-            kinds = xp.__array_namespace_info__().dtypes(device=device, kind="real floating")
-            ok = "float64" in kinds and getattr(device, "type", None) != "mps"
-        except (AttributeError, TypeError, ValueError):  # no inspection API, odd device
-            ok = False
-        _FLOAT64_OK[key] = ok
-    return _FLOAT64_OK[key]
-
 
 def _round_to_float32(value: float) -> float:
     """``value`` rounded to the nearest float32, as torch rounds scalar arguments."""

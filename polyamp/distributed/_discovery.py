@@ -1,0 +1,101 @@
+"""Reducer discovery: pluggy plugins from the ``polyamp.reducers`` entry-point group.
+
+``reducer(x)`` asks every plugin's ``make_reducer`` in turn; the first non-None wins. The
+built-ins (torch, mpi, cupy_nccl) register through the same group as third-party plugins.
+Loading a plugin imports no engine: plugins look objects up in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from .. import _hookspecs
+from .._errors import ConfigError
+from ..config import short_repr
+from ._reducer import Reducer, check_timeout
+
+_lock = threading.Lock()
+
+
+class _Plugins:
+    """The reducer plugin manager plus the entry points that failed to load (and why)."""
+
+    def __init__(self) -> None:
+        self.manager = pluggy.PluginManager(_hookspecs.PROJECT)
+        self.manager.add_hookspecs(_hookspecs.ReducerSpec)
+        self.broken: dict[str, str] = {}
+        seen: set[str] = set()
+        for ep in entry_points(group=_hookspecs.REDUCER_GROUP):
+            if ep.name in seen:
+                continue
+            seen.add(ep.name)
+            try:
+                self.register(ep.load(), ep.name)
+            except Exception as exc:  # a broken plugin must not break discovery
+                self.broken[ep.name] = f"{type(exc).__name__}: {exc}"
+
+    def register(self, module: Any, name: str) -> None:
+        """Register one plugin module after checking it implements ``make_reducer``."""
+        missing = [h for h in _hookspecs.REDUCER_HOOKS if not callable(getattr(module, h, None))]
+        if missing:
+            raise TypeError(f"reducer plugin {name!r} lacks required hooks {missing}")
+        self.manager.register(module, name=name)
+
+    def accepted(self) -> str:
+        """What the plugins accept, one clause each, for error messages."""
+        kinds = [str(k) for k in self.manager.hook.reducer_accepts() if k]
+        kinds.append("a polyamp.distributed.Reducer")
+        names = sorted(n for n, _ in self.manager.list_name_plugin())
+        text = "; ".join(kinds) + f" (reducer plugins: {', '.join(names) or 'none'}"
+        if self.broken:
+            text += "; failed to load: " + ", ".join(f"{n} ({why})" for n, why in sorted(self.broken.items()))
+        return text + ")"
+
+
+@functools.cache
+def _plugins() -> _Plugins:
+    return _Plugins()
+
+
+def register_reducer(module: Any, name: str) -> None:
+    """Register a reducer plugin module at run time (the entry-point group is the usual way)."""
+    with _lock:
+        _plugins().register(module, name)
+
+
+def reducer(group: Any, *, timeout: float | None = None) -> Reducer:
+    """A Reducer over ``group``: a torch ProcessGroup or "torch", an mpi4py communicator or "mpi",
+    a CuPy NCCL communicator, or anything a plugin accepts. A Reducer is returned as it is.
+
+    ``timeout``: seconds a collective may take before ``ReducerTimeoutError`` (None: the
+    engine's default; torch's is the process group's own ``init_process_group(timeout=...)``).
+    """
+    if isinstance(group, Reducer):
+        if timeout is not None:
+            raise ConfigError(
+                f"timeout={short_repr(timeout)} cannot change the existing reducer {group!r}. "
+                "Fix: pass timeout= when that reducer is built, or pass the group itself."
+            )
+        return group
+    seconds = check_timeout(timeout)
+    plugins = _plugins()
+    made = plugins.manager.hook.make_reducer(group=group, timeout=seconds)
+    if made is None:
+        what = f"{type(group).__module__}.{type(group).__qualname__}"
+        error = ConfigError if isinstance(group, str) else TypeError
+        raise error(
+            f"polyamp.distributed.reducer() cannot build a reducer from {short_repr(group)} "
+            f"(type {what}). It accepts: {plugins.accepted()}. Fix: pass one of these, or install "
+            f"the plugin for yours (entry-point group {_hookspecs.REDUCER_GROUP!r})."
+        )
+    if not isinstance(made, Reducer):
+        raise TypeError(
+            f"a reducer plugin returned {type(made).__name__} for {short_repr(group)}, not a "
+            "polyamp.distributed.Reducer. Fix: the plugin's make_reducer must return a Reducer subclass."
+        )
+    return made

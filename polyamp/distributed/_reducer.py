@@ -1,0 +1,170 @@
+"""The Reducer contract: in-place all-reduces over an existing engine, counted, with a deadline.
+
+Subclasses (one module per engine) implement ``_prepare`` (the buffer to reduce: the array or
+a zero-copy view of it; refuse it before anything is issued) and ``_allreduce``/``_barrier``
+(issue one collective, raise ``ReducerError`` on a fault). The base class counts collectives
+and retires the reducer after a fault, because the ranks' sequences of collectives no longer
+match and every later collective would mismatch.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from .._errors import ConfigError
+from ..config import short_repr
+from ._errors import ReducerError, ReducerTimeoutError
+
+#: Seconds a collective may take, where the engine has no timeout of its own (MPI, NCCL).
+DEFAULT_TIMEOUT = 300.0
+#: Seconds of back-to-back polls of a pending collective before polyamp sleeps between polls.
+SPIN = 2e-3
+#: The longest sleep between two polls of a pending collective (seconds).
+MAX_POLL_PAUSE = 1e-3
+
+Op = Literal["sum", "max"]
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_HINT = (
+    "Another rank probably hung, died, or skipped this collective (every rank must issue the same "
+    "collectives in the same order: call step on every rank, also on a rank without gradients)."
+)
+_RETIRED = "This reducer is now unusable: restart the ranks (e.g. from the last checkpoint)."
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """``timeout`` as float seconds (None stays None); ConfigError unless positive and finite."""
+    if timeout is None:
+        return None
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not ok or not math.isfinite(timeout) or timeout <= 0:
+        raise ConfigError(
+            "timeout must be a positive, finite number of seconds (or None for the engine's "
+            f"default), got timeout={short_repr(timeout)}"
+        )
+    return float(timeout)
+
+
+def wait_until(done: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``done()`` until it returns True (then True) or ``timeout`` seconds pass (then False).
+
+    Polls back to back (yielding the CPU) for the first ``SPIN`` seconds, as a blocking MPI wait
+    would, then sleeps between polls, up to ``MAX_POLL_PAUSE``: a fast collective costs no
+    sleep, a slow one little CPU. (MPI progresses a non-blocking collective inside each poll.)
+    """
+    start = time.monotonic()
+    deadline, spin_until = start + timeout, start + SPIN
+    pause = 0.0
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            return done()
+        if now < spin_until:
+            _yield()  # time.sleep(0) would cost tens of microseconds (timer slack)
+        else:
+            pause = min(max(2.0 * pause, 1e-5), MAX_POLL_PAUSE)
+            time.sleep(pause)
+    return True
+
+
+class Reducer(abc.ABC):
+    """All-reduces arrays in place across the ranks of one group, one collective per call.
+
+    ``name`` says which engine ("mpi", "torch:gloo", ...), ``rank``/``size`` this process's
+    place in the group, ``timeout`` the seconds a collective may take (None: the engine's own
+    limit), ``collectives`` how many collectives this reducer has issued (tests, benchmarks).
+    """
+
+    def __init__(self, name: str, rank: int, size: int, timeout: float | None) -> None:
+        self.name = name
+        self.rank = int(rank)
+        self.size = int(size)
+        self.timeout = timeout
+        self._collectives = 0
+        self._retired: str | None = None
+
+    @property
+    def collectives(self) -> int:
+        """The number of collectives issued so far (a refused array issues none)."""
+        return self._collectives
+
+    def allreduce_sum_(self, array: Any) -> Any:
+        """Replace ``array`` on every rank by the element-wise sum over the group; returns it."""
+        return self._issue(array, "sum")
+
+    def allreduce_max_(self, array: Any) -> Any:
+        """Replace ``array`` on every rank by the element-wise maximum over the group; returns it."""
+        return self._issue(array, "max")
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group has reached this call (one collective)."""
+        self._usable()
+        self._collectives += 1
+        self._guarded(self._barrier, "barrier")
+
+    def _issue(self, array: Any, op: Op) -> Any:
+        self._usable()
+        buffer = self._prepare(array)
+        self._collectives += 1
+        self._guarded(lambda: self._allreduce(buffer, op), f"all-reduce ({op})")
+        return array
+
+    def _guarded(self, call: Callable[[], None], what: str) -> None:
+        try:
+            call()
+        except ReducerError as exc:
+            self._retired = (
+                f"an earlier {what} failed ({type(exc).__name__}), so the ranks' collectives no longer "
+                "match. Restart the ranks (e.g. from the last checkpoint)."
+            )
+            raise
+
+    def _usable(self) -> None:
+        if self._retired is not None:
+            raise ReducerError(f"{self.describe()} cannot issue another collective: {self._retired}")
+
+    def describe(self) -> str:
+        """'polyamp reducer NAME (rank R of N)': how messages name this reducer."""
+        return f"polyamp reducer {self.name!r} (rank {self.rank} of {self.size})"
+
+    def timeout_error(self, what: str, limit: str | None = None) -> ReducerTimeoutError:
+        """The error for a collective that did not complete within ``limit`` (default: ``timeout``)."""
+        if limit is None:
+            limit = f"timeout={self.timeout:g} s (polyamp.distributed.reducer(..., timeout=))"
+        return ReducerTimeoutError(
+            f"{self.describe()}: {what} did not complete within {limit}. {_HINT} {_RETIRED}"
+        )
+
+    def fault_error(self, what: str, cause: str, detail: str) -> ReducerError:
+        """The error for a collective that failed for ``cause`` (e.g. 'a peer rank probably died')."""
+        return ReducerError(f"{self.describe()}: {what} failed: {cause}. {_RETIRED} Engine said: {detail}")
+
+    def __repr__(self) -> str:
+        limit = "engine default" if self.timeout is None else f"{self.timeout:g} s"
+        return (
+            f"<{type(self).__name__} {self.name!r} rank {self.rank} of {self.size}, "
+            f"timeout {limit}, {self._collectives} collectives>"
+        )
+
+    @abc.abstractmethod
+    def _prepare(self, array: Any) -> Any:
+        """What ``_allreduce`` reduces: ``array`` or a zero-copy view of it sharing its memory.
+
+        Raises ForeignArrayError when this reducer cannot all-reduce ``array`` in place.
+        """
+
+    @abc.abstractmethod
+    def _allreduce(self, buffer: Any, op: Op) -> None:
+        """Issue one all-reduce of ``buffer`` in place; ReducerError on a fault.
+
+        On return the result is in ``buffer`` for any later reader on its device (a stream may
+        still be finishing it, as with NCCL, where the engine's own timeout applies).
+        """
+
+    @abc.abstractmethod
+    def _barrier(self) -> None:
+        """Issue one barrier and wait for it; ReducerError on a fault."""
