@@ -2,8 +2,10 @@
 
 The source folders map to one import tree (``backends/`` -> ``polyamp.backends``, ``compat/`` ->
 ``polyamp.compat``, see pyproject's package-dir), which griffe cannot follow on disk. This hook
-builds ``build/docs-src/polyamp`` out of symlinks, laid out as the package installs, before any
-page is rendered; mkdocs.yml points the python handler's ``paths`` there.
+copies ``build/docs-src/polyamp`` together, laid out as the package installs, before any page is
+rendered; mkdocs.yml points the python handler's ``paths`` there. Copies, not symlinks: griffe
+resolves a symlink to its real folder and would load ``polyamp`` from the source tree again,
+without ``polyamp.backends`` and ``polyamp.compat``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STAGE = ROOT / "build" / "docs-src"
 MAPPED = {"backends": "backends", "compat": "compat"}  # polyamp.<key> -> top-level folder
+SKIP = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
 def on_config(config, **kwargs):
@@ -21,10 +24,7 @@ def on_config(config, **kwargs):
     package = STAGE / "polyamp"
     if STAGE.exists():
         shutil.rmtree(STAGE)
-    package.mkdir(parents=True)
-    for entry in (ROOT / "polyamp").iterdir():
-        if entry.name != "__pycache__":
-            (package / entry.name).symlink_to(entry)
+    shutil.copytree(ROOT / "polyamp", package, ignore=SKIP)
     for name, folder in MAPPED.items():
-        (package / name).symlink_to(ROOT / folder, target_is_directory=True)
+        shutil.copytree(ROOT / folder, package / name, ignore=SKIP)
     return config
