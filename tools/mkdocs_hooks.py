@@ -1,4 +1,4 @@
-"""MkDocs hook: stage the installed import tree for mkdocstrings.
+"""MkDocs hook: stage the installed import tree for mkdocstrings, with Markdown docstrings.
 
 The source folders map to one import tree (``backends/`` -> ``polyamp.backends``, ``compat/`` ->
 ``polyamp.compat``, see pyproject's package-dir), which griffe cannot follow on disk. This hook
@@ -6,10 +6,15 @@ copies ``build/docs-src/polyamp`` together, laid out as the package installs, be
 rendered; mkdocs.yml points the python handler's ``paths`` there. Copies, not symlinks: griffe
 resolves a symlink to its real folder and would load ``polyamp`` from the source tree again,
 without ``polyamp.backends`` and ``polyamp.compat``.
+
+The docstrings use a little reStructuredText that Markdown shows raw; in the copies (never in
+the sources) a role such as ``:class:`X``` becomes the code span ``X`` and a paragraph's closing
+``::`` (a literal block follows) becomes ``:``.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGE = ROOT / "build" / "docs-src"
 MAPPED = {"backends": "backends", "compat": "compat"}  # polyamp.<key> -> top-level folder
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc")
+ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj|const):`(~?)([^`]+)`")
+LITERAL_MARK = re.compile(r"(?<=[\w)`])::[ \t]*$", re.M)
+
+
+def markdown_docstrings(source: str) -> str:
+    """``source`` with RST roles as Markdown code spans and ``text::`` as ``text:``."""
+    source = ROLE.sub(lambda m: f"`{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}`", source)
+    return LITERAL_MARK.sub(":", source)
 
 
 def on_config(config, **kwargs):
@@ -27,4 +40,9 @@ def on_config(config, **kwargs):
     shutil.copytree(ROOT / "polyamp", package, ignore=SKIP)
     for name, folder in MAPPED.items():
         shutil.copytree(ROOT / folder, package / name, ignore=SKIP)
+    for path in package.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        converted = markdown_docstrings(text)
+        if converted != text:
+            path.write_text(converted, encoding="utf-8")
     return config
