@@ -2,10 +2,11 @@
 
 The source folders map to one import tree (``backends/`` -> ``polyamp.backends``, ``compat/`` ->
 ``polyamp.compat``, see pyproject's package-dir), which griffe cannot follow on disk. This hook
-copies ``build/docs-src/polyamp`` together, laid out as the package installs, before any page is
-rendered; mkdocs.yml points the python handler's ``paths`` there. Copies, not symlinks: griffe
-resolves a symlink to its real folder and would load ``polyamp`` from the source tree again,
-without ``polyamp.backends`` and ``polyamp.compat``.
+copies ``build/docs-src/polyamp`` together, laid out as the package installs; mkdocs.yml points
+the python handler's ``paths`` there. It stages at start-up, before any plugin's ``on_config``:
+the python handler lists its paths once, and a folder missing then (a fresh checkout) is never
+searched, so the source tree's ``polyamp`` (without ``backends`` and ``compat``) would be loaded.
+``on_config`` stages again, so ``mkdocs serve`` renders edited docstrings.
 
 The docstrings use a little reStructuredText that Markdown shows raw; in the copies (never in
 the sources) a role such as ``:class:`X``` becomes the code span ``X`` and a paragraph's closing
@@ -32,8 +33,8 @@ def markdown_docstrings(source: str) -> str:
     return LITERAL_MARK.sub(":", source)
 
 
-def on_config(config, **kwargs):
-    """Rebuild the staged tree: polyamp/* plus polyamp/backends and polyamp/compat."""
+def stage() -> Path:
+    """Rebuild the staged tree: polyamp/* plus polyamp/backends and polyamp/compat; return its root."""
     package = STAGE / "polyamp"
     if STAGE.exists():
         shutil.rmtree(STAGE)
@@ -45,4 +46,15 @@ def on_config(config, **kwargs):
         converted = markdown_docstrings(text)
         if converted != text:
             path.write_text(converted, encoding="utf-8")
+    return STAGE
+
+
+def on_startup(command, dirty, **kwargs):
+    """Stage before the handler first lists its paths."""
+    stage()
+
+
+def on_config(config, **kwargs):
+    """Stage again for each (re)build, then hand the config on unchanged."""
+    stage()
     return config
