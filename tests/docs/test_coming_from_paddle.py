@@ -17,12 +17,14 @@ def blocks() -> list[str]:
 
 def test_paddle_loop_on_cpu_trains(capsys):
     pytest.importorskip("paddle")
-    code = next(b for b in blocks() if "from polyamp.compat.paddle import GradScaler" in b
+    page = blocks()
+    last = next(i for i, b in enumerate(page) if "from polyamp.compat.paddle import GradScaler" in b
                 and "paddle.nn.Linear" in b)
     namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # paddle: "amp_guard ... makes no effect" on CPU
-        exec(compile(code, str(PAGE), "exec"), namespace)
+        for code in page[: last + 1]:  # the data block and paddle's own loop come first
+            exec(compile(code, str(PAGE), "exec"), namespace)
     assert float(namespace["loss"]) < 1e-2
     assert namespace["scaler"].is_enable() and "loss" in capsys.readouterr().out
 
