@@ -15,19 +15,16 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from . import _inputs, _registry, checkpoint
-from ._agreement import Agreed, Agreement
-from ._errors import PolyampError
+from ._agreement import LOOP as _LOOP
+from ._agreement import Agreeing, Agreement
+from ._errors import ScalerStateError
 from .backend import Backend
 from .config import SCALE_FLOOR, LossScaleConfig
 from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
 
-_LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
-
-
-class ScalerStateError(PolyampError, RuntimeError):
-    """A method was called out of order (e.g. update() with no inf check recorded)."""
+__all__ = ["LossScaler", "ScalerStateError", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class StepResult:
         )
 
 
-class LossScaler:
+class LossScaler(Agreeing):
     """Dynamic loss scaling over any backend: torch's and paddle's rule in one engine.
 
     The loop is ``stepped = scaler.step(grads, step_fn); scaler.update()``: step unscales
@@ -76,7 +73,8 @@ class LossScaler:
     skip decision: ONE SUM all-reduce of the non-finite count per step, issued by every rank in
     the same order (a rank without gradients sends 0). The scaler's first agreement also checks
     that all ranks hold the same config (a second collective, that step only). Every rank must
-    call ``step`` (or ``update``) each iteration; a deep copy shares the reducer, pickling refuses it.
+    call ``step`` (or ``update``) each iteration. A deep copy shares the reducer and checks the
+    config again at its first step; pickling refuses a reducer (pickle ``state_dict()``).
     """
 
     enabled = True
@@ -119,11 +117,6 @@ class LossScaler:
     def backend(self) -> Backend | None:
         """The bound backend, or None until the first arrays decide it."""
         return self._backend
-
-    @property
-    def reducer(self) -> Any:
-        """The ``polyamp.distributed.Reducer`` that agrees each step across ranks, or None."""
-        return None if self._agreement is None else self._agreement.reducer
 
     @property
     def state(self) -> LossScaleState | None:
@@ -230,46 +223,6 @@ class LossScaler:
         """
         self._refuse_after_agreement("record_found_inf()")
         self._pending = flag if self._pending is None else self._pending + flag
-
-    def _refuse_after_agreement(self, what: str) -> None:
-        if self._agreed:
-            raise ScalerStateError(
-                f"{what} was called after agree_() in the same iteration: the overflow flag is "
-                "already summed over the ranks, and a flag added now would be this rank's alone. "
-                "Fix: unscale and record every flag before agree_() (a non-finite global norm "
-                "needs no flag: the agreed count already has its non-finite gradients)."
-            )
-
-    def agree_(self, extra: Any = None) -> Agreed:
-        """Sum this iteration's overflow check over the ranks now, with ``extra`` in the same collective.
-
-        ONE SUM all-reduce of ``[non-finite count, *extra]`` (in ``extra``'s dtype, on its device;
-        ``extra`` e.g. a local sum of squares, as ``polyamp.grads`` clipping sends). ``step`` then
-        reads the agreed flag and issues no collective of its own. Returns ``Agreed(found_inf,
-        extra)``, both summed over ranks; without a reducer the local values, and nothing is sent.
-        After ``unscale_``, before ``step``, once per iteration. No host synchronisation.
-        """
-        when = ("after step()" if self._skipped is not None else
-                "before any unscale_()" if self._pending is None else "twice" if self._agreed else None)
-        if when is not None:
-            raise ScalerStateError(
-                f"agree_() was called {when} in this iteration (global_norm and clip_grad_norm_ with a "
-                "distributed scaler= call it). Fix: call it once, after unscale_(grads) and before "
-                f"step() (the loop is `{_LOOP}`)."
-            )
-        if self._agreement is None:
-            return Agreed(self._pending, extra)
-        if extra is None:
-            agreed = Agreed(self._agreement.flag(self._pending, self._config), None)
-        else:
-            agreed = self._agreement.flag_and_extra(self._pending, extra, self._config)
-        self._pending, self._agreed = agreed.found_inf, True
-        return agreed
-
-    def _agree_pending(self) -> None:
-        """With a reducer, sum the pending check over the ranks unless agree_() already did."""
-        if self._agreement is not None and not self._agreed and self._pending is not None:
-            self._pending, self._agreed = self._agreement.flag(self._pending, self._config), True
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
