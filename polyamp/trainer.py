@@ -11,6 +11,11 @@
 Torch models (``torch.nn.Module``) run under ``torch.autocast``; anything else follows the
 :class:`ArrayModel` protocol (NumPy, CuPy, any array-API library). torch is imported only
 when a torch model is given.
+
+With ``reducer=`` it trains data parallel: after the backward, ONE all-reduce sums the flat
+float32 gradient buffer over the ranks, which is then divided by the world size (the mean).
+An inf/nan on any rank survives the sum, so every rank unscales the same buffer and reaches
+the same skip decision and the same norm with no further collective.
 """
 
 from __future__ import annotations
@@ -85,6 +90,13 @@ class MixedPrecisionTrainer:
     no-op scaler instead (to see what goes wrong without it; a step with inf/nan gradients is
     still skipped). ``max_grad_norm`` clips by global norm. Each step reads the loss, the skip
     decision and the norm on the host.
+
+    ``reducer`` (see ``polyamp.distributed.reducer``: a torch process group, ``"torch"``, an
+    mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of
+    the batch and its loss is the mean over that shard; the gradients are summed over the ranks
+    and divided by their number, so with equal shards the step is that of one process on the
+    whole batch, and the float32 masters (started equal on every rank) stay equal. One collective
+    per step, and one more at the first to check that every rank has the same scaler config.
     """
 
     def __init__(
@@ -97,12 +109,15 @@ class MixedPrecisionTrainer:
         loss_scaling: bool = True,
         max_grad_norm: float | None = None,
         backend: str | None = None,
+        reducer: Any = None,
     ) -> None:
         self._dtype = _dtypes.compute_dtype_name(compute_dtype)
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
         self._scaler = (LossScaler if loss_scaling else NoOpLossScaler)(config, backend)
+        self._reducer = None if reducer is None else _build_reducer(reducer)
+        self._config_checked = False
         self._unscaled_skips = 0  # steps skipped for a non-finite norm without loss scaling
         if _is_torch_module(model):
             from ._trainer_torch import TorchSteps
@@ -133,6 +148,11 @@ class MixedPrecisionTrainer:
     def scaler(self) -> Any:
         """The :class:`polyamp.LossScaler` (or the no-op scaler when loss scaling is off)."""
         return self._scaler
+
+    @property
+    def reducer(self) -> Any:
+        """The ``polyamp.distributed.Reducer`` that sums the gradients over the ranks, or None."""
+        return self._reducer
 
     @property
     def grads(self) -> GradBuffer:
@@ -166,6 +186,8 @@ class MixedPrecisionTrainer:
         loss = self._steps.forward_backward(input, target, loss_fn, scaler)
         if scaler.enabled:
             grads.mark_scaled()
+        if self._reducer is not None:
+            self._average(grads.flat)
         grads.unscale_(scaler)
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
         finite = self._check_norm(norm)
@@ -173,6 +195,23 @@ class MixedPrecisionTrainer:
         scaler.update()
         skipped = bool(result.skipped) or not finite
         return StepMetrics(float(loss), float(result.scale_before), skipped, float(norm))
+
+    def _average(self, flat: Any) -> None:
+        """Sum ``flat`` over the ranks in place and divide by their number: one collective.
+
+        The first call checks first that every rank runs the same scaler config (no loss
+        scaling counts as a fixed scale of 1), so that every rank unscales alike.
+        """
+        red = self._reducer
+        if not self._config_checked:
+            from .distributed import check_same_config
+
+            config = self._scaler.config if self._scaler.enabled else _NO_SCALING
+            check_same_config(red, config, like=flat)
+            self._config_checked = True
+        red.allreduce_sum_(flat)
+        if red.size > 1:
+            flat /= red.size
 
     def _check_norm(self, norm: Any) -> bool:
         """False when a non-finite norm must keep this step off the weights (loss scaling off).
@@ -223,6 +262,17 @@ class ArraySteps:
             seed = _dtypes.cast(seed, self.dtype)
         self.model.backward(seed)
         return loss
+
+
+#: What the ranks' configs are compared as when loss scaling is off: a fixed scale of 1.
+_NO_SCALING = LossScaleConfig(init_scale=1.0, dynamic=False)
+
+
+def _build_reducer(group: Any) -> Any:
+    """``polyamp.distributed.reducer(group)``, imported only when a reducer is asked for."""
+    from .distributed import reducer
+
+    return reducer(group)
 
 
 def _no_step() -> None:

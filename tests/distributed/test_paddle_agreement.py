@@ -18,8 +18,8 @@ def paddle_run(rank: int, size: int, group: str) -> dict:
 
     warnings.simplefilter("ignore")  # paddle's "no ccache" and similar notices
     import paddle
-
     from polyamp.compat.paddle import GradScaler
+
     from polyamp.distributed import reducer
 
     red = reducer(group)
