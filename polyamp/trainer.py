@@ -12,10 +12,11 @@ Torch models (``torch.nn.Module``) run under ``torch.autocast``; anything else f
 :class:`ArrayModel` protocol (NumPy, CuPy, any array-API library). torch is imported only
 when a torch model is given.
 
-With ``reducer=`` it trains data parallel: after the backward, ONE all-reduce sums the flat
-float32 gradient buffer over the ranks, which is then divided by the world size (the mean).
-An inf/nan on any rank survives the sum, so every rank unscales the same buffer and reaches
-the same skip decision and the same norm with no further collective.
+With ``reducer=`` it trains data parallel: the gradient of each rank's loss is divided by the
+world size before the backward, and after it ONE all-reduce sums the flat float32 gradient
+buffer over the ranks: the mean. An inf/nan on any rank survives the sum, so every rank
+unscales the same buffer and reaches the same skip decision and the same norm with no further
+collective.
 """
 
 from __future__ import annotations
@@ -93,10 +94,12 @@ class MixedPrecisionTrainer:
 
     ``reducer`` (see ``polyamp.distributed.reducer``: a torch process group, ``"torch"``, an
     mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of
-    the batch and its loss is the mean over that shard; the gradients are summed over the ranks
-    and divided by their number, so with equal shards the step is that of one process on the
-    whole batch, and the float32 masters (started equal on every rank) stay equal. One collective
-    per step, and one more at the first to check that every rank has the same scaler config.
+    the batch and its loss is the mean over that shard. The loss's gradient is divided by the
+    number of ranks before the backward (so each sample's low-precision gradient is as large as
+    in one process on the whole batch, and the loss scale behaves as there) and the float32
+    gradients are summed over the ranks after it. With equal shards that is the step of one
+    process on the whole batch; the float32 masters (started equal on every rank) stay equal.
+    One collective per step, and one more at the first to check the ranks' scaler configs.
     """
 
     def __init__(
@@ -183,11 +186,12 @@ class MixedPrecisionTrainer:
         scaler, grads = self._scaler, self._grads
         grads.reattach()
         grads.zero_()
-        loss = self._steps.forward_backward(input, target, loss_fn, scaler)
+        ranks = 1 if self._reducer is None else self._reducer.size
+        loss = self._steps.forward_backward(input, target, loss_fn, scaler, ranks)
         if scaler.enabled:
             grads.mark_scaled()
         if self._reducer is not None:
-            self._average(grads.flat)
+            self._sum_over_ranks(grads.flat)
         grads.unscale_(scaler)
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
         finite = self._check_norm(norm)
@@ -196,8 +200,8 @@ class MixedPrecisionTrainer:
         skipped = bool(result.skipped) or not finite
         return StepMetrics(float(loss), float(result.scale_before), skipped, float(norm))
 
-    def _average(self, flat: Any) -> None:
-        """Sum ``flat`` over the ranks in place and divide by their number: one collective.
+    def _sum_over_ranks(self, flat: Any) -> None:
+        """Sum ``flat`` over the ranks in place (already divided by their number): one collective.
 
         The first call checks first that every rank runs the same scaler config (no loss
         scaling counts as a fixed scale of 1), so that every rank unscales alike.
@@ -210,8 +214,6 @@ class MixedPrecisionTrainer:
             check_same_config(red, config, like=flat)
             self._config_checked = True
         red.allreduce_sum_(flat)
-        if red.size > 1:
-            flat /= red.size
 
     def _check_norm(self, norm: Any) -> bool:
         """False when a non-finite norm must keep this step off the weights (loss scaling off).
@@ -250,14 +252,18 @@ class ArraySteps:
         check_masters(self.params, Parameter, lambda p: p.data)
         self.model, self.dtype = model, dtype
 
-    def forward_backward(self, input: Any, target: Any, loss_fn: Any, scaler: Any) -> Any:
-        """Run the model and write scaled compute-dtype gradients into the float32 buffer."""
+    def forward_backward(self, input: Any, target: Any, loss_fn: Any, scaler: Any, ranks: int = 1) -> Any:
+        """Run the model and write scaled compute-dtype gradients into the float32 buffer.
+
+        ``ranks``: the loss's float32 gradient is divided by it first (data parallel).
+        """
         x = _dtypes.cast(input, self.dtype)
         if _dtypes.is_floating(target):
             target = _dtypes.cast(target, self.dtype)
         output = self.model.forward(x, self.dtype)
         loss, grad_output = loss_fn(output, target)
-        seed = scaler.scale(_dtypes.cast(grad_output, "float32"))
+        grad_output = _dtypes.cast(grad_output, "float32")
+        seed = scaler.scale(grad_output / ranks if ranks > 1 else grad_output)
         with np.errstate(over="ignore"):  # float16 overflow to inf is the scaler's to catch
             seed = _dtypes.cast(seed, self.dtype)
         self.model.backward(seed)
