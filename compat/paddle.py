@@ -152,7 +152,7 @@ class AmpScaler:
         take the flag as their ``found_inf`` auxiliary variable and decide themselves, as in paddle.
         """
         flag = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
-        if self._engine.reducer is not None and not isinstance(flag, bool):
+        if self._engine.reducer is not None:
             flag = self._agreed(flag)
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
@@ -168,10 +168,12 @@ class AmpScaler:
         return ran, result
 
     def _agreed(self, flag: Any) -> Any:
-        """The flag summed over the ranks (one collective); a rank without gradients sends 0 and,
-        having no arrays of its own, gets a host bool (one read)."""
+        """The flag summed over the ranks (one collective). A rank without gradients sends 0 and
+        a copy its host bool; having no device flag of their own, they get a host bool (one read)."""
         agreed = self._engine.agree_flag(flag)
-        return agreed if flag is not None else bool(self._engine.backend.read_flag(agreed))  # type: ignore[union-attr]
+        if flag is None or isinstance(flag, bool):
+            return bool(self._engine.backend.read_flag(agreed))  # type: ignore[union-attr]
+        return agreed
 
     def _update(self) -> None:
         """One step of paddle's rule with the last step's flag; reads the scale only to log it."""

@@ -141,13 +141,14 @@ class Agreeing:
 
         For facades that keep their own per-optimizer flags (paddle's ``step`` uses the last
         ``unscale_``'s): one collective, plus the config check at the scaler's first agreement.
-        None (a rank without gradients) sends 0. Without a reducer: ``found_inf`` as it is.
+        None (a rank without gradients) sends 0, a host bool (a copy's) 0 or 1. Without a
+        reducer: ``found_inf`` as it is.
         """
         if self._agreement is None:
             return found_inf
-        if found_inf is None:
+        if found_inf is None or isinstance(found_inf, bool):
             backend = self._ready_backend()
-            found_inf = backend.full(0.0, "float32", self._state.scale)  # type: ignore[union-attr]
+            found_inf = backend.full(float(bool(found_inf)), "float32", self._state.scale)  # type: ignore[union-attr]
         return self._agreement.flag(found_inf, self._config)
 
     def _agree_pending(self) -> None:

@@ -92,3 +92,15 @@ def test_a_deep_copy_shares_the_reducer_and_pickling_refuses_it():
 def test_a_reducer_that_cannot_be_built_is_refused_at_once():
     with pytest.raises(ConfigError, match="cannot build a reducer"):
         GradScaler(reducer="no-such-engine")
+
+
+def test_a_copy_taken_after_unscale_still_agrees_its_flag():
+    red = OneRank()
+    scaler = GradScaler(reducer=red)
+    optimizer = _optimizer(np.inf)
+    scaler.unscale_(optimizer)
+    twin = copy.deepcopy(scaler)  # keeps the pending flag as a host bool
+    before = red.collectives
+    twin.step(optimizer)
+    assert red.collectives - before == 2 and red.sent[-1] == ("sum", [1.0])  # config check, flag
+    assert twin.last_step_skipped is True
