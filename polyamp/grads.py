@@ -173,20 +173,36 @@ def _local_norm(xp: Any, arrays: Sequence[Any]) -> Any:
 
 
 def _agreed_norm(engine: Any, arrays: Sequence[Any], what: str) -> Any:
-    """sqrt of the sum over ranks of each rank's sum of squares, summed in the engine's collective.
+    """The L2 norm over every rank's gradients: this rank's sum of squares s rides in the engine's
+    collective, as the pair (s, s / h**2), h = 2**512 (2**64 for float32 accumulators).
 
-    Ranks differ in scale, so the rescaled path's squares are sent unscaled (peak * root)**2:
-    past ~1e154 (float64) or ~1.8e19 (float32 accumulators) that square is inf, and so the norm.
+    The first is exact wherever the total fits the accumulator; the second holds a total past
+    its max (float64 gradients beyond ~1e154), so finite gradients keep a finite norm.
     """
     if arrays:
         xp = _namespace(arrays, what)
         acc, rescale = _accumulator(xp, arrays)
-        local = _local_norm(xp, arrays) ** 2 if rescale else _sum_of_squares(xp, arrays, acc)
-    else:  # no gradients here: send 0 in float64 (as ranks with gradients do), where the state is
+        if rescale:  # s may overflow where its root does not: square the local norm both ways
+            norm = _local_norm(xp, arrays)
+            h = _half_range(xp, norm.dtype)
+            fits = xp.where(norm < h / 2, norm, xp.full_like(norm, math.inf))  # inf: no overflow warning
+            pair = xp.stack([fits * fits, (norm / h) * (norm / h)])
+        else:
+            sum_sq = _sum_of_squares(xp, arrays, acc)
+            h = _half_range(xp, sum_sq.dtype)
+            pair = xp.stack([sum_sq, sum_sq / h / h])
+    else:  # no gradients here: send zeros in float64 (as ranks with gradients do), where the state is
         like = engine.state.scale  # unscale_ ran (checked), so the state exists
         xp = _namespace([like], what)
-        local = _zero(xp, "float64", like)
-    return xp.sqrt(engine.agree_(local).extra)
+        pair = xp.stack([_zero(xp, "float64", like)] * 2)
+    total = engine.agree_(pair).extra
+    h = _half_range(xp, total.dtype)
+    return xp.where(xp.isfinite(total[0]), xp.sqrt(total[0]), xp.sqrt(total[1]) * h)
+
+
+def _half_range(xp: Any, dtype: Any) -> float:
+    """2**k with 2**(2k) about the dtype's max: 2**512 for float64, 2**64 for float32."""
+    return 2.0 ** (math.frexp(float(xp.finfo(dtype).max))[1] // 2)
 
 
 def _check_max_norm(max_norm: Any) -> float:

@@ -84,7 +84,8 @@ def test_clipping_rides_in_the_scalers_collective():
     scaler.unscale_(grads)
     norm = clip_grad_norm_(grads, 1.0, scaler=scaler)
     assert float(norm) == 5.0 and red.collectives == 2  # the config check, then [count, 25]
-    assert red.sent[-1][:2] == ("sum", "float64") and red.sent[-1][3] == [0.0, 25.0]
+    assert red.sent[-1][:3] == ("sum", "float64", (3,))
+    assert red.sent[-1][3] == [0.0, 25.0, 25.0 * 2.0**-1024]  # [count, sum of squares, the same / 2**1024]
     np.testing.assert_allclose(np.concatenate(grads), [0.6, 0.0, 0.8], rtol=1e-6)
     scaler.step(grads, lambda: None)
     scaler.update()
@@ -101,11 +102,26 @@ def test_a_rank_without_gradients_sends_zero_and_gets_the_global_norm():
     scaler = LossScaler(reducer=red)
     scaler.unscale_([])
     norm = clip_grad_norm_([], 1.0, scaler=scaler)
-    assert float(norm) == 0.0 and red.sent[-1][3] == [0.0, 0.0]
+    assert float(norm) == 0.0 and red.sent[-1][3] == [0.0, 0.0, 0.0]
     alone = LossScaler()
     alone.unscale_([])
     with pytest.raises(ConfigError, match="no gradients"):  # without a reducer: nothing to take part in
         clip_grad_norm_([], 1.0, scaler=alone)
+
+
+@pytest.mark.parametrize("value", [3e200, 1e-300, 5.0])
+def test_finite_float64_gradients_keep_a_finite_norm_across_ranks(value):
+    """The squares of float64 values can overflow (3e200**2) or underflow; the pair sent keeps both."""
+    grads = [np.array([3.0 * value, 4.0 * value]), np.array([0.0])]
+    scaler = LossScaler(LossScaleConfig(init_scale=1.0), reducer=OneRank())
+    scaler.unscale_(grads)
+    norm = float(global_norm(grads, scaler=scaler))
+    assert norm == pytest.approx(5.0 * value, rel=4 * 2.0**-53)  # a few float64 roundings
+    scaler.step(grads, lambda: None)
+    scaler.update()
+    scaler.unscale_(grads)
+    norm = clip_grad_norm_(grads, 1.0, scaler=scaler)
+    assert np.isfinite(norm) and float(np.linalg.norm(np.concatenate(grads))) <= 1.0 + 1e-6
 
 
 def test_update_without_step_agrees_the_flag():

@@ -215,3 +215,29 @@ def test_hung_rank_gives_a_timeout_error_through_step_mpi(run_mpi, tmp_path):
     check_fault(out, "ReducerTimeoutError", "mpi", 1.0 + 1.5)
     assert "timeout=1 s" in out["message"]
     assert job.returncode == 0 and not job.timed_out
+
+
+def after_destroy(rank: int, size: int) -> dict:
+    """The reducer holds the group weakly: destroy_process_group() really frees it."""
+    import gc
+
+    import torch.distributed as dist
+
+    from polyamp import LossScaler
+    from polyamp.distributed import ReducerUnavailableError
+
+    scaler = LossScaler(reducer="torch")
+    scaler.step([np.ones(2, np.float32)], lambda: None)
+    scaler.update()
+    dist.destroy_process_group()
+    gc.collect()
+    try:
+        scaler.step([np.ones(2, np.float32)], lambda: None)
+    except ReducerUnavailableError as exc:
+        return {"message": str(exc)}
+    return {"message": None}
+
+
+def test_a_destroyed_process_group_is_not_kept_alive_by_the_scaler(run_gloo):
+    for out in run_gloo(after_destroy, 2).results():
+        assert out["message"] and "process group was destroyed" in out["message"]
