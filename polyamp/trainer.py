@@ -95,8 +95,8 @@ class MixedPrecisionTrainer:
     ``reducer`` (see ``polyamp.distributed.reducer``: a torch process group, ``"torch"``, an
     mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of
     the batch and its loss is the mean over that shard. The loss's gradient is divided by the
-    number of ranks before the backward (so each sample's low-precision gradient is as large as
-    in one process on the whole batch, and the loss scale behaves as there) and the float32
+    number of ranks before the backward (so each sample's low-precision gradient is the one a
+    process on the whole batch computes, and the loss scale meets its magnitudes) and the float32
     gradients are summed over the ranks after it. With equal shards that is the step of one
     process on the whole batch; the float32 masters (started equal on every rank) stay equal.
     One collective per step, and one more at the first to check the ranks' scaler configs.
