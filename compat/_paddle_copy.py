@@ -2,7 +2,8 @@
 
 The engine holds its backend (a module), so a copy keeps the backend's name and the engine's
 state dict and rebuilds a fresh engine from them; its state arrays are made again, on the
-device of the first arrays the copy sees.
+device of the first arrays the copy sees. A deep copy shares the engine's reducer (and checks
+the config again at its first step); pickling refuses a reducer, which holds a communicator.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def facade_state(scaler: Any) -> dict[str, Any]:
     state = {k: v for k, v in vars(scaler).items() if k not in _REBUILT}
     engine, flag = scaler._engine, scaler._found_inf
     backend = engine.backend
-    state["_engine"] = {"backend": backend.name if backend else None, "state_dict": engine.state_dict()}
+    state["_engine"] = {"backend": backend.name if backend else None, "state_dict": engine.state_dict(),
+                        "reducer": engine.reducer}
     if flag is not None and not isinstance(flag, bool):
         flag = bool(backend.read_flag(flag)) if scaler._stages else None  # stale once stages clear
     state["_found_inf"] = flag
@@ -34,7 +36,7 @@ def restore_facade(scaler: Any, state: dict[str, Any]) -> None:
     """Fill a bare ``scaler`` from :func:`facade_state`'s output, with an engine of its own."""
     state = dict(state)
     saved = state.pop("_engine")
-    engine = LossScaler(backend=saved["backend"])
+    engine = LossScaler(backend=saved["backend"], reducer=saved.get("reducer"))
     engine.load_state_dict(saved["state_dict"])
     scaler.__dict__.update(state, _engine=engine)
 

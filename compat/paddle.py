@@ -5,7 +5,12 @@ Signatures, defaults, the INIT/UNSCALED/STEPPED state machine, exception types a
 and the ``state_dict`` keys follow paddle 3.3's ``paddle/amp/grad_scaler.py``. As in paddle,
 the scaler keeps one overflow flag: ``step`` uses the last ``unscale_`` of any optimizer, and
 ``update`` the last ``step``. Extra keyword-only arguments: ``backend``, ``min_scale``,
-``max_scale``. Importing this module imports no framework.
+``max_scale``, ``reducer``. Importing this module imports no framework.
+
+``reducer=`` (a ``polyamp.distributed.reducer`` argument: a torch process group, ``"torch"``,
+an mpi4py communicator, ``"mpi"``, ...) agrees each ``step``/``minimize`` across ranks, as
+paddle fleet's distributed scaler does with an int32 MAX over the group: here one SUM of the
+overflow counts (the same decision), one collective per call, plus a config check at the first.
 
 State-dict keys: paddle's ``scale`` (a 1-element float32 array), ``incr_ratio``,
 ``decr_ratio``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``, ``incr_count``,
@@ -84,13 +89,15 @@ class AmpScaler:
         backend: str | None = None,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        reducer: Any = None,
     ) -> None:
         config = make_config(
             init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf,
             use_dynamic_loss_scaling, min_scale=min_scale, max_scale=max_scale,
         )
         self._init_loss_scaling = init_loss_scaling if self._enable else 1.0
-        self._engine = LossScaler(config, backend if self._enable else None)
+        enabled = self._enable  # a disabled scaler steps on every rank: nothing to agree
+        self._engine = LossScaler(config, backend if enabled else None, reducer=reducer if enabled else None)
         self._stages: dict[int, OptimizerState] = {}
         self._found_inf: Any = None  # the last unscale's device flag, whichever optimizer
         self._cache_found_inf: bool | None = None  # the last step's decision
@@ -145,6 +152,8 @@ class AmpScaler:
         take the flag as their ``found_inf`` auxiliary variable and decide themselves, as in paddle.
         """
         flag = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
+        if self._engine.reducer is not None:
+            flag = self._agreed(flag)
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
             ran, result = True, call()
@@ -157,6 +166,14 @@ class AmpScaler:
         self._cache_found_inf = self.last_step_skipped = found
         self.skipped_steps += found
         return ran, result
+
+    def _agreed(self, flag: Any) -> Any:
+        """The flag summed over the ranks (one collective). A rank without gradients sends 0 and
+        a copy its host bool; having no device flag of their own, they get a host bool (one read)."""
+        agreed = self._engine.agree_flag(flag)
+        if flag is None or isinstance(flag, bool):
+            return bool(self._engine.backend.read_flag(agreed))  # type: ignore[union-attr]
+        return agreed
 
     def _update(self) -> None:
         """One step of paddle's rule with the last step's flag; reads the scale only to log it."""
@@ -285,11 +302,12 @@ class GradScaler(AmpScaler):
         backend: str | None = None,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        reducer: Any = None,
     ) -> None:
         super().__init__(
             enable, init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps,
             decr_every_n_nan_or_inf, use_dynamic_loss_scaling,
-            backend=backend, min_scale=min_scale, max_scale=max_scale,
+            backend=backend, min_scale=min_scale, max_scale=max_scale, reducer=reducer,
         )
 
     def step(self, optimizer: Any) -> None:

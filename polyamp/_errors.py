@@ -8,6 +8,7 @@ Hierarchy::
     │   ├── BackendNotFoundError      the name matches no installed backend
     │   └── BackendUnavailableError   installed, but cannot run here (no device, no library)
     ├── ForeignArrayError(TypeError)  arrays the chosen backend cannot hold
+    ├── ScalerStateError(RuntimeError) a scaler method called out of order
     └── StateDictError(ValueError)    a state_dict or checkpoint that cannot be loaded
 
 Every message names the parameter, the value received and what to do instead.
@@ -38,6 +39,10 @@ class BackendUnavailableError(BackendError):
 
 class ForeignArrayError(PolyampError, TypeError):
     """The chosen backend cannot hold the arrays it was given."""
+
+
+class ScalerStateError(PolyampError, RuntimeError):
+    """A method was called out of order (e.g. update() with no inf check recorded)."""
 
 
 class StateDictError(PolyampError, ValueError):

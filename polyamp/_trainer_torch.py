@@ -26,8 +26,11 @@ class TorchSteps:
         self.device_type = self.params[0].device.type
         self.torch_dtype = getattr(torch, dtype)
 
-    def forward_backward(self, input: Any, target: Any, loss_fn: Any, scaler: Any) -> Any:
-        """Forward under autocast, backward of the scaled loss into the float32 grad buffer."""
+    def forward_backward(self, input: Any, target: Any, loss_fn: Any, scaler: Any, ranks: int = 1) -> Any:
+        """Forward under autocast, backward of the scaled loss into the float32 grad buffer.
+
+        ``ranks``: the (float32) loss is divided by it before scaling (data parallel).
+        """
         x = _dtypes.cast(input, self.dtype) if input.is_floating_point() else input
         if target.is_floating_point():
             target = _dtypes.cast(target, self.dtype)
@@ -40,5 +43,5 @@ class TorchSteps:
                 f"loss_fn must return a scalar (0-d) loss tensor, got shape {tuple(loss.shape)}; "
                 "reduce it, e.g. with reduction='mean'"
             )
-        scaler.scale(loss).backward()
+        scaler.scale(loss / ranks if ranks > 1 else loss).backward()
         return loss.detach()

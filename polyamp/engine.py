@@ -2,7 +2,8 @@
 
 Device work goes through the bound backend; the only host read of a step is the skip
 decision in :meth:`LossScaler.step`. State lives in three 0-d arrays on the gradients'
-device, created on first use (as torch does), plus host counters.
+device, created on first use (as torch does), plus host counters. With ``reducer=`` the
+flag is summed over the ranks before that decision: one collective per step (``_agreement``).
 """
 
 from __future__ import annotations
@@ -14,18 +15,16 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from . import _inputs, _registry, checkpoint
-from ._errors import PolyampError
+from ._agreement import LOOP as _LOOP
+from ._agreement import Agreeing, Agreement
+from ._errors import ScalerStateError
 from .backend import Backend
 from .config import SCALE_FLOOR, LossScaleConfig
 from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
 
-_LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
-
-
-class ScalerStateError(PolyampError, RuntimeError):
-    """A method was called out of order (e.g. update() with no inf check recorded)."""
+__all__ = ["LossScaler", "ScalerStateError", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class StepResult:
         )
 
 
-class LossScaler:
+class LossScaler(Agreeing):
     """Dynamic loss scaling over any backend: torch's and paddle's rule in one engine.
 
     The loop is ``stepped = scaler.step(grads, step_fn); scaler.update()``: step unscales
@@ -68,12 +67,22 @@ class LossScaler:
     cannot be shared between threads either). Give each thread its own scaler.
     Copies (``copy.deepcopy``, ``pickle``, taken between ``update()`` and the next step) are
     independent and keep the state; the copy recreates its device arrays on first use.
+
+    ``reducer`` (a torch process group, ``"torch"``, an mpi4py communicator, ``"mpi"``, ...: see
+    ``polyamp.distributed.reducer``) makes every rank agree on each step's overflow before the
+    skip decision: ONE SUM all-reduce of the non-finite count per step, issued by every rank in
+    the same order (a rank without gradients sends 0). The scaler's first agreement also checks
+    that all ranks hold the same config (a second collective, that step only). Every rank must
+    call ``step`` (or ``update``) each iteration. A deep copy shares the reducer and checks the
+    config again at its first step; pickling refuses a reducer (pickle ``state_dict()``).
     """
 
     enabled = True
     _floor_warned = False  # set per instance by warn_if_at_floor; a class default survives copies
 
-    def __init__(self, config: LossScaleConfig | None = None, backend: str | None = None) -> None:
+    def __init__(
+        self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None
+    ) -> None:
         if config is None:
             config = LossScaleConfig()
         if not isinstance(config, LossScaleConfig):
@@ -84,6 +93,7 @@ class LossScaler:
         self._config = config
         name, source = _registry.requested_backend(backend)
         self._backend: Backend | None = _registry.get_backend(name, source) if name else None
+        self._agreement = None if reducer is None else Agreement(reducer)
         self._state: LossScaleState | None = None
         self._host = HostState(float(config.init_scale), 0, 0)
         self._end_iteration()
@@ -95,6 +105,7 @@ class LossScaler:
         self._pending: Any = None  # the summed device overflow flags of this iteration
         self._unscaled = False  # unscale_ (or step) divided this iteration's gradients
         self._skipped: bool | None = None  # step()'s host decision, until update()
+        self._agreed = False  # _pending is already summed over the ranks (agree_ ran)
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -194,6 +205,7 @@ class LossScaler:
         return self._unscale(grads, check_only)
 
     def _unscale(self, grads: Iterable[Any], check_only: bool) -> Any:
+        self._refuse_after_agreement("unscale_()")
         grads = _inputs.gradient_list(grads)  # refuses what cannot change in place, first
         backend = self.bind(grads[0]) if grads else self._ready_backend()
         scale = self._state.scale  # type: ignore[union-attr]
@@ -209,13 +221,15 @@ class LossScaler:
         """Add a device flag (non-zero = bad step, e.g. a non-finite gradient norm) to the
         iteration's pending check, so the coming skip decision counts it. No host synchronisation.
         """
+        self._refuse_after_agreement("record_found_inf()")
         self._pending = flag if self._pending is None else self._pending + flag
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
 
         Reads the overflow flag on the host: the one synchronisation of an iteration. The scale
-        is not changed here: ``update()`` after every step does that.
+        is not changed here: ``update()`` after every step does that. With a reducer the flag is
+        first summed over the ranks (one collective, unless ``agree_`` did it).
         """
         if self._skipped is not None:
             raise ScalerStateError(
@@ -224,6 +238,7 @@ class LossScaler:
             )
         if not self._unscaled:
             self._unscale(grads, False)
+        self._agree_pending()
         backend = self._backend
         skipped = bool(backend.read_flag(self._pending))  # type: ignore[union-attr]
         before = self._state.scale + 0  # a copy: update() may change the scale in place
@@ -240,12 +255,15 @@ class LossScaler:
         ``found_inf`` is a flag array of the bound backend, or a host bool: put on the state's
         device, or applied to the host state when no array has been seen yet (no backend is
         chosen by it). After a skipped step it logs the scale change at INFO, after a growth at
-        DEBUG (reading the scale only when that level is on).
+        DEBUG (reading the scale only when that level is on). With a reducer and no ``step`` this
+        iteration, the pending check is summed over the ranks first; ``found_inf`` is used as given.
         """
         if found_inf is not None:
             found_inf = _inputs.flag_value(found_inf, self._backend)
             if not isinstance(found_inf, bool):
                 self.bind(found_inf)  # picks the backend if none; the state goes to the flag's device
+        if found_inf is None:
+            self._agree_pending()
         flag = self._pending if found_inf is None else found_inf
         if flag is None:
             raise ScalerStateError(

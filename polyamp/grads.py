@@ -5,7 +5,9 @@ Array-API code through array-api-compat: no Python loop over elements and no hos
 synchronisation (norms are 0-d arrays on the gradients' device). Finite gradients always
 have a finite norm: squares are summed in float64, where no float32 square can overflow.
 Norms and clipping refuse gradients that are still multiplied by the loss scale; they learn
-that from a :class:`GradBuffer` (``scaled``) or from the scaler passed as ``scaler=``.
+that from a :class:`GradBuffer` (``scaled``) or from the scaler passed as ``scaler=``. When that
+scaler has a reducer, the local sum of squares rides in the scaler's one collective of the step
+(``LossScaler.agree_``), so the norm is global across ranks at no extra collective.
 """
 
 from __future__ import annotations
@@ -45,8 +47,24 @@ def _check_unscaled(scaler: Any, what: str) -> None:
         )
 
 
+def _distributed_engine(scaler: Any) -> Any:
+    """The enabled engine behind ``scaler`` when it has a reducer, else None."""
+    if scaler is None:
+        return None
+    is_enabled = getattr(scaler, "is_enabled", None)
+    if callable(is_enabled) and not is_enabled():
+        return None
+    engine = getattr(scaler, "engine", scaler)
+    if not getattr(engine, "enabled", False) or getattr(engine, "reducer", None) is None:
+        return None
+    return engine
+
+
 def _arrays(grads: Any, scaler: Any, what: str) -> list[Any]:
-    """The arrays to work on (one flat array for a GradBuffer), after the still-scaled checks."""
+    """The arrays to work on (one flat array for a GradBuffer), after the still-scaled checks.
+
+    Empty only with a distributed scaler: a rank without gradients still takes part (sends 0).
+    """
     if isinstance(grads, GradBuffer):
         if grads.scaled:
             raise ScaledGradientsError(
@@ -59,7 +77,7 @@ def _arrays(grads: Any, scaler: Any, what: str) -> list[Any]:
     else:
         arrays = [g for g in grads if g is not None]
     _check_unscaled(scaler, what)
-    if not arrays:
+    if not arrays and _distributed_engine(scaler) is None:
         raise ConfigError(f"{what} got no gradients (grads={grads!r}); pass at least one array")
     return arrays
 
@@ -128,9 +146,20 @@ def global_norm(grads: Any, *, scaler: Any = None) -> Any:
     sum; float64 gradients, and devices without float64 (there the norm is float32 and can only
     overflow past float32's max), are divided by their max-abs first. inf/nan when any value
     is. A fixed number of passes, no host synchronisation.
+
+    With a distributed ``scaler`` (one built with ``reducer=``) the norm is over the gradients of
+    every rank: this rank's sum of squares is summed with the others' in the scaler's one
+    collective of the step (:meth:`polyamp.LossScaler.agree_`), once per iteration.
     """
     arrays = _arrays(grads, scaler, "global_norm")
-    xp = _namespace(arrays, "global_norm")
+    engine = _distributed_engine(scaler)
+    if engine is None:
+        return _local_norm(_namespace(arrays, "global_norm"), arrays)
+    return _agreed_norm(engine, arrays, "global_norm")
+
+
+def _local_norm(xp: Any, arrays: Sequence[Any]) -> Any:
+    """The L2 norm of this rank's ``arrays`` (see :func:`global_norm`)."""
     acc, rescale = _accumulator(xp, arrays)
     if not rescale:
         return xp.sqrt(_sum_of_squares(xp, arrays, acc))
@@ -141,6 +170,39 @@ def global_norm(grads: Any, *, scaler: Any = None) -> Any:
     # inf/nan values: any finite factor keeps the sum inf/nan; tiny keeps finite squares finite
     root = xp.sqrt(_sum_of_squares(xp, arrays, acc, xp.where(ok, xp.ones_like(peak) / peak, tiny)))
     return xp.where(ok, peak * root, root)
+
+
+def _agreed_norm(engine: Any, arrays: Sequence[Any], what: str) -> Any:
+    """The L2 norm over every rank's gradients: this rank's sum of squares s rides in the engine's
+    collective, as the pair (s, s / h**2), h = 2**512 (2**64 for float32 accumulators).
+
+    The first is exact wherever the total fits the accumulator; the second holds a total past
+    its max (float64 gradients beyond ~1e154), so finite gradients keep a finite norm.
+    """
+    if arrays:
+        xp = _namespace(arrays, what)
+        acc, rescale = _accumulator(xp, arrays)
+        if rescale:  # s may overflow where its root does not: square the local norm both ways
+            norm = _local_norm(xp, arrays)
+            h = _half_range(xp, norm.dtype)
+            fits = xp.where(norm < h / 2, norm, xp.full_like(norm, math.inf))  # inf: no overflow warning
+            pair = xp.stack([fits * fits, (norm / h) * (norm / h)])
+        else:
+            sum_sq = _sum_of_squares(xp, arrays, acc)
+            h = _half_range(xp, sum_sq.dtype)
+            pair = xp.stack([sum_sq, sum_sq / h / h])
+    else:  # no gradients here: send zeros in float64 (as ranks with gradients do), where the state is
+        like = engine.state.scale  # unscale_ ran (checked), so the state exists
+        xp = _namespace([like], what)
+        pair = xp.stack([_zero(xp, "float64", like)] * 2)
+    total = engine.agree_(pair).extra
+    h = _half_range(xp, total.dtype)
+    return xp.where(xp.isfinite(total[0]), xp.sqrt(total[0]), xp.sqrt(total[1]) * h)
+
+
+def _half_range(xp: Any, dtype: Any) -> float:
+    """2**k with 2**(2k) about the dtype's max: 2**512 for float64, 2**64 for float32."""
+    return 2.0 ** (math.frexp(float(xp.finfo(dtype).max))[1] // 2)
 
 
 def _check_max_norm(max_norm: Any) -> float:
@@ -158,11 +220,19 @@ def clip_grad_norm_(grads: Any, max_norm: float, *, scaler: Any = None, eps: flo
     Finite gradients, however large, are clipped (their norm is finite, see :func:`global_norm`).
     A non-finite norm (some value is inf/nan) leaves the gradients untouched and is returned as
     is: the scaler skips that step. The norm's passes plus one write pass, no host synchronisation.
+    With a distributed ``scaler`` the norm is global across ranks, at no extra collective (see
+    :func:`global_norm`); every rank clips by the same coefficient.
     """
     max_norm = _check_max_norm(max_norm)
     arrays = _arrays(grads, scaler, "clip_grad_norm_")
+    engine = _distributed_engine(scaler)
+    if engine is not None:
+        norm = _agreed_norm(engine, arrays, "clip_grad_norm_")
+        if not arrays:
+            return norm
+    else:
+        norm = _local_norm(_namespace(arrays, "clip_grad_norm_"), arrays)
     xp = _namespace(arrays, "clip_grad_norm_")
-    norm = global_norm(arrays)
     coef = max_norm / (norm + eps)
     keep = ~xp.isfinite(norm) | (coef >= 1.0)
     coef = xp.where(keep, xp.ones_like(coef), coef)
@@ -242,10 +312,13 @@ class GradBuffer(FlatArrays):
         self._scaled = False
         return found_inf
 
-    def norm(self) -> Any:
+    def norm(self, *, scaler: Any = None) -> Any:
         """The global L2 norm of the unscaled gradients (0-d array, see :func:`global_norm`)."""
-        return global_norm(self)
+        return global_norm(self, scaler=scaler)
 
-    def clip_(self, max_norm: float, eps: float = 1e-6) -> Any:
-        """Clip by global norm in place (see :func:`clip_grad_norm_`); return the pre-clip norm."""
-        return clip_grad_norm_(self, max_norm, eps=eps)
+    def clip_(self, max_norm: float, eps: float = 1e-6, *, scaler: Any = None) -> Any:
+        """Clip by global norm in place (see :func:`clip_grad_norm_`); return the pre-clip norm.
+
+        With a distributed ``scaler`` the norm spans every rank's buffer, in the scaler's one collective.
+        """
+        return clip_grad_norm_(self, max_norm, scaler=scaler, eps=eps)

@@ -11,6 +11,12 @@
 Torch models (``torch.nn.Module``) run under ``torch.autocast``; anything else follows the
 :class:`ArrayModel` protocol (NumPy, CuPy, any array-API library). torch is imported only
 when a torch model is given.
+
+With ``reducer=`` it trains data parallel: the gradient of each rank's loss is divided by the
+world size before the backward, and after it ONE all-reduce sums the flat float32 gradient
+buffer over the ranks: the mean. An inf/nan on any rank survives the sum, so every rank
+unscales the same buffer and reaches the same skip decision and the same norm with no further
+collective.
 """
 
 from __future__ import annotations
@@ -85,6 +91,15 @@ class MixedPrecisionTrainer:
     no-op scaler instead (to see what goes wrong without it; a step with inf/nan gradients is
     still skipped). ``max_grad_norm`` clips by global norm. Each step reads the loss, the skip
     decision and the norm on the host.
+
+    ``reducer`` (see ``polyamp.distributed.reducer``: a torch process group, ``"torch"``, an
+    mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of
+    the batch and its loss is the mean over that shard. The loss's gradient is divided by the
+    number of ranks before the backward (so each sample's low-precision gradient is the one a
+    process on the whole batch computes, and the loss scale meets its magnitudes) and the float32
+    gradients are summed over the ranks after it. With equal shards that is the step of one
+    process on the whole batch; the float32 masters (started equal on every rank) stay equal.
+    One collective per step, and one more at the first to check the ranks' scaler configs.
     """
 
     def __init__(
@@ -97,12 +112,15 @@ class MixedPrecisionTrainer:
         loss_scaling: bool = True,
         max_grad_norm: float | None = None,
         backend: str | None = None,
+        reducer: Any = None,
     ) -> None:
         self._dtype = _dtypes.compute_dtype_name(compute_dtype)
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
         self._scaler = (LossScaler if loss_scaling else NoOpLossScaler)(config, backend)
+        self._reducer = None if reducer is None else _build_reducer(reducer)
+        self._config_checked = False
         self._unscaled_skips = 0  # steps skipped for a non-finite norm without loss scaling
         if _is_torch_module(model):
             from ._trainer_torch import TorchSteps
@@ -135,6 +153,11 @@ class MixedPrecisionTrainer:
         return self._scaler
 
     @property
+    def reducer(self) -> Any:
+        """The ``polyamp.distributed.Reducer`` that sums the gradients over the ranks, or None."""
+        return self._reducer
+
+    @property
     def grads(self) -> GradBuffer:
         """The float32 master gradients: every ``p.grad`` is a view of ``grads.flat``."""
         return self._grads
@@ -163,9 +186,12 @@ class MixedPrecisionTrainer:
         scaler, grads = self._scaler, self._grads
         grads.reattach()
         grads.zero_()
-        loss = self._steps.forward_backward(input, target, loss_fn, scaler)
+        ranks = 1 if self._reducer is None else self._reducer.size
+        loss = self._steps.forward_backward(input, target, loss_fn, scaler, ranks)
         if scaler.enabled:
             grads.mark_scaled()
+        if self._reducer is not None:
+            self._sum_over_ranks(grads.flat)
         grads.unscale_(scaler)
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
         finite = self._check_norm(norm)
@@ -173,6 +199,21 @@ class MixedPrecisionTrainer:
         scaler.update()
         skipped = bool(result.skipped) or not finite
         return StepMetrics(float(loss), float(result.scale_before), skipped, float(norm))
+
+    def _sum_over_ranks(self, flat: Any) -> None:
+        """Sum ``flat`` over the ranks in place (already divided by their number): one collective.
+
+        The first call checks first that every rank runs the same scaler config (no loss
+        scaling counts as a fixed scale of 1), so that every rank unscales alike.
+        """
+        red = self._reducer
+        if not self._config_checked:
+            from .distributed import check_same_config
+
+            config = self._scaler.config if self._scaler.enabled else _NO_SCALING
+            check_same_config(red, config, like=flat)
+            self._config_checked = True
+        red.allreduce_sum_(flat)
 
     def _check_norm(self, norm: Any) -> bool:
         """False when a non-finite norm must keep this step off the weights (loss scaling off).
@@ -211,18 +252,33 @@ class ArraySteps:
         check_masters(self.params, Parameter, lambda p: p.data)
         self.model, self.dtype = model, dtype
 
-    def forward_backward(self, input: Any, target: Any, loss_fn: Any, scaler: Any) -> Any:
-        """Run the model and write scaled compute-dtype gradients into the float32 buffer."""
+    def forward_backward(self, input: Any, target: Any, loss_fn: Any, scaler: Any, ranks: int = 1) -> Any:
+        """Run the model and write scaled compute-dtype gradients into the float32 buffer.
+
+        ``ranks``: the loss's float32 gradient is divided by it first (data parallel).
+        """
         x = _dtypes.cast(input, self.dtype)
         if _dtypes.is_floating(target):
             target = _dtypes.cast(target, self.dtype)
         output = self.model.forward(x, self.dtype)
         loss, grad_output = loss_fn(output, target)
-        seed = scaler.scale(_dtypes.cast(grad_output, "float32"))
+        grad_output = _dtypes.cast(grad_output, "float32")
+        seed = scaler.scale(grad_output / ranks if ranks > 1 else grad_output)
         with np.errstate(over="ignore"):  # float16 overflow to inf is the scaler's to catch
             seed = _dtypes.cast(seed, self.dtype)
         self.model.backward(seed)
         return loss
+
+
+#: What the ranks' configs are compared as when loss scaling is off: a fixed scale of 1.
+_NO_SCALING = LossScaleConfig(init_scale=1.0, dynamic=False)
+
+
+def _build_reducer(group: Any) -> Any:
+    """``polyamp.distributed.reducer(group)``, imported only when a reducer is asked for."""
+    from .distributed import reducer
+
+    return reducer(group)
 
 
 def _no_step() -> None:

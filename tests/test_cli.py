@@ -89,7 +89,8 @@ def test_demo_refuses_unknown_backend_and_bad_settings():
 
 def test_import_polyamp_imports_nothing_heavy():
     code = ("import sys, polyamp, polyamp.demo, polyamp.cli\n"
-            "heavy = {'torch', 'cupy', 'matplotlib', 'tqdm'} & set(sys.modules)\n"
+            "heavy = {'torch', 'cupy', 'matplotlib', 'tqdm', 'mpi4py', 'paddle', 'polyamp.distributed'}"
+            " & set(sys.modules)\n"
             "print(sorted(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

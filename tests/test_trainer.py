@@ -284,8 +284,62 @@ def test_trainer_halves_do_not_import_each_other():
                 targets = [node.module.partition(".")[2] or "__init__"]
             else:
                 continue
-            found |= {t if (root / f"{t}.py").exists() else "__init__" for t in targets}
+            known = {t for t in targets if (root / f"{t}.py").exists() or (root / t).is_dir()}
+            found |= known | ({"__init__"} if known != set(targets) else set())
         return found
 
     assert "trainer" not in imports("_trainer_torch") and "_masters" in imports("_trainer_torch")
     assert "__init__" not in imports("trainer") and "_masters" in imports("trainer")
+
+
+# -- reducer=: data parallel (real process groups: tests/distributed/test_trainer_data_parallel.py) --
+class TwinRanks:
+    """What a rank sees in a group of ``size`` ranks that all hold its gradients: sums are
+    ``size`` times its own (exact for a power of two). A polyamp.distributed.Reducer subclass."""
+
+    def __new__(cls, size):
+        from polyamp.distributed import Reducer
+
+        class _Twins(Reducer):
+            def _prepare(self, array):
+                return array
+
+            def _allreduce(self, buffer, op):
+                self.sent.append((op, buffer.shape, str(buffer.dtype)))
+                if op == "sum":
+                    buffer *= self.size
+
+            def _barrier(self):
+                pass
+
+        twins = _Twins("twins", 0, size, None)
+        twins.sent = []
+        return twins
+
+
+@pytest.mark.parametrize("loss_scaling", [True, False])
+def test_reducer_averages_the_gradient_buffer_in_one_collective_per_step(loss_scaling):
+    x, y = _data()
+    runs = {}
+    for size in (None, 4):
+        model = Linear(4, 2)
+        red = None if size is None else TwinRanks(size)
+        trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16",
+                                        LossScaleConfig(init_scale=2.0**10), loss_scaling=loss_scaling,
+                                        max_grad_norm=1.0, reducer=red)
+        assert trainer.reducer is red
+        losses = [trainer.train_step(x, y, mse()).loss for _ in range(4)]
+        runs[size] = (losses, model.w.data.copy(), model.b.data.copy(), red)
+    (losses, w, b, _), (losses4, w4, b4, red) = runs[None], runs[4]
+    assert losses4 == losses  # a quarter of the gradient on each of 4 equal ranks, summed: the same step
+    np.testing.assert_array_equal(w4, w)
+    np.testing.assert_array_equal(b4, b)
+    n = w.size + b.size
+    assert red.sent[0][0] == "max"  # the config check, once
+    assert red.sent[1:] == [("sum", (n,), "float32")] * 4  # then the flat buffer, once a step
+
+
+def test_reducer_is_checked_when_the_trainer_is_built():
+    model = Linear(4, 2)
+    with pytest.raises(TypeError, match="cannot build a reducer from"):
+        MixedPrecisionTrainer(model, SGD(model.parameters()), reducer=[1, 2])

@@ -3,7 +3,8 @@
 ``numpy`` and ``cupy`` train the hand-written :class:`~polyamp.demo.mlp.MLP` (an
 ``ArrayModel``) with ``polyamp.optim.Adam``; ``torch`` trains the same network as an
 ``nn.Module`` under ``torch.autocast`` with ``torch.optim.Adam``. All start from the same
-initial weights; the loss is summed and divided by the global batch size. Libraries are
+initial weights; the loss is summed and divided by the global batch size (by this rank's share
+of it, when the demo runs on several ranks: each rank's loss is its local mean). Libraries are
 imported only when their backend is asked for. Without ``--backend`` the demo runs where
 ``POLYAMP_BACKEND`` points, as every scaler does.
 """
@@ -32,7 +33,7 @@ class Kit:
 
     name: str
     asarray: Callable[[np.ndarray], Any]
-    build: Callable[[Any], tuple[Any, Any, Any]]  # settings -> (model, optimizer, loss_fn)
+    build: Callable[[Any, int], tuple[Any, Any, Any]]  # settings, ranks -> (model, optimizer, loss_fn)
     accuracy: Callable[[Any, Any, Any], float]
     zero_fraction: Callable[[Any], float]
 
@@ -45,10 +46,11 @@ def _array_kit(name: str, xp: Any) -> Kit:
     """The MLP over NumPy or CuPy arrays (``xp`` is the library module)."""
     from polyamp.optim import Adam
 
-    def build(settings: Any) -> tuple[Any, Any, Any]:
+    def build(settings: Any, ranks: int = 1) -> tuple[Any, Any, Any]:
         model = MLP(_sizes(settings), seed=settings.seed + 2, like=xp.zeros((), dtype=xp.float32))
         optimizer = Adam(model.parameters(), lr=settings.lr)
-        return model, optimizer, functools.partial(softmax_cross_entropy, normalizer=settings.global_batch)
+        share = settings.global_batch / ranks  # this rank's share of the global batch
+        return model, optimizer, functools.partial(softmax_cross_entropy, normalizer=share)
 
     def fraction(mask: Any) -> float:
         return float(xp.count_nonzero(mask)) / mask.size
@@ -64,7 +66,7 @@ def _torch_kit() -> Kit:
     """The same network as an ``nn.Module`` (initial weights copied from the NumPy MLP)."""
     import torch
 
-    def build(settings: Any) -> tuple[Any, Any, Any]:
+    def build(settings: Any, ranks: int = 1) -> tuple[Any, Any, Any]:
         reference = MLP(_sizes(settings), seed=settings.seed + 2)
         layers: list[torch.nn.Module] = []
         sizes = _sizes(settings)
@@ -77,9 +79,10 @@ def _torch_kit() -> Kit:
             layers += [linear, torch.nn.ReLU()]
         model = torch.nn.Sequential(*layers[:-1])
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+        share = settings.global_batch / ranks  # this rank's share of the global batch
 
         def loss_fn(output: Any, target: Any) -> Any:
-            return torch.nn.functional.cross_entropy(output, target, reduction="sum") / settings.global_batch
+            return torch.nn.functional.cross_entropy(output, target, reduction="sum") / share
 
         return model, optimizer, loss_fn
 

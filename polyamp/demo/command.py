@@ -1,4 +1,8 @@
-"""``polyamp demo``: check every setting, run the three trainings, print the table, write the plot."""
+"""``polyamp demo``: check every setting, run the three trainings, print the table, write the plot.
+
+With ``--distributed mpi|torch`` every rank trains on its shard of the batch; rank 0 prints the
+table (the same as one process's) and writes the plot, the other ranks print nothing.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from polyamp._errors import BackendError, ConfigError
+from polyamp._errors import PolyampError
 
-from . import backends
+from . import backends, world
 from .report import INSTALL_HINT, plot_path, progress_factory, write_plot
 from .run import DemoSettings, format_table, preflight, run_demo, summary
 
@@ -31,41 +35,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, default=DEFAULTS.global_batch,
                         help="samples the loss is averaged over (default: 2**24, which makes "
                              "per-sample float16 gradients underflow); use --batch's value for none")
+    parser.add_argument("--distributed", default=None, choices=world.CHOICES,
+                        help="train data parallel, the batch split over the ranks of `mpirun -n N polyamp "
+                             "demo --distributed mpi` or of `torchrun --nproc-per-node N -m polyamp demo "
+                             "--distributed torch`; rank 0 prints (default: one process)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
 
 
-def _title(settings: DemoSettings) -> str:
+def _title(settings: DemoSettings, ranks: world.World) -> str:
+    split = f", split over {ranks.size} ranks ({ranks.engine})" if ranks.size > 1 else ""
     return (f"polyamp demo: MLP 2-{settings.hidden}-{settings.hidden}-3 on 3-arm spirals, Adam, "
             f"{settings.backend}\nloss = mean over a global batch of {settings.global_batch:,} samples "
-            f"({settings.batch:,} computed per step)")
+            f"({settings.batch:,} computed per step{split})")
 
 
-def _checked(args: argparse.Namespace) -> tuple[DemoSettings, Path | None]:
-    """The settings and the plot's path, every one checked before any training."""
+def _checked(args: argparse.Namespace) -> tuple[DemoSettings, Path | None, world.World]:
+    """The settings, the plot's path and the ranks, every one checked before any training."""
     settings = DemoSettings(
         backend=backends.chosen(args.backend), dtype=args.dtype, steps=args.steps, seed=args.seed,
         batch=args.batch, global_batch=args.global_batch,
     )
+    output = None if args.no_plot else plot_path(args.output)
     preflight(settings)
-    return settings, None if args.no_plot else plot_path(args.output)
+    ranks = world.join(getattr(args, "distributed", None))
+    ranks.share(settings.batch, "--batch")  # every rank checks alike, so every rank stops alike
+    return settings, output, ranks
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed arguments; 2 (before any training) for a setting that cannot run."""
     try:
-        settings, output = _checked(args)
-    except (BackendError, ConfigError) as exc:
+        settings, output, ranks = _checked(args)
+    except PolyampError as exc:  # a backend, a setting, or the ranks' engine
         print(f"polyamp demo: error: {exc}", file=sys.stderr)
         return 2
-    print(_title(settings).replace("\n", "; "), flush=True)
-    results = run_demo(settings, progress_factory(not args.no_progress))
+    if not ranks.prints:  # the other ranks train in step with rank 0, silently
+        run_demo(settings, None, ranks)
+        return 0
+    print(_title(settings, ranks).replace("\n", "; "), flush=True)
+    results = run_demo(settings, progress_factory(not args.no_progress), ranks)
     print()
     print(format_table(results))
     print(summary(results))
     if output is not None:
         try:
-            write_plot(results, output, _title(settings))
+            write_plot(results, output, _title(settings, ranks))
         except ImportError:
             print(f"no plot written: matplotlib is not installed ({INSTALL_HINT})")
         else:

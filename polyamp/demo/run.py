@@ -8,6 +8,10 @@ about 2e-8: below float16's smallest subnormal (2**-24, about 6e-8) they round t
 without loss scaling most float16 gradient values vanish and the rest are a few quanta.
 Adam makes the float32 run independent of the global batch size (it is scale-invariant),
 so the float32 curve is the same as for an ordinary mean over ``batch``.
+
+On several ranks (``--distributed``) each rank computes an equal shard of the ``batch``
+samples, its loss the mean over its share of the global batch; the trainer averages the
+gradients over the ranks (one all-reduce a step) and the losses are averaged once, at the end.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from polyamp import LossScaleConfig, MixedPrecisionTrainer
 from polyamp._errors import ConfigError
 
 from . import backends
 from .data import spirals
+from .world import World
 
 __all__ = [
     "DemoSettings", "RunResult", "format_table", "preflight", "run_demo", "summary", "train_once",
@@ -112,14 +119,21 @@ def _label(dtype: str, loss_scaling: bool) -> str:
 
 
 def train_once(
-    settings: DemoSettings, dtype: str, loss_scaling: bool, data: tuple, progress: Progress | None = None
+    settings: DemoSettings, dtype: str, loss_scaling: bool, data: tuple, progress: Progress | None = None,
+    world: World | None = None,
 ) -> RunResult:
-    """Train one fresh model (the same initial weights every time) and evaluate it on test data."""
+    """Train one fresh model (the same initial weights every time) and evaluate it on test data.
+
+    With a ``world`` of several ranks, this rank trains on its shard of the batch, data parallel.
+    """
+    world = world or World()
+    rows = world.share(settings.batch, "--batch")
     kit = backends.get(settings.backend)
-    x, y, x_test, y_test = (kit.asarray(a) for a in data)
-    model, optimizer, loss_fn = kit.build(settings)
+    x, y, x_test, y_test = (kit.asarray(a) for a in (data[0][rows], data[1][rows], *data[2:]))
+    model, optimizer, loss_fn = kit.build(settings, world.size)
     trainer = MixedPrecisionTrainer(model, optimizer, dtype, settings.scale_config, loss_scaling=loss_scaling,
-                                    backend=kit.name)  # the scaler works where the arrays are
+                                    backend=kit.name,  # the scaler works where the arrays are
+                                    reducer=world.reducer)
     result = RunResult(_label(dtype, loss_scaling), dtype, loss_scaling)
     per_sample = settings.global_batch / settings.batch  # the loss is a share of a global mean
     tick = progress(result.label, settings.steps) if progress else None
@@ -135,22 +149,28 @@ def train_once(
             tick(result.losses[-1])
     result.seconds = time.perf_counter() - start
     result.accuracy = kit.accuracy(model, x_test, y_test)
+    if world.reducer is not None:  # each rank's loss is its shard's: the mean over ranks, once
+        losses = world.reducer.allreduce_sum_(np.asarray(result.losses, dtype=np.float64))
+        result.losses = (losses / world.size).tolist()
     return result
 
 
-def preflight(settings: DemoSettings) -> None:
-    """Raise now, before any training, when the backend or the dtype cannot run here."""
+def preflight(settings: DemoSettings, world: World | None = None) -> None:
+    """Raise now, before any training, when the backend, the dtype or the split cannot run here."""
     backends.check_dtype(backends.get(settings.backend), settings.dtype)
+    (world or World()).share(settings.batch, "--batch")
 
 
-def run_demo(settings: DemoSettings, progress: Progress | None = None) -> list[RunResult]:
-    """The demo's three runs, on the same spirals and from the same initial weights."""
-    preflight(settings)
+def run_demo(
+    settings: DemoSettings, progress: Progress | None = None, world: World | None = None
+) -> list[RunResult]:
+    """The demo's three runs, on the same spirals and from the same initial weights (on every rank)."""
+    preflight(settings, world)
     x, y = spirals(settings.batch, seed=settings.seed)
     x_test, y_test = spirals(settings.test_size, seed=settings.seed + 1)
     data = (x, y, x_test, y_test)
     runs = [("float32", False), (settings.dtype, False), (settings.dtype, True)]
-    return [train_once(settings, dtype, scaling, data, progress) for dtype, scaling in runs]
+    return [train_once(settings, dtype, scaling, data, progress, world) for dtype, scaling in runs]
 
 
 def within_tolerance(run: RunResult, reference: RunResult) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import zlib
 from typing import Any
 
@@ -43,6 +44,8 @@ def _on_device_of(host: np.ndarray, like: Any) -> Any:
         return host
     import array_api_compat
 
+    if not array_api_compat.is_array_api_obj(like) and hasattr(like, "place"):  # paddle: no array API
+        return sys.modules["paddle"].to_tensor(host, place=like.place)
     xp = array_api_compat.array_namespace(like)
     return xp.asarray(host, device=array_api_compat.device(like))
 
@@ -52,4 +55,6 @@ def _to_host(buffer: Any) -> np.ndarray:
         return buffer
     if hasattr(buffer, "get"):  # cupy
         return buffer.get()
+    if hasattr(buffer, "place"):  # paddle
+        return buffer.numpy()
     return np.asarray(buffer.cpu() if hasattr(buffer, "cpu") else buffer)

@@ -143,6 +143,21 @@ class Reducer(abc.ABC):
         """The error for a collective that failed for ``cause`` (e.g. 'a peer rank probably died')."""
         return ReducerError(f"{self.describe()}: {what} failed: {cause}. {_RETIRED} Engine said: {detail}")
 
+    def __copy__(self) -> Reducer:
+        """Itself: a communicator cannot be duplicated, so copies of a scaler share its reducer."""
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Reducer:
+        """Itself, as :meth:`__copy__`."""
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self.describe()} cannot be pickled: it stands for a live communicator of this process. "
+            "Fix: pickle the scaler's state_dict() instead, and build the scaler in the new process "
+            "with its own reducer= there."
+        )
+
     def __repr__(self) -> str:
         limit = "engine default" if self.timeout is None else f"{self.timeout:g} s"
         return (

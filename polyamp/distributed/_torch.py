@@ -9,6 +9,7 @@ for the name "torch"; otherwise looks it up in ``sys.modules``.
 from __future__ import annotations
 
 import sys
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -82,7 +83,11 @@ class TorchReducer(Reducer):
         import torch
         import torch.distributed as dist
 
-        self._torch, self._dist, self.group = torch, dist, group
+        self._torch, self._dist = torch, dist
+        # Weakly: torch keeps its groups until destroy_process_group(); a strong reference kept
+        # past that (e.g. by a scaler that a module-level function sees) is destroyed at
+        # interpreter exit, where gloo aborts the process ("terminate called ...").
+        self._group = weakref.ref(group)
         self._explicit = timeout
         self._devices = {d.type for d in getattr(group, "_device_types", ())}
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -94,7 +99,20 @@ class TorchReducer(Reducer):
             timeout if timeout is not None else _group_timeout(group),
         )
 
+    @property
+    def group(self) -> Any:
+        """The ProcessGroup; ReducerUnavailableError once torch.distributed destroyed it."""
+        group = self._group()
+        if group is None:
+            raise ReducerUnavailableError(
+                f"{self.describe()} cannot issue a collective: its process group was destroyed "
+                "(torch.distributed.destroy_process_group()). Fix: build a new reducer (and scaler) "
+                "after init_process_group()."
+            )
+        return group
+
     def _prepare(self, array: Any) -> Any:
+        self.group  # noqa: B018 - refuse before anything is issued when the group is gone
         torch = self._torch
         tensor = array if isinstance(array, torch.Tensor) else self._as_tensor(array)
         problem = None

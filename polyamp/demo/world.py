@@ -1,0 +1,82 @@
+"""The ranks of ``polyamp demo --distributed mpi|torch``: a reducer, and this rank's share.
+
+``mpi`` runs under ``mpirun -n N polyamp demo --distributed mpi`` (COMM_WORLD); ``torch``
+under ``torchrun --nproc-per-node N -m polyamp demo --distributed torch`` (a gloo group built
+from torchrun's environment, unless the caller initialised torch.distributed already).
+Engines are imported only here, and only when asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from polyamp._errors import ConfigError
+
+CHOICES = ("mpi", "torch")
+#: Seconds a collective may wait for a lagging rank before the demo gives up with an error.
+TIMEOUT = 120.0
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the demo's ranks (one process: rank 0 of 1, no reducer)."""
+
+    rank: int = 0
+    size: int = 1
+    reducer: Any = None
+    engine: str | None = None
+
+    @property
+    def prints(self) -> bool:
+        """Whether this rank prints (rank 0 does; the others stay silent)."""
+        return self.rank == 0
+
+    def share(self, n: int, what: str) -> slice:
+        """This rank's rows of ``n``: equal contiguous shards, so the average is the global mean."""
+        if n % self.size:
+            raise ConfigError(
+                f"{what}={n} cannot be split into {self.size} equal shards (one per rank). Fix: "
+                f"pass a {what} divisible by {self.size}, e.g. {what}={n - n % self.size or self.size}."
+            )
+        per = n // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+
+def join(engine: str | None) -> World:
+    """The world for ``--distributed engine`` (None: one process); a clear error if it cannot run."""
+    if engine is None:
+        return World()
+    if engine not in CHOICES:
+        raise ConfigError(f"--distributed {engine!r}: expected one of {list(CHOICES)}")
+    from polyamp.distributed import reducer
+
+    if engine == "mpi":
+        red = reducer("mpi", timeout=TIMEOUT)
+    else:
+        red = reducer(_torch_group(), timeout=TIMEOUT)
+    return World(red.rank, red.size, red, engine)
+
+
+def _torch_group() -> Any:
+    """torch.distributed's default group: the caller's, or a gloo group from torchrun's environment."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise ConfigError(
+            f"--distributed torch needs torch.distributed ({exc}). Fix: pip install 'polyamp[torch]'"
+        ) from exc
+    if dist.is_initialized():
+        return dist.group.WORLD
+    missing = [k for k in _TORCHRUN_ENV if not os.environ.get(k)]
+    if missing:
+        raise ConfigError(
+            f"--distributed torch needs torchrun's environment, but {', '.join(missing)} "
+            "is not set. Fix: start it as `torchrun --nproc-per-node 2 -m polyamp demo "
+            "--distributed torch` (or use `mpirun -n 2 polyamp demo --distributed mpi`)."
+        )
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
+    return dist.group.WORLD

@@ -1,0 +1,205 @@
+"""LossScaler(reducer=...) in one process: the order of agree_/step/update, what is sent, copies.
+
+The reducer here is a one-rank ``polyamp.distributed.Reducer`` (the plugin contract, summing
+over a group of one) that keeps what it was sent; tests/distributed/ runs real process groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from polyamp import ConfigError, LossScaleConfig, LossScaler, ScalerStateError, clip_grad_norm_, global_norm
+from polyamp.distributed import Reducer
+
+
+class OneRank(Reducer):
+    """A group of one process: a sum or max over it is the array itself. Records what it sends."""
+
+    def __init__(self) -> None:
+        super().__init__("one", 0, 1, None)
+        self.sent: list[tuple[str, str, tuple, list]] = []
+
+    def _prepare(self, array):
+        return array
+
+    def _allreduce(self, buffer, op):
+        values = np.asarray(buffer).reshape(-1).tolist()
+        self.sent.append((op, str(buffer.dtype), tuple(buffer.shape), values))
+
+    def _barrier(self):
+        pass
+
+
+def _grads(bad: bool = False) -> list[np.ndarray]:
+    grads = [np.full(3, 8.0, np.float32), np.full(2, -4.0, np.float32)]
+    if bad:
+        grads[1][0] = np.inf
+    return grads
+
+
+def test_one_collective_per_step_and_the_config_check_at_the_first():
+    red = OneRank()
+    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=red)
+    assert scaler.reducer is red
+    counts, skipped = [], []
+    for bad in (False, True, False):
+        before = red.collectives
+        result = scaler.step(_grads(bad), lambda: None)
+        scaler.update()
+        counts.append(red.collectives - before)
+        skipped.append(result.skipped)
+    assert counts == [2, 1, 1] and skipped == [False, True, False]
+    assert red.sent[0][0] == "max"  # check_same_config's fingerprint pair
+    assert [s[:3] for s in red.sent[1:]] == [("sum", "float32", ())] * 3  # the 0-d flag
+    assert [s[3] for s in red.sent[1:]] == [[0.0], [1.0], [0.0]]
+
+
+def test_agree_carries_extra_in_the_same_collective_and_step_sends_nothing_more():
+    red = OneRank()
+    scaler = LossScaler(reducer=red)
+    scaler.step(_grads(), lambda: None)  # the first step: config check + flag
+    scaler.update()
+    before = red.collectives
+    grads = _grads(bad=True)
+    scaler.unscale_(grads)
+    agreed = scaler.agree_(np.array([2.5, 0.25]))
+    assert red.sent[-1][:3] == ("sum", "float64", (3,)) and red.sent[-1][3][0] == 1.0
+    np.testing.assert_array_equal(agreed.extra, [2.5, 0.25])
+    assert agreed.found_inf.dtype == np.float32 and float(agreed.found_inf) == 1.0
+    assert scaler.step(grads, lambda: pytest.fail("an overflowing step was applied")).skipped
+    scaler.update()
+    assert red.collectives - before == 1
+
+
+def test_clipping_rides_in_the_scalers_collective():
+    red = OneRank()
+    scaler = LossScaler(LossScaleConfig(init_scale=1.0), reducer=red)
+    grads = [np.array([3.0, 0.0], np.float32), np.array([4.0], np.float32)]
+    scaler.unscale_(grads)
+    norm = clip_grad_norm_(grads, 1.0, scaler=scaler)
+    assert float(norm) == 5.0 and red.collectives == 2  # the config check, then [count, 25]
+    assert red.sent[-1][:3] == ("sum", "float64", (3,))
+    assert red.sent[-1][3] == [0.0, 25.0, 25.0 * 2.0**-1024]  # [count, sum of squares, the same / 2**1024]
+    np.testing.assert_allclose(np.concatenate(grads), [0.6, 0.0, 0.8], rtol=1e-6)
+    scaler.step(grads, lambda: None)
+    scaler.update()
+    assert red.collectives == 2
+    # a second norm in the same iteration would be a second collective: refused
+    scaler.unscale_(grads)
+    global_norm(grads, scaler=scaler)
+    with pytest.raises(ScalerStateError, match="agree_\\(\\) was called twice"):
+        global_norm(grads, scaler=scaler)
+
+
+def test_a_rank_without_gradients_sends_zero_and_gets_the_global_norm():
+    red = OneRank()
+    scaler = LossScaler(reducer=red)
+    scaler.unscale_([])
+    norm = clip_grad_norm_([], 1.0, scaler=scaler)
+    assert float(norm) == 0.0 and red.sent[-1][3] == [0.0, 0.0, 0.0]
+    alone = LossScaler()
+    alone.unscale_([])
+    with pytest.raises(ConfigError, match="no gradients"):  # without a reducer: nothing to take part in
+        clip_grad_norm_([], 1.0, scaler=alone)
+
+
+@pytest.mark.parametrize("value", [3e200, 1e-300, 5.0])
+def test_finite_float64_gradients_keep_a_finite_norm_across_ranks(value):
+    """The squares of float64 values can overflow (3e200**2) or underflow; the pair sent keeps both."""
+    grads = [np.array([3.0 * value, 4.0 * value]), np.array([0.0])]
+    scaler = LossScaler(LossScaleConfig(init_scale=1.0), reducer=OneRank())
+    scaler.unscale_(grads)
+    norm = float(global_norm(grads, scaler=scaler))
+    assert norm == pytest.approx(5.0 * value, rel=4 * 2.0**-53)  # a few float64 roundings
+    scaler.step(grads, lambda: None)
+    scaler.update()
+    scaler.unscale_(grads)
+    norm = clip_grad_norm_(grads, 1.0, scaler=scaler)
+    assert np.isfinite(norm) and float(np.linalg.norm(np.concatenate(grads))) <= 1.0 + 1e-6
+
+
+def test_update_without_step_agrees_the_flag():
+    red = OneRank()
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=red)
+    scaler.unscale_(_grads(bad=True))
+    scaler.update()
+    assert red.collectives == 2 and scaler.get_scale() == 4.0
+
+
+@pytest.mark.parametrize("when", ["before any unscale_()", "twice", "after step()"])
+def test_agree_out_of_order_is_refused_and_changes_nothing(when):
+    red = OneRank()
+    scaler = LossScaler(reducer=red)
+    if when != "before any unscale_()":
+        scaler.unscale_(_grads())
+    if when == "twice":
+        scaler.agree_()
+    if when == "after step()":
+        scaler.step([], lambda: None)
+    sent = red.collectives
+    with pytest.raises(ScalerStateError) as info:
+        scaler.agree_()
+    assert f"agree_() was called {when} in this iteration" in str(info.value)
+    assert red.collectives == sent
+
+
+@pytest.mark.parametrize("call", ["unscale_group_", "record_found_inf"])
+def test_flags_added_after_agree_are_refused(call):
+    scaler = LossScaler(reducer=OneRank())
+    scaler.unscale_group_(_grads())
+    scaler.agree_()
+    with pytest.raises(ScalerStateError, match="after agree_\\(\\)"):
+        if call == "unscale_group_":
+            scaler.unscale_group_(_grads(bad=True))
+        else:
+            scaler.record_found_inf(np.float32(1.0))
+    assert not scaler.step([], lambda: None).skipped  # the agreed flag stands
+
+
+def test_agree_without_a_reducer_sends_nothing_and_returns_the_local_values():
+    scaler = LossScaler()
+    flag = scaler.unscale_(_grads(bad=True))
+    extra = np.array([1.0])
+    agreed = scaler.agree_(extra)
+    assert agreed.found_inf is flag and agreed.extra is extra
+    assert scaler.step([], lambda: None).skipped
+
+
+def test_copies_share_the_reducer_and_pickling_refuses_it():
+    red = OneRank()
+    scaler = LossScaler(reducer=red)
+    scaler.step(_grads(), lambda: None)
+    scaler.update()
+    twin = copy.deepcopy(scaler)
+    assert twin.reducer is red and twin.get_scale() == scaler.get_scale()
+    twin.step(_grads(), lambda: None)
+    assert red.collectives == 4  # a copy is a new scaler: it checks the config at its first step
+    with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
+        pickle.dumps(scaler)
+    plain = pickle.loads(pickle.dumps(LossScaler()))
+    assert plain.reducer is None
+
+
+def test_a_bad_reducer_is_refused_when_the_scaler_is_built():
+    with pytest.raises(TypeError, match="cannot build a reducer from"):
+        LossScaler(reducer=object())
+    with pytest.raises(ConfigError, match="cannot build a reducer"):
+        LossScaler(reducer="no-such-engine")
+
+
+def test_import_polyamp_stays_free_of_distributed_torch_and_mpi4py():
+    code = (
+        "import sys, numpy as np, polyamp\n"
+        "s = polyamp.LossScaler()\n"
+        "s.step([np.ones(2, np.float32)], lambda: None); s.update()\n"
+        "print(sorted({'polyamp.distributed', 'torch', 'mpi4py', 'paddle'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
