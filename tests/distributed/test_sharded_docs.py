@@ -1,7 +1,4 @@
-"""The ShardedGradScaler section of docs/distributed.md: its example runs as written on 2 gloo ranks.
-
-Until the section is pasted into docs/distributed.md it lives in docs/_sharded_section.md.
-"""
+"""The ShardedGradScaler section of docs/distributed.md: its example runs as written on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -15,13 +12,11 @@ HEADING = "## ShardedGradScaler"
 
 
 def section() -> str:
-    """The section's text, from docs/distributed.md if it is there yet."""
+    """The section's text in docs/distributed.md."""
     page = (DOCS / "distributed.md").read_text()
-    if HEADING in page:
-        start = page.index(HEADING)
-        end = page.find("\n## ", start + 1)
-        return page[start:] if end < 0 else page[start:end]
-    return (DOCS / "_sharded_section.md").read_text()
+    start = page.index(HEADING)
+    end = page.find("\n## ", start + 1)
+    return page[start:] if end < 0 else page[start:end]
 
 
 def run_the_example(rank: int, size: int) -> dict:

@@ -61,20 +61,28 @@ def _run_in_processes(block: Block, n: int, tmp_path: Path) -> None:
     """Run ``block`` on n gloo ranks (subprocesses), each failing the test with its output."""
     script = tmp_path / "block.py"
     script.write_text(block.code)
+    # The rank leaves through os._exit: a gloo group still referenced at interpreter exit can
+    # abort the process after destroy_process_group(), which would fail a block that worked.
     runner = textwrap.dedent(
         """
-        import os, runpy, sys, datetime
+        import os, runpy, sys, datetime, traceback
         import torch.distributed as dist
         dist.init_process_group("gloo", rank=int(sys.argv[2]), world_size=int(sys.argv[3]),
                                 timeout=datetime.timedelta(seconds=60))
+        status = 0
         try:
             runpy.run_path(sys.argv[1], run_name="__main__")
-        finally:
             dist.destroy_process_group()
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
         """
     )
     (tmp_path / "runner.py").write_text(runner)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
     procs = [
         subprocess.Popen(
             [sys.executable, str(tmp_path / "runner.py"), str(script), str(rank), str(n)],
@@ -82,7 +90,12 @@ def _run_in_processes(block: Block, n: int, tmp_path: Path) -> None:
         )
         for rank in range(n)
     ]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"{block.page.name}:{block.line} failed on rank {rank}:\n{out}"
 
