@@ -70,6 +70,13 @@ def main(args: argparse.Namespace) -> int:
     except PolyampError as exc:  # a backend, a setting, or the ranks' engine
         print(f"polyamp demo: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, settings, output, ranks)
+    finally:
+        ranks.close()
+
+
+def _run(args: argparse.Namespace, settings: DemoSettings, output: Path | None, ranks: world.World) -> int:
     if not ranks.prints:  # the other ranks train in step with rank 0, silently
         run_demo(settings, None, ranks)
         return 0

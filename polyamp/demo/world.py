@@ -29,6 +29,15 @@ class World:
     size: int = 1
     reducer: Any = None
     engine: str | None = None
+    owns_group: bool = False  # the demo built torch's process group, so it tears it down
+
+    def close(self) -> None:
+        """Tear down what the demo started: a gloo group left alive at exit can abort the process."""
+        if self.owns_group:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank destroys the group while another still uses it
+            dist.destroy_process_group()
 
     @property
     def prints(self) -> bool:
@@ -55,14 +64,18 @@ def join(engine: str | None) -> World:
     from polyamp.distributed import reducer
 
     if engine == "mpi":
-        red = reducer("mpi", timeout=TIMEOUT)
-    else:
-        red = reducer(_torch_group(), timeout=TIMEOUT)
-    return World(red.rank, red.size, red, engine)
+        return _world(reducer("mpi", timeout=TIMEOUT), engine, False)
+    group, owned = _torch_group()
+    return _world(reducer(group, timeout=TIMEOUT), engine, owned)
 
 
-def _torch_group() -> Any:
-    """torch.distributed's default group: the caller's, or a gloo group from torchrun's environment."""
+def _world(red: Any, engine: str, owns_group: bool) -> World:
+    return World(red.rank, red.size, red, engine, owns_group)
+
+
+def _torch_group() -> tuple[Any, bool]:
+    """torch.distributed's default group (the caller's, or a gloo group from torchrun's
+    environment), and whether the demo built it."""
     try:
         import torch.distributed as dist
     except ImportError as exc:
@@ -70,7 +83,7 @@ def _torch_group() -> Any:
             f"--distributed torch needs torch.distributed ({exc}). Fix: pip install 'polyamp[torch]'"
         ) from exc
     if dist.is_initialized():
-        return dist.group.WORLD
+        return dist.group.WORLD, False
     missing = [k for k in _TORCHRUN_ENV if not os.environ.get(k)]
     if missing:
         raise ConfigError(
@@ -79,4 +92,4 @@ def _torch_group() -> Any:
             "--distributed torch` (or use `mpirun -n 2 polyamp demo --distributed mpi`)."
         )
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
-    return dist.group.WORLD
+    return dist.group.WORLD, True
