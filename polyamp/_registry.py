@@ -11,13 +11,11 @@ import functools
 import os
 import threading
 from collections.abc import Iterable
-from importlib.metadata import entry_points
 from typing import Any
-
-import pluggy
 
 from . import _hookspecs
 from ._errors import BackendNotFoundError, BackendUnavailableError, ForeignArrayError
+from ._plugins import PluginSet
 from .backend import Backend, BackendInfo
 
 ENV_VAR = "POLYAMP_BACKEND"
@@ -26,29 +24,12 @@ GENERIC_BACKEND = "array_api"
 _lock = threading.Lock()
 
 
-class _Plugins:
-    """The plugin manager plus the entry points that failed to load (and why)."""
+class _Plugins(PluginSet):
+    """The backend plugin manager plus the entry points that failed to load (and why)."""
 
     def __init__(self) -> None:
-        self.manager = pluggy.PluginManager(_hookspecs.PROJECT)
-        self.manager.add_hookspecs(_hookspecs)
-        self.broken: dict[str, str] = {}
-        seen: set[str] = set()
-        for ep in entry_points(group=_hookspecs.PROJECT):
-            if ep.name in seen:
-                continue
-            seen.add(ep.name)
-            try:
-                self.register(ep.load(), ep.name)
-            except Exception as exc:  # a broken plugin must not break discovery
-                self.broken[ep.name] = f"plugin failed to load: {type(exc).__name__}: {exc}"
-
-    def register(self, module: Any, name: str) -> None:
-        """Register one plugin module after checking it implements the required hooks."""
-        missing = [h for h in _hookspecs.REQUIRED_HOOKS if not callable(getattr(module, h, None))]
-        if missing:
-            raise TypeError(f"backend plugin {name!r} lacks required hooks {missing}")
-        self.manager.register(module, name=name)
+        super().__init__(_hookspecs, _hookspecs.PROJECT, _hookspecs.REQUIRED_HOOKS, "backend",
+                         broken_prefix="plugin failed to load: ")
 
     def names(self) -> list[str]:
         """Registered backend names, the generic array-API backend last."""

@@ -70,3 +70,15 @@ def to_numpy():
 def _no_backend_env(monkeypatch):
     """Tests start with POLYAMP_BACKEND unset unless they set it."""
     monkeypatch.delenv("POLYAMP_BACKEND", raising=False)
+
+
+@pytest.fixture
+def registry_restored():
+    """A test that registers a backend plugin leaves the registry as it was for the tests after it."""
+    from polyamp import _registry
+
+    before = _registry._plugins().names()
+    yield
+    if _registry._plugins().names() != before:
+        _registry._plugins.cache_clear()  # rebuilt from the entry points on next use
+        _registry._bound.cache_clear()

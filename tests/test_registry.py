@@ -71,7 +71,7 @@ def test_foreign_arrays_are_refused():
     assert scaler.state is None  # nothing changed
 
 
-def test_unavailable_plugin_is_reported_and_refused():
+def test_unavailable_plugin_is_reported_and_refused(registry_restored):
     from polyamp._hookspecs import hookimpl
 
     plugin = types.ModuleType("fake_gpu_backend")

@@ -9,42 +9,23 @@ from __future__ import annotations
 
 import functools
 import threading
-from importlib.metadata import entry_points
 from typing import Any
-
-import pluggy
 
 from .. import _hookspecs
 from .._errors import ConfigError
+from .._plugins import PluginSet
 from ..config import short_repr
 from ._reducer import Reducer, check_timeout
 
 _lock = threading.Lock()
 
 
-class _Plugins:
+class _Plugins(PluginSet):
     """The reducer plugin manager plus the entry points that failed to load (and why)."""
 
     def __init__(self) -> None:
-        self.manager = pluggy.PluginManager(_hookspecs.PROJECT)
-        self.manager.add_hookspecs(_hookspecs.ReducerSpec)
-        self.broken: dict[str, str] = {}
-        seen: set[str] = set()
-        for ep in entry_points(group=_hookspecs.REDUCER_GROUP):
-            if ep.name in seen:
-                continue
-            seen.add(ep.name)
-            try:
-                self.register(ep.load(), ep.name)
-            except Exception as exc:  # a broken plugin must not break discovery
-                self.broken[ep.name] = f"{type(exc).__name__}: {exc}"
-
-    def register(self, module: Any, name: str) -> None:
-        """Register one plugin module after checking it implements ``make_reducer``."""
-        missing = [h for h in _hookspecs.REDUCER_HOOKS if not callable(getattr(module, h, None))]
-        if missing:
-            raise TypeError(f"reducer plugin {name!r} lacks required hooks {missing}")
-        self.manager.register(module, name=name)
+        super().__init__(_hookspecs.ReducerSpec, _hookspecs.REDUCER_GROUP, _hookspecs.REDUCER_HOOKS,
+                         "reducer")
 
     def accepted(self) -> str:
         """What the plugins accept, one clause each, for error messages."""

@@ -108,18 +108,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def registry_restored():
-    """A page that registers a backend plugin (writing-a-backend.md) leaves the registry as it was."""
-    from polyamp import _registry
-
-    before = _registry._plugins().names()
-    yield
-    if _registry._plugins().names() != before:
-        _registry._plugins.cache_clear()  # rebuilt from the entry points on next use
-        _registry._bound.cache_clear()
-
-
 @pytest.mark.parametrize("page", _pages_with_blocks(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run(page: Path, tmp_path, monkeypatch, capsys, registry_restored):
     monkeypatch.chdir(tmp_path)
