@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from polyamp import checkpoint
 from polyamp._errors import ConfigError, StateDictError
 from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
@@ -45,7 +46,6 @@ TORCH_NAMES = {  # paddle key -> the torch key it was converted from, for messag
     "decr_every_n_nan_or_inf": "backoff_interval", "incr_count": "_growth_tracker",
     "decr_count": "_backoff_tracker",
 }
-_COUNT_LIMIT = 2**31  # the device trackers are int32
 
 
 class PaddleConfigError(ConfigError, AssertionError):
@@ -147,7 +147,7 @@ def scale_of(value: Any) -> float:
 def _count(state: dict[str, Any], key: str, interval: int, interval_key: str, names: dict[str, str]) -> int:
     """A saved counter: an int in [0, its interval) and below 2**31 (the trackers are int32)."""
     value, name = plain(state[key]), names.get(key, key)
-    limit = min(interval, _COUNT_LIMIT)
+    limit = min(interval, checkpoint.TRACKER_LIMIT)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < limit:
         bound = f"{names.get(interval_key, interval_key)}={interval}" if limit == interval else "2**31"
         raise StateDictError(

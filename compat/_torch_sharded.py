@@ -14,9 +14,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from polyamp._agreement import Agreement
 from polyamp._errors import ConfigError
 from polyamp.config import short_repr
-from polyamp.distributed import Reducer, ReducerUnavailableError, check_same_config, reducer
+from polyamp.distributed import Reducer, ReducerUnavailableError, reducer
 from polyamp.engine import LossScaler
 
 _PICKLE = (
@@ -90,17 +91,20 @@ class ShardedMethods:
     @process_group.setter
     def process_group(self, group: Any) -> None:
         """An explicit group is checked now; the next step checks the config across it again."""
-        self._reducer = None if group is None else build_reducer(group)
+        self._agreement = None if group is None else Agreement(build_reducer(group))
         self._group = group
-        self._config_checked = False
         self._meshes: dict[Any, bool] = {}  # DeviceMesh -> do the group's ranks cover it
 
     @property
     def reducer(self) -> Reducer:
         """The polyamp reducer that agrees the flags (``reducer.collectives`` counts them)."""
-        if self._reducer is None:
-            self._reducer = build_reducer(self._group)
-        return self._reducer
+        return self._agreed().reducer
+
+    def _agreed(self) -> Agreement:
+        """The reducer and its one-time config check (the default group is resolved at first use)."""
+        if self._agreement is None:
+            self._agreement = Agreement(build_reducer(self._group))
+        return self._agreement
 
     def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
         """Unscale (or check) ``grads`` and return the flag summed over the group.
@@ -108,13 +112,11 @@ class ShardedMethods:
         Every rank issues the same collective, also one with no gradients (its flag is 0).
         The first time, a MAX all-reduce first checks that every rank has the same config.
         """
-        red = self.reducer  # resolved before anything changes
-        if not self._config_checked:
-            check_same_config(red, self._engine.config, like=self._engine.state.scale)
-            self._config_checked = True
-        grads = self._local_shards(grads, red)
+        agreement, config = self._agreed(), self._engine.config  # resolved before anything changes
+        agreement.check_config(config, like=self._engine.state.scale)
+        grads = self._local_shards(grads, agreement.reducer)
         found = self._engine.unscale_group_(grads, check_only=check_only)  # 0 without grads
-        red.allreduce_sum_(found)
+        agreement.sum_(found, config)
         return found
 
     def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:
@@ -134,7 +136,7 @@ class ShardedMethods:
         if group is not None and not isinstance(group, str):
             raise TypeError(_PICKLE.format(group=short_repr(group)))
         state = super().__getstate__()  # type: ignore[misc]
-        for name in ("_group", "_reducer", "_config_checked", "_meshes"):
+        for name in ("_group", "_agreement", "_meshes"):
             state["extra"].pop(name, None)
         state["process_group"] = group
         return state

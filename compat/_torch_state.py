@@ -20,7 +20,6 @@ from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-TRACKER_LIMIT = 2**31  # the trackers are int32 on the device
 INTERVAL_LIMIT = 2**63 - 1  # torch's _amp_update_scale_ takes growth_interval as an int64
 NEW_SCALE = (
     "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
@@ -149,7 +148,7 @@ def _integer(state: Mapping[str, Any], key: str, default: Any = None) -> int:
 def _tracker(state: Mapping[str, Any], key: str, interval_key: str, interval: int) -> int:
     """A step counter: an int in [0, interval) and below 2**31 (it is int32 on the device)."""
     value = _integer(state, key, 0 if key == "_backoff_tracker" else None)
-    limit = min(interval, TRACKER_LIMIT)
+    limit = min(interval, checkpoint.TRACKER_LIMIT)
     if not 0 <= value < limit:
         raise StateDictError(
             f"{key} must be an int in [0, {limit}) (below {interval_key}={interval} and 2**31, "

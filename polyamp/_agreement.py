@@ -51,19 +51,24 @@ class Agreement:
         """A copy of a scaler is a new scaler: same reducer, config checked again at its first step."""
         return Agreement(self.reducer)
 
-    def _sum_(self, buffer: Any, config: LossScaleConfig) -> None:
-        """All-reduce ``buffer`` in place (SUM); the first time, check the config before it."""
+    def check_config(self, config: LossScaleConfig, like: Any) -> None:
+        """The first time only: ConfigError on every rank unless all hold ``config`` (one MAX
+        all-reduce, its buffer where ``like`` lives)."""
         if not self.config_checked:
             from .distributed import check_same_config
 
-            check_same_config(self.reducer, config, like=buffer)
+            check_same_config(self.reducer, config, like=like)
             self.config_checked = True
+
+    def sum_(self, buffer: Any, config: LossScaleConfig) -> None:
+        """All-reduce ``buffer`` in place (SUM); the first time, check the config before it."""
+        self.check_config(config, like=buffer)
         self.reducer.allreduce_sum_(buffer)
 
     def flag(self, found_inf: Any, config: LossScaleConfig) -> Any:
         """A new array: ``found_inf`` summed over ranks (one collective; ``found_inf`` is kept)."""
         buffer = _copy(found_inf)
-        self._sum_(buffer, config)
+        self.sum_(buffer, config)
         return buffer
 
     def flag_and_extra(self, found_inf: Any, extra: Any, config: LossScaleConfig) -> Agreed:
@@ -76,7 +81,7 @@ class Agreement:
         device = array_api_compat.device(extra)
         count = xp.asarray(found_inf, device=device)  # e.g. a NumPy flag of a rank without gradients
         buffer = xp.concat([xp.reshape(xp.astype(count, extra.dtype), (1,)), xp.reshape(extra, (-1,))])
-        self._sum_(buffer, config)
+        self.sum_(buffer, config)
         agreed = xp.astype(xp.reshape(buffer[:1], ()), xp.float32)
         return Agreed(agreed, xp.reshape(buffer[1:], extra.shape))
 

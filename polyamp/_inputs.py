@@ -28,13 +28,11 @@ def gradient_list(grads: Iterable[Any]) -> list[Any]:
             f"grads must be a list of gradient arrays, got one {type(grads).__module__}."
             f"{type(grads).__name__}. Fix: pass [grad]."
         )
-    arrays = []
-    for i, grad in enumerate(grads):
-        if grad is None:
-            continue
-        if isinstance(grad, _NOT_IN_PLACE):
-            raise TypeError(_not_in_place(i, grad))
-        arrays.append(grad)
+    grads = list(grads)
+    arrays = [g for g in grads if g is not None]
+    if any(issubclass(kind, _NOT_IN_PLACE) for kind in set(map(type, arrays))):  # one check per type
+        i, grad = next((i, g) for i, g in enumerate(grads) if isinstance(g, _NOT_IN_PLACE))
+        raise TypeError(_not_in_place(i, grad))
     return arrays
 
 

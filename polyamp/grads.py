@@ -31,14 +31,22 @@ class ScaledGradientsError(ScalerStateError):
     """Gradients are still multiplied by the loss scale; unscale them before norms or clipping."""
 
 
-def _check_unscaled(scaler: Any, what: str) -> None:
-    """Raise ScaledGradientsError when ``scaler`` has not unscaled this iteration's gradients."""
+def _engine_of(scaler: Any) -> Any:
+    """The engine behind ``scaler`` (a facade's ``engine``, or the scaler itself); None for no
+    scaler or a disabled torch-style facade."""
     if scaler is None:
-        return
+        return None
     is_enabled = getattr(scaler, "is_enabled", None)  # the torch-style facade
     if callable(is_enabled) and not is_enabled():
+        return None
+    return getattr(scaler, "engine", scaler)
+
+
+def _check_unscaled(scaler: Any, what: str) -> None:
+    """Raise ScaledGradientsError when ``scaler`` has not unscaled this iteration's gradients."""
+    engine = _engine_of(scaler)
+    if engine is None:
         return
-    engine = getattr(scaler, "engine", scaler)
     if getattr(engine, "enabled", True) and not getattr(engine, "has_pending_check", False):
         raise ScaledGradientsError(
             f"{what} got gradients still multiplied by the loss scale: scaler={type(scaler).__name__} "
@@ -49,12 +57,7 @@ def _check_unscaled(scaler: Any, what: str) -> None:
 
 def _distributed_engine(scaler: Any) -> Any:
     """The enabled engine behind ``scaler`` when it has a reducer, else None."""
-    if scaler is None:
-        return None
-    is_enabled = getattr(scaler, "is_enabled", None)
-    if callable(is_enabled) and not is_enabled():
-        return None
-    engine = getattr(scaler, "engine", scaler)
+    engine = _engine_of(scaler)
     if not getattr(engine, "enabled", False) or getattr(engine, "reducer", None) is None:
         return None
     return engine
@@ -226,13 +229,10 @@ def clip_grad_norm_(grads: Any, max_norm: float, *, scaler: Any = None, eps: flo
     max_norm = _check_max_norm(max_norm)
     arrays = _arrays(grads, scaler, "clip_grad_norm_")
     engine = _distributed_engine(scaler)
-    if engine is not None:
-        norm = _agreed_norm(engine, arrays, "clip_grad_norm_")
-        if not arrays:
-            return norm
-    else:
-        norm = _local_norm(_namespace(arrays, "clip_grad_norm_"), arrays)
+    if engine is not None and not arrays:  # a rank without gradients still takes part
+        return _agreed_norm(engine, arrays, "clip_grad_norm_")
     xp = _namespace(arrays, "clip_grad_norm_")
+    norm = _local_norm(xp, arrays) if engine is None else _agreed_norm(engine, arrays, "clip_grad_norm_")
     coef = max_norm / (norm + eps)
     keep = ~xp.isfinite(norm) | (coef >= 1.0)
     coef = xp.where(keep, xp.ones_like(coef), coef)

@@ -29,6 +29,7 @@ import array_api_compat
 import numpy as np
 
 from . import _dtypes
+from ._agreement import Agreement
 from ._errors import ConfigError
 from ._masters import check_masters
 from .adapters import iter_params
@@ -119,8 +120,7 @@ class MixedPrecisionTrainer:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
         self._scaler = (LossScaler if loss_scaling else NoOpLossScaler)(config, backend)
-        self._reducer = None if reducer is None else _build_reducer(reducer)
-        self._config_checked = False
+        self._agreement = None if reducer is None else Agreement(reducer)
         self._unscaled_skips = 0  # steps skipped for a non-finite norm without loss scaling
         if _is_torch_module(model):
             from ._trainer_torch import TorchSteps
@@ -155,7 +155,7 @@ class MixedPrecisionTrainer:
     @property
     def reducer(self) -> Any:
         """The ``polyamp.distributed.Reducer`` that sums the gradients over the ranks, or None."""
-        return self._reducer
+        return None if self._agreement is None else self._agreement.reducer
 
     @property
     def grads(self) -> GradBuffer:
@@ -186,11 +186,11 @@ class MixedPrecisionTrainer:
         scaler, grads = self._scaler, self._grads
         grads.reattach()
         grads.zero_()
-        ranks = 1 if self._reducer is None else self._reducer.size
+        ranks = 1 if self._agreement is None else self._agreement.reducer.size
         loss = self._steps.forward_backward(input, target, loss_fn, scaler, ranks)
         if scaler.enabled:
             grads.mark_scaled()
-        if self._reducer is not None:
+        if self._agreement is not None:
             self._sum_over_ranks(grads.flat)
         grads.unscale_(scaler)
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
@@ -206,14 +206,8 @@ class MixedPrecisionTrainer:
         The first call checks first that every rank runs the same scaler config (no loss
         scaling counts as a fixed scale of 1), so that every rank unscales alike.
         """
-        red = self._reducer
-        if not self._config_checked:
-            from .distributed import check_same_config
-
-            config = self._scaler.config if self._scaler.enabled else _NO_SCALING
-            check_same_config(red, config, like=flat)
-            self._config_checked = True
-        red.allreduce_sum_(flat)
+        config = self._scaler.config if self._scaler.enabled else _NO_SCALING
+        self._agreement.sum_(flat, config)  # type: ignore[union-attr]
 
     def _check_norm(self, norm: Any) -> bool:
         """False when a non-finite norm must keep this step off the weights (loss scaling off).
@@ -272,13 +266,6 @@ class ArraySteps:
 
 #: What the ranks' configs are compared as when loss scaling is off: a fixed scale of 1.
 _NO_SCALING = LossScaleConfig(init_scale=1.0, dynamic=False)
-
-
-def _build_reducer(group: Any) -> Any:
-    """``polyamp.distributed.reducer(group)``, imported only when a reducer is asked for."""
-    from .distributed import reducer
-
-    return reducer(group)
 
 
 def _no_step() -> None:
