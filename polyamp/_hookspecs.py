@@ -116,9 +116,12 @@ class ReducerSpec:
 
     A namespace of its own, so the backend registry (which adds this module's top-level specs)
     does not see it. polyamp asks plugins in turn; built-ins are ``trylast``, so a third-party
-    plugin may claim an object before them.
+    plugin may claim an object before them. The specs are staticmethods (the marker under
+    ``@staticmethod``): pluggy 1.7 deprecates class-level specs whose first parameter is not self,
+    and 1.3-1.6 read the marker from the plain function.
     """
 
+    @staticmethod
     @hookspec(firstresult=True)
     def make_reducer(group: Any, timeout: float | None) -> Any:
         """A ``polyamp.distributed.Reducer`` over ``group``, or None when this plugin does not accept it.
@@ -129,6 +132,7 @@ class ReducerSpec:
         value and the fix, when ``group`` is this plugin's kind but unusable.
         """
 
+    @staticmethod
     @hookspec
     def reducer_accepts() -> str:
         """One line saying which objects ``make_reducer`` accepts, for error messages (optional)."""

@@ -7,6 +7,7 @@ message names the argument, the value and the fix.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,19 +22,98 @@ from .config import check_scale, short_repr
 _NOT_IN_PLACE = (np.generic, np.matrix, int, float, complex)
 
 
-def gradient_list(grads: Iterable[Any]) -> list[Any]:
-    """The non-None gradients, refusing (TypeError, naming the index) those that cannot change in place."""
-    if hasattr(grads, "shape"):
+#: The dtypes a gradient may have, by the last word of ``str(dtype)`` (numpy, torch, paddle, ...).
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
+_DTYPE = operator.attrgetter("dtype")
+_IS_META = operator.attrgetter("is_meta")
+
+
+def iterable(
+    grads: Any, where: str, name: str = "grads", example: str = "[p.grad for p in params]"
+) -> list[Any]:
+    """``grads`` as a list; TypeError naming ``where`` and ``name`` for None, one array, a non-iterable."""
+    if grads is None or hasattr(grads, "shape") or not isinstance(grads, Iterable):
+        what = f"one {type(grads).__module__}.{type(grads).__name__}" if grads is not None else "None"
         raise TypeError(
-            f"grads must be a list of gradient arrays, got one {type(grads).__module__}."
-            f"{type(grads).__name__}. Fix: pass [grad]."
+            f"{where} needs {name} to be a list, got {name}={what}. Fix: pass the list, e.g. "
+            f"{example} (a list of one for a single array)."
         )
-    grads = list(grads)
+    return list(grads)
+
+
+def gradient_list(grads: Iterable[Any], where: str = "unscale_()") -> list[Any]:
+    """The non-None gradients, refusing (TypeError) those that cannot change in place, are not
+    floating-point or live on torch's meta device: one C-speed pass per check, then one per type."""
+    grads = iterable(grads, where)
     arrays = [g for g in grads if g is not None]
-    if any(issubclass(kind, _NOT_IN_PLACE) for kind in set(map(type, arrays))):  # one check per type
+    kinds = set(map(type, arrays))
+    if any(issubclass(kind, _NOT_IN_PLACE) for kind in kinds):  # one check per type
         i, grad = next((i, g) for i, g in enumerate(grads) if isinstance(g, _NOT_IN_PLACE))
         raise TypeError(_not_in_place(i, grad))
+    check_floating(arrays, where)
+    if any(hasattr(kind, "is_meta") for kind in kinds):
+        refuse_meta(arrays, where)
     return arrays
+
+
+def check_floating(arrays: list[Any], where: str) -> None:
+    """Refuse integer, bool, complex or object gradients: the scale, the inf check and the norm
+    are defined for real floating values only (torch's kernel and a complex norm would fail or
+    silently drop the imaginary part). Objects without a dtype are left to the backend."""
+    try:
+        by_dtype = dict(zip(map(_DTYPE, arrays), arrays))
+    except (AttributeError, TypeError):  # not arrays, or unhashable dtypes: the backend refuses them
+        return
+    for dtype, grad in by_dtype.items():
+        if str(dtype).rpartition(".")[2] not in FLOATING:
+            raise ForeignArrayError(
+                f"{where} got a gradient that is not floating-point ({describe(grad)}); loss scaling, "
+                "norms and clipping work on real floating gradients only (float16, bfloat16, float32, "
+                "float64). Fix: pass the gradients of floating parameters; keep integer, bool or "
+                "complex arrays out of the list (for complex parameters, pass torch.view_as_real(p.grad))."
+            )
+
+
+def refuse_meta(arrays: list[Any], where: str) -> None:
+    """Refuse torch ``meta`` tensors (no values): state built like them would live on meta."""
+    try:
+        meta = any(map(_IS_META, arrays))
+    except AttributeError:  # a mix of libraries: the ownership check names it
+        meta = any(getattr(g, "is_meta", False) is True for g in arrays)
+    if meta:
+        grad = next(g for g in arrays if getattr(g, "is_meta", False) is True)
+        raise ConfigError(
+            f"{where} got a tensor on torch's 'meta' device ({describe(grad)}), which holds no values: "
+            "nothing can be unscaled or checked, and the scaler's state would be created on meta. "
+            "Fix: materialize the model first (e.g. model.to_empty(device='cpu') and initialize it), "
+            "then pass its gradients."
+        )
+
+
+def describe(array: Any) -> str:
+    """``torch.Tensor, shape (2, 3), dtype torch.int32``: what a message says about an array."""
+    shape = getattr(array, "shape", None)
+    text = f"{type(array).__module__}.{type(array).__name__}"
+    if shape is not None:
+        text += f", shape {tuple(shape)}"
+    return text + f", dtype {getattr(array, 'dtype', '?')}"
+
+
+def check_owned(arrays: list[Any], backend: Backend, where: str) -> None:
+    """Refuse gradients of another library than the scaler's bound backend (one call per type)."""
+    for grad in dict(zip(map(type, arrays), arrays)).values():
+        if not backend.accepts_array(grad):
+            raise ForeignArrayError(
+                f"{where} got a {describe(grad)}, but this scaler works on {backend.name!r} arrays "
+                "(its backend, chosen by backend=/POLYAMP_BACKEND or by the first arrays it saw). "
+                f"Fix: pass {backend.name} arrays only, or use one scaler per array library."
+            )
+
+
+def check_array_device(array: Any, where: str) -> None:
+    """Refuse an array the scaler's state cannot be created beside (torch's meta device)."""
+    if getattr(array, "is_meta", False) is True:
+        refuse_meta([array], where)
 
 
 def _not_in_place(index: int, grad: Any) -> str:
@@ -90,6 +170,13 @@ def flag_value(found_inf: Any, backend: Backend | None) -> Any:
             f"update() needs found_inf to be True/False or a flag array, got "
             f"found_inf={short_repr(found_inf)} ({type(found_inf).__name__}). "
             "Fix: pass found_inf=True/False, or leave it out to use this iteration's checks."
+        )
+    shape = tuple(found_inf.shape)
+    if math.prod(shape) != 1:
+        raise ConfigError(
+            f"update() needs found_inf to be True/False or a one-element flag array, got an array "
+            f"of shape {shape}. Fix: pass the flag unscale_() returned, or reduce yours first "
+            "(e.g. flags.any())."
         )
     if backend is not None and not backend.owns_array(found_inf):
         raise ForeignArrayError(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import _dtypes
+from . import _dtypes, _step_inputs
 from ._masters import check_masters
 
 
@@ -31,13 +31,20 @@ class TorchSteps:
 
         ``ranks``: the (float32) loss is divided by it before scaling (data parallel).
         """
+        for name, value in (("input", input), ("target", target)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"train_step() needs {name} to be a torch.Tensor for a torch model, got "
+                    f"{type(value).__module__}.{type(value).__name__}. Fix: torch.as_tensor({name})."
+                )
         x = _dtypes.cast(input, self.dtype) if input.is_floating_point() else input
-        if target.is_floating_point():
+        if target is not None and target.is_floating_point():
             target = _dtypes.cast(target, self.dtype)
         low = self.dtype != "float32"
         with torch.autocast(self.device_type, dtype=self.torch_dtype, enabled=low):
             output = self.model(x)
             loss = loss_fn(output, target)
+        _step_inputs.torch_loss(loss)
         if loss.ndim != 0:
             raise ValueError(
                 f"loss_fn must return a scalar (0-d) loss tensor, got shape {tuple(loss.shape)}; "

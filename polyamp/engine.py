@@ -142,6 +142,7 @@ class LossScaler(Agreeing):
         elif self._state is None:
             _registry.check_owned(backend, array, "the array given to the scaler")
         if self._state is None:
+            _inputs.check_array_device(array, "the scaler")  # before any state exists on it
             self._make_state(backend, array)
         return backend
 
@@ -190,7 +191,7 @@ class LossScaler(Agreeing):
                 "second call would divide the gradients by the scale twice. Fix: remove the second "
                 "scaler.unscale_(...) call; step() does not unscale again after unscale_()."
             )
-        return self._unscale(grads, check_only)
+        return self._unscale(grads, check_only, "unscale_()")
 
     def unscale_group_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
         """Unscale one group of this iteration's gradients (one optimizer's); return its flag.
@@ -202,12 +203,14 @@ class LossScaler(Agreeing):
             raise ScalerStateError(
                 f"unscale_group_() was called after step(). Fix: call update() after step() (`{_LOOP}`)."
             )
-        return self._unscale(grads, check_only)
+        return self._unscale(grads, check_only, "unscale_group_()")
 
-    def _unscale(self, grads: Iterable[Any], check_only: bool) -> Any:
+    def _unscale(self, grads: Iterable[Any], check_only: bool, where: str) -> Any:
         self._refuse_after_agreement("unscale_()")
-        grads = _inputs.gradient_list(grads)  # refuses what cannot change in place, first
+        grads = _inputs.gradient_list(grads, where)  # refuses bad gradients before any state changes
         backend = self.bind(grads[0]) if grads else self._ready_backend()
+        if grads:
+            _inputs.check_owned(grads, backend, where)
         scale = self._state.scale  # type: ignore[union-attr]
         found = backend.full(0.0, "float32", scale)
         if grads:
@@ -236,8 +239,13 @@ class LossScaler(Agreeing):
                 "step() was already called in this iteration. Fix: call update() after step() "
                 f"(the loop is `{_LOOP}`)."
             )
+        if not callable(step_fn):
+            raise TypeError(
+                f"step() needs step_fn to be a callable that applies the optimizer step, got step_fn="
+                f"{_inputs.short_repr(step_fn)}. Fix: pass e.g. optimizer.step (not optimizer.step())."
+            )
         if not self._unscaled:
-            self._unscale(grads, False)
+            self._unscale(grads, False, "step()")
         self._agree_pending()
         backend = self._backend
         skipped = bool(backend.read_flag(self._pending))  # type: ignore[union-attr]

@@ -27,6 +27,11 @@ class FlatArrays:
     """
 
     def __init__(self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None) -> None:
+        if shapes is None or isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
+            raise ConfigError(
+                f"{type(self).__name__} needs shapes, a list of shapes, got shapes={shapes!r:.60}; pass "
+                "e.g. [(3, 4), (4,)]"
+            )
         shapes = [_check_shape(s) for s in shapes]
         if not shapes:
             raise ConfigError(f"{type(self).__name__} got shapes=[]; pass at least one shape")

@@ -19,7 +19,7 @@ from typing import Any
 
 import array_api_compat
 
-from . import _dtypes
+from . import _dtypes, _inputs
 from ._errors import ConfigError
 from .engine import ScalerStateError
 from .flat import FlatArrays
@@ -78,7 +78,8 @@ def _arrays(grads: Any, scaler: Any, what: str) -> list[Any]:
     elif array_api_compat.is_array_api_obj(grads):
         arrays = [grads]
     else:
-        arrays = [g for g in grads if g is not None]
+        arrays = [g for g in _inputs.iterable(grads, what) if g is not None]
+    _inputs.check_floating(arrays, what)  # an int norm clips to 0, a complex one drops the imaginary part
     _check_unscaled(scaler, what)
     if not arrays and _distributed_engine(scaler) is None:
         raise ConfigError(f"{what} got no gradients (grads={grads!r}); pass at least one array")
@@ -228,6 +229,7 @@ def clip_grad_norm_(grads: Any, max_norm: float, *, scaler: Any = None, eps: flo
     """
     max_norm = _check_max_norm(max_norm)
     arrays = _arrays(grads, scaler, "clip_grad_norm_")
+    _check_writable(arrays)  # before the norm: a half-clipped list must not be left behind
     engine = _distributed_engine(scaler)
     if engine is not None and not arrays:  # a rank without gradients still takes part
         return _agreed_norm(engine, arrays, "clip_grad_norm_")
@@ -239,6 +241,17 @@ def clip_grad_norm_(grads: Any, max_norm: float, *, scaler: Any = None, eps: flo
     for grad in arrays:
         grad *= xp.astype(coef, grad.dtype)
     return norm
+
+
+def _check_writable(arrays: Sequence[Any]) -> None:
+    """Refuse read-only arrays (NumPy's ``flags.writeable``): clipping writes every gradient in place."""
+    for grad in arrays:
+        if not getattr(getattr(grad, "flags", None), "writeable", True):
+            raise ValueError(
+                f"clip_grad_norm_ scales gradients in place, but got a read-only array "
+                f"({_inputs.describe(grad)}, flags.writeable is False); nothing was changed. Fix: pass "
+                "writable gradients (np.array(g) is a writable copy), or clip with global_norm()."
+            )
 
 
 class GradBuffer(FlatArrays):
@@ -259,9 +272,10 @@ class GradBuffer(FlatArrays):
 
         Existing gradients are copied in; afterwards ``p.grad`` is a view of ``flat`` for every p.
         """
-        params = list(params)
+        params = _inputs.iterable(params, "GradBuffer.attach", "params", "list(model.parameters())")
         if not params:
             raise ConfigError("GradBuffer.attach got no parameters; pass a non-empty list")
+        _check_parameters(params)
         datas = [getattr(p, "data", p) for p in params]
         names = {_dtypes.name_of(d) for d in datas}
         if len(names) != 1 or None in names:
@@ -322,3 +336,16 @@ class GradBuffer(FlatArrays):
         With a distributed ``scaler`` the norm spans every rank's buffer, in the scaler's one collective.
         """
         return clip_grad_norm_(self, max_norm, scaler=scaler, eps=eps)
+
+
+def _check_parameters(params: Sequence[Any]) -> None:
+    """Refuse what cannot take a ``.grad`` view: only parameters with an array in ``.data`` can."""
+    for i, param in enumerate(params):
+        data = getattr(param, "data", None)
+        if not hasattr(param, "grad") or not array_api_compat.is_array_api_obj(data):
+            raise TypeError(
+                f"GradBuffer.attach needs parameters with an array in .data and a settable .grad "
+                f"(polyamp.Parameter, torch tensors), got params[{i}] of type "
+                f"{type(param).__module__}.{type(param).__name__}. Fix: wrap arrays as "
+                "polyamp.Parameter(array), or build GradBuffer(shapes, dtype) for bare arrays."
+            )

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import array_api_compat
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, _step_inputs
 from ._agreement import Agreement
 from ._errors import ConfigError
 from ._masters import check_masters
@@ -183,6 +183,7 @@ class MixedPrecisionTrainer:
 
         Host reads: the loss, the skip decision and the gradient norm (one sync each on a GPU).
         """
+        _step_inputs.check_batch(input, target)
         scaler, grads = self._scaler, self._grads
         grads.reattach()
         grads.zero_()
@@ -252,10 +253,10 @@ class ArraySteps:
         ``ranks``: the loss's float32 gradient is divided by it first (data parallel).
         """
         x = _dtypes.cast(input, self.dtype)
-        if _dtypes.is_floating(target):
+        if target is not None and _dtypes.is_floating(target):
             target = _dtypes.cast(target, self.dtype)
         output = self.model.forward(x, self.dtype)
-        loss, grad_output = loss_fn(output, target)
+        loss, grad_output = _step_inputs.array_loss(loss_fn(output, target), output)
         grad_output = _dtypes.cast(grad_output, "float32")
         seed = scaler.scale(grad_output / ranks if ranks > 1 else grad_output)
         with np.errstate(over="ignore"):  # float16 overflow to inf is the scaler's to catch
