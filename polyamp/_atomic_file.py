@@ -9,6 +9,7 @@ same target are touched, and only when their writer is gone (see :func:`_remove_
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -53,7 +54,11 @@ def _named(exc: OSError, path: str) -> OSError:
     why = exc.strerror or str(exc)
     if exc.errno is None:
         return type(exc)(f"cannot write checkpoint {path!r}: {why}")
-    fix = "check that the folder exists and is writable"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = ("the disk (or quota) is full; nothing was replaced (a previous checkpoint there is "
+               "intact). Fix: free space, then save again")
+    else:
+        fix = "check that the folder exists and is writable"
     return OSError(exc.errno, f"cannot write checkpoint ({why}); {fix}", path)
 
 

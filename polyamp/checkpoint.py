@@ -11,6 +11,7 @@ import gzip
 import io
 import json
 import os
+import stat
 import zlib
 from typing import IO, Any
 
@@ -59,10 +60,11 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
             "written by polyamp.LossScaler.state_dict() (facades load their own formats)"
         )
     version = sd.get("version")
-    if not isinstance(version, int) or version > VERSION or version < 1:
+    if isinstance(version, bool) or not isinstance(version, int) or version > VERSION or version < 1:
         raise StateDictError(
-            f"state_dict version={short_repr(version)} is not supported; this polyamp reads "
-            f"versions 1..{VERSION}"
+            f"state_dict['version'] must be an int this polyamp reads (1..{VERSION}), got "
+            f"version={short_repr(version)}. Fix: load a state_dict written by LossScaler.state_dict() "
+            "(a newer polyamp's checkpoint needs that newer polyamp)."
         )
     missing = sorted({"config", "scale", "growth_tracker", "backoff_tracker"} - set(sd))
     if missing:
@@ -78,6 +80,12 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
                      f"below config backoff_interval={config.backoff_interval} and 2**31 (int32)")
     steps = _count(sd, "steps", COUNTER_LIMIT, "below 2**63", default=0)
     skipped = _count(sd, "skipped_steps", COUNTER_LIMIT, "below 2**63", default=0)
+    if skipped > steps:
+        raise StateDictError(
+            f"state_dict['skipped_steps'] must not exceed state_dict['steps'] (skipped steps are counted "
+            f"among the steps), got skipped_steps={skipped} and steps={steps}. Fix: load a state_dict "
+            "written by LossScaler.state_dict(), or correct those counters."
+        )
     return config, HostState(scale, growth, backoff), steps, skipped
 
 
@@ -101,12 +109,30 @@ def write(f: Target, state: dict[str, Any]) -> None:
     if hasattr(f, "write"):
         if isinstance(f, io.TextIOBase):
             raise TypeError(f"save() needs a binary file, got text file {_name(f)}. Fix: open it with 'wb'.")
-        f.write(payload)
+        _write_all(f, payload)
         return
     path = _as_path(f, "save")
     if path.lower().endswith(".gz"):
         payload = gzip.compress(payload, mtime=0)
     atomic_write(path, payload)
+
+
+def _write_all(f: IO[bytes], payload: bytes) -> None:
+    """``f.write`` until every byte is taken: a raw file may take fewer bytes per call; one that
+    takes none (or says it took more than given) raises OSError naming the file."""
+    view, done = memoryview(payload), 0
+    while done < len(payload):
+        n = f.write(view[done:])
+        if n is None and done == 0:  # a writer that does not count (returns None) took it all
+            return
+        if not isinstance(n, int) or not 0 < n <= len(payload) - done:
+            raise OSError(
+                f"save() could not write checkpoint {_name(f)}: its write() took {n!r} of the "
+                f"{len(payload) - done} bytes left ({done} of {len(payload)} written), so the file "
+                "is incomplete. Fix: save to a path (written atomically), or to a file whose write() "
+                "takes the bytes it is given (e.g. one opened with open(path, 'wb'))."
+            )
+        done += n
 
 
 def _as_path(f: Any, verb: str) -> str:
@@ -126,12 +152,31 @@ def read(f: Target) -> dict[str, Any]:
     if raw[:2] == _GZIP_MAGIC:
         raw = _gunzip(raw, name)
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise StateDictError(
+            f"{name} is not a valid polyamp checkpoint: key {exc.args[0]!r} appears twice in one JSON "
+            "object, so which value holds is ambiguous. Fix: load a file written by LossScaler.save(), "
+            "or remove the repeated key."
+        ) from None
     except (ValueError, RecursionError) as exc:
         raise StateDictError(
             f"{name} is not a polyamp checkpoint: not valid JSON ({type(exc).__name__}: "
             f"{str(exc)[:200]}). Fix: load a file written by LossScaler.save()."
         ) from exc
+
+
+class _DuplicateKey(Exception):
+    """A JSON object with a repeated key (json.loads would keep the last one silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
 
 
 def load(f: Target) -> tuple[LossScaleConfig, HostState, int, int]:
@@ -156,11 +201,31 @@ def _read_capped(f: Target, name: str) -> bytes:
         if isinstance(raw, str):
             raise TypeError(f"load() needs a binary file, got text file {name}. Fix: open it with 'rb'.")
     else:
-        with open(_as_path(f, "load"), "rb") as fh:
+        path = _as_path(f, "load")
+        _refuse_special(path, name)
+        with open(path, "rb") as fh:
             raw = fh.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:
         raise StateDictError(f"{name} is larger than {MAX_BYTES} bytes: not a polyamp checkpoint.")
     return raw
+
+
+def _refuse_special(path: str, name: str) -> None:
+    """Refuse a path that is not a regular file (FIFO, socket, device) before opening it: reading a
+    FIFO without a writer would block forever. A missing file is left to open() (FileNotFoundError)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device or other special file")
+    raise StateDictError(
+        f"load() got {name}, which is {kind}, not a regular file: polyamp reads checkpoints from "
+        "regular files (a pipe would block until something writes to it). Fix: pass the path of the "
+        "file LossScaler.save() wrote, or open the stream yourself and pass the binary file object."
+    )
 
 
 def _gunzip(raw: bytes, name: str) -> bytes:

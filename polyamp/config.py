@@ -118,9 +118,18 @@ def check_scale(name: str, value: Any, error: type[Exception] = ConfigError) -> 
     return number
 
 
+#: Intervals are compared with the device trackers as int64 (torch, paddle): at most 2**63 - 1.
+INTERVAL_LIMIT = 2**63
+
+
 def _check_interval(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
+        raise ConfigError(f"{name} must be an int >= 1, got {name}={short_repr(value)}")
+    if value >= INTERVAL_LIMIT:
+        raise ConfigError(
+            f"{name} must be an int below 2**63 (the device compares it as int64), got {name}="
+            f"{short_repr(value)}. Fix: pass e.g. {name}=2**31, which the int32 trackers never reach."
+        )
 
 
 def short_repr(value: Any, limit: int = 40) -> str:

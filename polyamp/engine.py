@@ -354,7 +354,17 @@ class LossScaler(Agreeing):
 
     # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """A versioned, JSON-safe dict of config, state and counters (a device sync)."""
+        """A versioned, JSON-safe dict of config, state and counters (a device sync).
+
+        Refused between ``step()`` and ``update()``: the step is counted there but its scale change
+        is not made yet, so the checkpoint would resume with the old scale (copies refuse it too).
+        """
+        if self._skipped is not None:
+            raise ScalerStateError(
+                "state_dict()/save() was called between step() and update(): the step is counted but "
+                "the scale it leads to is not computed yet, so a checkpoint now would resume with the "
+                f"old scale. Fix: call update() first, and save after it (the loop is `{_LOOP}`)."
+            )
         host = self.host_state()
         return checkpoint.to_state_dict(self._config, host, self.steps, self.skipped_steps)
 

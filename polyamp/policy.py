@@ -109,9 +109,10 @@ def next_state(
 
     wide = xp.float32 if config.product_dtype == "float32" else xp.float64
     scale_w = xp.astype(scale, wide)
-    backed = xp.astype(scale_w * config.backoff_factor, xp.float32)
+    backed = xp.astype(scale_w * float(config.backoff_factor), xp.float32)  # float: an int 10**30
+    # factor would not convert to a float32 tensor scalar (torch: "int too big to convert")
     backed = xp.maximum(backed, xp.asarray(scale_floor(config), dtype=xp.float32))
-    grown = xp.astype(scale_w * config.growth_factor, xp.float32)
+    grown = xp.astype(scale_w * float(config.growth_factor), xp.float32)
     grow_ok = do_grow & xp.isfinite(grown)
     if config.max_scale is not None:
         grown = xp.minimum(grown, xp.asarray(config.max_scale, dtype=xp.float32))

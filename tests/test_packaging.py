@@ -88,4 +88,16 @@ def test_ci_pins_every_requirement_through_the_constraints_file():
         assert requirement.specifier.contains(pins[name]), (str(requirement), pins[name])
     ci = (ROOT / ".ci" / "run").read_text()
     installs = [line for line in ci.splitlines() if line.startswith("python -m pip install")]
-    assert installs and all("-c .ci/constraints.txt" in line for line in installs), installs
+    # One deliberate exception, after the suite: the newest pluggy the dependency range allows.
+    newest = 'python -m pip install -q -U "$pluggy_req"'
+    assert installs and all("-c .ci/constraints.txt" in line or line == newest for line in installs), installs
+
+
+def test_ci_reruns_the_plugin_tests_with_the_newest_pluggy():
+    """The constraints pin one pluggy; CI also runs the plugin tests with the newest (issue 15)."""
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    upgrade = lines.index('python -m pip install -q -U "$pluggy_req"')
+    assert lines.index("python -m pytest") < upgrade  # the whole suite first, with the pinned one
+    rerun = " ".join(lines[upgrade + 1:])
+    assert "python -m pytest" in rerun and "tests/test_hookspecs.py" in rerun
+    assert 'startswith("pluggy")' in lines[upgrade - 1] and "pluggy_req=" in lines[upgrade - 1]

@@ -64,6 +64,8 @@ class DemoSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be an int >= 0 (NumPy seeds are), got seed={self.seed!r}")
         if self.global_batch < self.batch:
             raise ConfigError(
                 f"global_batch must be >= batch, got global_batch={self.global_batch!r} and "
