@@ -267,3 +267,52 @@ def test_float16_and_bfloat16_buffers():
         assert buffer.dtype == dtype and buffer.flat.dtype.name == dtype
         buffer.flat[...] = 3.0
         assert float(buffer.norm()) == pytest.approx(math.sqrt(45))
+
+
+# -- bad inputs (issue 15): each named, nothing written ---------------------------------------
+@pytest.mark.parametrize("fn", [global_norm, lambda g: clip_grad_norm_(g, 1.0)], ids=["global_norm", "clip"])
+def test_complex_gradients_are_refused_not_truncated(fn):
+    grad = np.array([3 + 4j], np.complex64)
+    with pytest.raises(polyamp.ForeignArrayError, match=r"not floating-point.*complex64.*view_as_real"):
+        fn([grad])  # the norm used to be 3.0: the imaginary part was dropped
+    assert grad.tolist() == [3 + 4j]
+
+
+def test_complex_torch_gradients_are_refused():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(polyamp.ForeignArrayError, match="torch.complex64"):
+        global_norm([torch.tensor([3 + 4j])])
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "bool"])
+def test_clip_refuses_integer_gradients_and_writes_nothing(dtype):
+    grad = np.array([30, 40], dtype)
+    with pytest.raises(polyamp.ForeignArrayError, match=rf"clip_grad_norm_ got a gradient that is not floating.*{dtype}"):
+        clip_grad_norm_([grad], 1.0)  # used to return 50 and write [0, 0]
+    assert grad.tolist() == np.array([30, 40], dtype).tolist()
+
+
+def test_clip_refuses_read_only_gradients_before_writing_any():
+    first, frozen = np.full(3, 100.0, np.float32), np.full(3, 100.0, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"read-only array.*flags\.writeable is False.*np\.array\(g\)"):
+        clip_grad_norm_([first, frozen], 1.0)
+    assert first.tolist() == [100.0] * 3  # not half-clipped
+    assert float(global_norm([frozen])) == pytest.approx(math.sqrt(3e4))  # reading it is fine
+
+
+@pytest.mark.parametrize("fn", [global_norm, lambda g: clip_grad_norm_(g, 1.0)], ids=["global_norm", "clip"])
+def test_none_gradients_are_named(fn):
+    with pytest.raises(TypeError, match=r"needs grads to be a list, got grads=None\. Fix"):
+        fn(None)
+
+
+def test_buffer_and_attach_name_none_and_non_parameters():
+    with pytest.raises(polyamp.ConfigError, match=r"GradBuffer needs shapes.*got shapes=None"):
+        GradBuffer(None)
+    with pytest.raises(TypeError, match=r"GradBuffer\.attach needs params to be a list, got params=None"):
+        GradBuffer.attach(None)
+    with pytest.raises(TypeError, match=r"params\[0\] of type builtins\.memoryview.*polyamp\.Parameter"):
+        GradBuffer.attach([memoryview(np.ones(3, np.float32))])
+    with pytest.raises(TypeError, match=r"params\[1\] of type numpy\.ndarray"):
+        GradBuffer.attach([polyamp.Parameter(np.ones(2, np.float32)), np.ones(2, np.float32)])
