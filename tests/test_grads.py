@@ -287,7 +287,8 @@ def test_complex_torch_gradients_are_refused():
 @pytest.mark.parametrize("dtype", ["int32", "int64", "bool"])
 def test_clip_refuses_integer_gradients_and_writes_nothing(dtype):
     grad = np.array([30, 40], dtype)
-    with pytest.raises(polyamp.ForeignArrayError, match=rf"clip_grad_norm_ got a gradient that is not floating.*{dtype}"):
+    message = rf"clip_grad_norm_ got a gradient that is not floating.*{dtype}"
+    with pytest.raises(polyamp.ForeignArrayError, match=message):
         clip_grad_norm_([grad], 1.0)  # used to return 50 and write [0, 0]
     assert grad.tolist() == np.array([30, 40], dtype).tolist()
 

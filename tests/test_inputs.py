@@ -50,7 +50,8 @@ def test_non_floating_torch_gradients_are_refused_before_the_kernel(dtype):
     scaler = LossScaler(LossScaleConfig(init_scale=8.0))
     bad = torch.ones(2, dtype=getattr(torch, dtype))
     good = torch.full((2,), 8.0)
-    with pytest.raises(ForeignArrayError, match=rf"not floating-point \(torch\.Tensor, shape \(2,\), dtype torch\.{dtype}\)"):
+    message = rf"not floating-point \(torch\.Tensor, shape \(2,\), dtype torch\.{dtype}\)"
+    with pytest.raises(ForeignArrayError, match=message):
         scaler.step([good, bad], lambda: None)
     assert good.tolist() == [8.0, 8.0] and bad.tolist() == torch.ones(2, dtype=bad.dtype).tolist()
     assert scaler.steps == 0 and not scaler.has_pending_check and scaler.state is None
@@ -66,7 +67,8 @@ def test_non_floating_numpy_gradients_are_refused_naming_the_dtype(dtype):
 
 def test_floating_gradients_of_every_width_still_pass():
     scaler = LossScaler(LossScaleConfig(init_scale=4.0))
-    grads = [torch.full((2,), 4.0, dtype=d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)]
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    grads = [torch.full((2,), 4.0, dtype=d) for d in dtypes]
     assert scaler.step(grads, lambda: None)
     assert all(g.tolist() == [1.0, 1.0] for g in grads)
 
@@ -120,7 +122,8 @@ def test_step_refuses_a_missing_step_fn_before_dividing():
 def test_update_refuses_a_flag_array_of_several_elements():
     scaler = LossScaler(LossScaleConfig(init_scale=8.0))
     scaler.unscale_([np.ones(2, np.float32)])
-    with pytest.raises(ConfigError, match=r"found_inf .* one-element flag array, got an array of shape \(2,\)"):
+    message = r"found_inf .* one-element flag array, got an array of shape \(2,\)"
+    with pytest.raises(ConfigError, match=message):
         scaler.update(found_inf=np.array([0.0, 1.0], np.float32))
     assert scaler.get_scale() == 8.0 and scaler.has_pending_check  # the iteration is still open
     scaler.update(found_inf=np.array([1.0], np.float32))  # one element is fine

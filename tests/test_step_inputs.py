@@ -50,7 +50,7 @@ def _unchanged(model, trainer):
 @pytest.mark.parametrize("bad", [None, [[1.0] * 4] * 8, "x"])
 def test_input_that_is_not_an_array_is_named(bad):
     model, trainer = _trainer()
-    with pytest.raises(TypeError, match=r"train_step\(\) needs input to be an array of the batch, got input="):
+    with pytest.raises(TypeError, match=r"train_step\(\) needs input to be an array of the batch, got "):
         trainer.train_step(bad, Y, mse)
     _unchanged(model, trainer)
 
@@ -72,11 +72,12 @@ def test_target_may_be_none_but_not_a_list():
 @pytest.mark.parametrize(
     "loss_fn, error, message",
     [
-        (lambda o, t: mse(o, t)[0], TypeError, r"loss_fn must return \(loss, d loss / d output\).*numpy\.float32"),
+        (lambda o, t: mse(o, t)[0], TypeError, r"must return \(loss, d loss / d output\).*numpy\.float32"),
         (lambda o, t: (mse(o, t)[0], None), TypeError, r"second value must be the gradient.*got None"),
         (lambda o, t: (mse(o, t)[0], np.ones(3, np.float32)), ValueError,
          r"gradient has shape \(3,\), but the model's output has shape \(8, 2\)"),
-        (lambda o, t: (np.ones(2, np.float32), mse(o, t)[1]), ValueError, r"scalar \(0-d\) loss, got shape \(2,\)"),
+        (lambda o, t: (np.ones(2, np.float32), mse(o, t)[1]), ValueError,
+         r"scalar \(0-d\) loss, got shape \(2,\)"),
     ],
     ids=["one-value", "none-gradient", "wrong-shape", "loss-not-scalar"],
 )
@@ -100,7 +101,7 @@ def test_torch_model_names_non_tensors_and_a_tuple_loss():
         trainer.train_step(None, y, loss)
     with pytest.raises(TypeError, match=r"needs input to be a torch\.Tensor for a torch model, got numpy"):
         trainer.train_step(X, y, loss)
-    with pytest.raises(TypeError, match=r"loss_fn must return the loss tensor for a torch model, got \(tensor"):
+    with pytest.raises(TypeError, match=r"must return the loss tensor for a torch model, got \(tensor"):
         trainer.train_step(x, y, lambda o, t: (loss(o, t), None))
     assert torch.equal(model.weight, before) and trainer.steps == 0 and not trainer.scaler.has_pending_check
     assert not trainer.train_step(x, y, loss).skipped and not torch.equal(model.weight, before)
