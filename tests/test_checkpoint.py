@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from polyamp import LossScaleConfig, LossScaler, StateDictError, _atomic_file, checkpoint
+from polyamp import _errors as polyamp_errors
 
 
 @pytest.fixture
@@ -248,3 +249,137 @@ def test_the_figures_in_the_docs_are_the_code_s():
     assert checkpoint.MAX_BYTES == 16 * 2**20 and "at most 16 MiB" in doc
     assert _atomic_file.STALE_SECONDS == 600 and "older than 10 minutes" in doc
     assert checkpoint.TRACKER_LIMIT == 2**31 and "below 2**31" in doc
+
+
+# -- issue 15: writers that take fewer bytes, FIFOs, ambiguous or inconsistent state dicts ------
+class _Trickle(io.RawIOBase):
+    """A raw file whose write() takes at most ``chunk`` bytes per call, as a pipe or socket may."""
+
+    def __init__(self, chunk: int) -> None:
+        self.data, self.chunk = bytearray(), chunk
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        taken = bytes(b)[: self.chunk]
+        self.data += taken
+        return len(taken)
+
+
+def test_save_completes_a_write_that_takes_fewer_bytes(scaler):
+    f = _Trickle(7)
+    scaler.save(f)  # the whole checkpoint, 7 bytes a call: it used to stop after the first 7
+    fresh = _fresh()
+    fresh.load(io.BytesIO(bytes(f.data)))
+    assert fresh.state_dict() == scaler.state_dict()
+
+
+def test_save_raises_when_write_takes_nothing(scaler):
+    f = _Trickle(0)
+    with pytest.raises(OSError, match=r"could not write checkpoint <_Trickle object>: its write\(\) took 0"):
+        scaler.save(f)
+
+
+def test_load_refuses_a_fifo_without_opening_it(tmp_path):
+    """Opening a FIFO for reading blocks until a writer comes: in a subprocess, so a regression times out."""
+    fifo = tmp_path / "ckpt.fifo"
+    os.mkfifo(fifo)
+    code = (
+        "import polyamp, sys\n"
+        "try:\n    polyamp.LossScaler().load(sys.argv[1])\n"
+        "except polyamp.StateDictError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "is a FIFO (named pipe), not a regular file" in out.stdout and str(fifo) in out.stdout
+
+
+def test_load_refuses_a_folder_by_name(tmp_path):
+    with pytest.raises(StateDictError, match=r"which is a folder, not a regular file"):
+        _fresh().load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [({"version": True}, "'version'"), ({"steps": 3, "skipped_steps": 4}, "'skipped_steps'")],
+)
+def test_inconsistent_state_dicts_are_refused_naming_the_key(scaler, change, key):
+    fresh = _fresh()
+    with pytest.raises(StateDictError, match=re.escape(f"state_dict[{key}]")):
+        fresh.load_state_dict({**scaler.state_dict(), **change})
+    assert fresh.get_scale() == 2.0 and fresh.steps == 0
+
+
+def test_a_repeated_json_key_is_refused(scaler, tmp_path):
+    path = tmp_path / "dup.json"
+    text = json.dumps(scaler.state_dict())
+    path.write_text(text[:-1] + ', "scale": 2.0}')  # json.loads would keep the second silently
+    fresh = _fresh()
+    with pytest.raises(StateDictError, match=r"key 'scale' appears twice"):
+        fresh.load(path)
+    nested = text.replace('"dynamic": true', '"dynamic": true, "dynamic": false')
+    assert nested != text
+    path.write_text(nested)
+    with pytest.raises(StateDictError, match=r"key 'dynamic' appears twice"):
+        fresh.load(path)
+    assert fresh.get_scale() == 2.0
+
+
+def test_state_dict_and_save_are_refused_between_step_and_update(tmp_path):
+    """Decision: like copies, a checkpoint waits for update(): the step is counted before its scale."""
+    s = LossScaler(LossScaleConfig(init_scale=8.0))
+    s.step([np.array([np.inf], np.float32)], lambda: None)
+    for call in (s.state_dict, lambda: s.save(tmp_path / "c.json")):
+        message = r"between step\(\) and update\(\).*Fix: call update"
+        with pytest.raises(polyamp_errors.ScalerStateError, match=message):
+            call()
+    assert not (tmp_path / "c.json").exists()
+    s.update()
+    s.save(tmp_path / "c.json")
+    fresh = _fresh()
+    fresh.load(tmp_path / "c.json")
+    assert fresh.get_scale() == 4.0 and fresh.steps == 1 and fresh.skipped_steps == 1
+
+
+_FULL_DISK = r"""
+import errno, os, sys
+import polyamp
+folder = sys.argv[1]
+target = os.path.join(folder, "ckpt.json")
+polyamp.LossScaler(polyamp.LossScaleConfig(init_scale=64.0)).save(target)
+before = open(target, "rb").read()
+with open(os.path.join(folder, "fill"), "wb", buffering=0) as fh:  # fill the 64 KiB file system
+    try:
+        while True:
+            fh.write(b"x" * 512)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+try:
+    polyamp.LossScaler(polyamp.LossScaleConfig(init_scale=2.0)).save(target)
+except OSError as exc:
+    assert exc.errno == errno.ENOSPC, exc
+    assert open(target, "rb").read() == before
+    assert [n for n in os.listdir(folder) if n.endswith(".tmp")] == []
+    print(exc)
+"""
+
+
+def test_a_full_disk_says_so_and_keeps_the_old_checkpoint(tmp_path):
+    """A real full file system: a 64 KiB tmpfs in a user + mount namespace (skipped where there is none)."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(_FULL_DISK)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    shell = f'mount -t tmpfs -o size=64k tmpfs "{mount}" && exec "{sys.executable}" "{script}" "{mount}"'
+    try:
+        out = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell],
+                             capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here to make a small file system")
+    no_namespace = "unshare" in out.stderr or "mount" in out.stderr
+    if out.returncode != 0 and no_namespace and "Traceback" not in out.stderr:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {out.stderr.strip()[:200]}")
+    assert out.returncode == 0, out.stderr
+    assert "No space left on device" in out.stdout and "the disk (or quota) is full" in out.stdout
+    assert "nothing was replaced" in out.stdout and "folder exists" not in out.stdout

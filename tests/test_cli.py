@@ -190,3 +190,9 @@ def test_demo_without_ml_dtypes_refuses_bfloat16_before_training(monkeypatch, ca
     assert captured.out == ""
     assert "--dtype bfloat16 cannot run on the demo backend 'numpy'" in captured.err
     assert "ml_dtypes" in captured.err
+
+
+def test_demo_refuses_a_negative_seed_without_a_traceback():
+    out = _run("demo", "--seed", "-1", *SHORT)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert "polyamp demo: error: seed must be an int >= 0" in out.stderr and "seed=-1" in out.stderr

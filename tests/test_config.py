@@ -71,3 +71,30 @@ def test_scales_must_be_positive_normal_float32(field, value):
 def test_scale_range_ends_are_accepted():
     assert LossScaleConfig(init_scale=2.0**-126).init_scale == 2.0**-126
     assert LossScaleConfig(init_scale=float(np.finfo(np.float32).max)).init_scale > 3e38
+
+
+# -- limits the device arithmetic sets (issue 15) ---------------------------------------------
+@pytest.mark.parametrize("field", ["growth_interval", "backoff_interval"])
+@pytest.mark.parametrize("value", [2**63, 10**30])
+def test_intervals_beyond_int64_are_refused_with_the_fix(field, value):
+    message = rf"{field} must be an int below 2\*\*63 .*Fix: pass e\.g\. {field}=2\*\*31"
+    with pytest.raises(ConfigError, match=message):
+        LossScaleConfig(**{field: value})
+
+
+@pytest.mark.parametrize("backend", ["torch", "paddle", "numpy"])
+def test_the_largest_interval_and_an_int_factor_run_on_each_device(backend):
+    """2**63 - 1 compares as int64 everywhere; an int factor of 10**30 multiplies a float32 scale
+    (torch refused to convert it: "int too big to convert") and overflows to inf, so the scale stays."""
+    from polyamp import LossScaler
+
+    lib = pytest.importorskip(backend)
+    makers = {"torch": lambda: lib.ones(2), "paddle": lambda: lib.ones([2])}
+    make = makers.get(backend, lambda: np.ones(2, "f4"))
+    for kwargs in ({"growth_interval": 2**63 - 1, "backoff_interval": 2**63 - 1},
+                   {"growth_factor": 10**30, "growth_interval": 1, "product_dtype": "float32"},
+                   {"growth_factor": 10**30, "growth_interval": 1, "backoff_interval": 2}):
+        scaler = LossScaler(LossScaleConfig(init_scale=2.0**100, **kwargs))
+        scaler.step([make()], lambda: None)
+        scaler.update()
+        assert scaler.get_scale() == 2.0**100, kwargs  # 2**100 * 1e30 is past float32: kept

@@ -405,3 +405,36 @@ def test_paddle_tensors_after_arrayless_calls_still_choose_paddle():
     scaled = scaler.scale((param * 2.0).sum())
     assert scaler.engine.backend.name == "paddle" and isinstance(scaled, paddle.Tensor)
     assert scaler.state_dict()["incr_count"] == 2 and not scaler.last_step_skipped
+
+
+# -- values beyond the device's integers (issue 15) --------------------------------------------
+@pytest.mark.parametrize("name", ["incr_every_n_steps", "decr_every_n_nan_or_inf"])
+def test_huge_intervals_are_refused_by_constructor_and_state_dict(name):
+    with pytest.raises(ConfigError, match=rf"{name} must be an int below 2\*\*63"):
+        GradScaler(**{name: 10**30})
+    scaler = GradScaler()
+    state = scaler.state_dict()
+    with pytest.raises(StateDictError, match=rf"{name} must be an int below 2\*\*63"):
+        scaler.load_state_dict({**state, name: 10**30})
+    assert scaler.state_dict()[name] == state[name]
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch", "paddle"])
+def test_a_huge_incr_ratio_steps_on_every_backend(lib):
+    """paddle multiplies in float32: an int 10**30 ratio overflows the product, and the scale stays
+    (the torch backend raised OverflowError "int too big to convert" at the first step)."""
+    module = pytest.importorskip(lib)
+    scaler = GradScaler(init_loss_scaling=2.0**100, incr_ratio=10**30, incr_every_n_steps=1)
+    if lib == "paddle":
+        layer = module.nn.Linear(2, 2)
+        opt = module.optimizer.SGD(parameters=layer.parameters())
+        loss = layer(module.ones([1, 2])).sum()
+        scaler.scale(loss).backward()
+        args = (loss,)
+    else:
+        make = module.full if lib == "torch" else lambda shape, v: np.full(shape, v, np.float32)
+        param = polyamp.Parameter(make((3,), 1.0))
+        param.grad = make((3,), 2.0**100)
+        opt, args = SGD([param], lr=0.5), ()
+    scaler.minimize(opt, *args)
+    assert float(scaler.state_dict()["scale"][0]) == 2.0**100 and scaler.skipped_steps == 0

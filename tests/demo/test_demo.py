@@ -216,3 +216,9 @@ def test_demo_command_without_matplotlib_says_how_to_get_the_plot(monkeypatch, c
     out = capsys.readouterr().out
     assert "no plot written: matplotlib is not installed (pip install 'polyamp[demo]')" in out
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_seed_must_be_a_non_negative_int(seed):
+    with pytest.raises(polyamp.ConfigError, match=rf"seed must be an int >= 0 .*got seed={seed!r}"):
+        DemoSettings(seed=seed)
