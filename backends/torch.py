@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp._hookspecs import hookimpl
+from polyamp._inputs import refuse_meta
 from polyamp.config import SCALE_FLOOR
 from polyamp.policy import LossScaleState, next_state
 
@@ -105,7 +106,10 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
     grad_mode = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # torch.no_grad() without the context-manager cost
     try:
-        for device, group in group_by_device_and_dtype(_dense(grads)):
+        groups = group_by_device_and_dtype(_dense(grads))
+        if any(device.type == "meta" for device, _ in groups):  # before any kernel: nothing changed
+            refuse_meta(grads, "unscale_()/step()")
+        for device, group in groups:
             if device == home:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
                 continue

@@ -25,7 +25,6 @@ _NOT_IN_PLACE = (np.generic, np.matrix, int, float, complex)
 #: The dtypes a gradient may have, by the last word of ``str(dtype)`` (numpy, torch, paddle, ...).
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 _DTYPE = operator.attrgetter("dtype")
-_IS_META = operator.attrgetter("is_meta")
 
 
 def iterable(
@@ -42,17 +41,15 @@ def iterable(
 
 
 def gradient_list(grads: Iterable[Any], where: str = "unscale_()") -> list[Any]:
-    """The non-None gradients, refusing (TypeError) those that cannot change in place, are not
-    floating-point or live on torch's meta device: one C-speed pass per check, then one per type."""
+    """The non-None gradients, refusing (TypeError) those that cannot change in place or are not
+    floating-point: one C-speed pass per check, then one check per type and per dtype."""
     grads = iterable(grads, where)
     arrays = [g for g in grads if g is not None]
     kinds = set(map(type, arrays))
     if any(issubclass(kind, _NOT_IN_PLACE) for kind in kinds):  # one check per type
         i, grad = next((i, g) for i, g in enumerate(grads) if isinstance(g, _NOT_IN_PLACE))
         raise TypeError(_not_in_place(i, grad))
-    check_floating(arrays, where)
-    if any(hasattr(kind, "is_meta") for kind in kinds):
-        refuse_meta(arrays, where)
+    check_floating(arrays, where)  # torch's meta device: at bind() and in the torch kernel's groups
     return arrays
 
 
@@ -76,12 +73,8 @@ def check_floating(arrays: list[Any], where: str) -> None:
 
 def refuse_meta(arrays: list[Any], where: str) -> None:
     """Refuse torch ``meta`` tensors (no values): state built like them would live on meta."""
-    try:
-        meta = any(map(_IS_META, arrays))
-    except AttributeError:  # a mix of libraries: the ownership check names it
-        meta = any(getattr(g, "is_meta", False) is True for g in arrays)
-    if meta:
-        grad = next(g for g in arrays if getattr(g, "is_meta", False) is True)
+    grad = next((g for g in arrays if getattr(g, "is_meta", False) is True), None)
+    if grad is not None:
         raise ConfigError(
             f"{where} got a tensor on torch's 'meta' device ({describe(grad)}), which holds no values: "
             "nothing can be unscaled or checked, and the scaler's state would be created on meta. "
@@ -101,7 +94,8 @@ def describe(array: Any) -> str:
 
 def check_owned(arrays: list[Any], backend: Backend, where: str) -> None:
     """Refuse gradients of another library than the scaler's bound backend (one call per type)."""
-    for grad in dict(zip(map(type, arrays), arrays)).values():
+    for kind in set(map(type, arrays)):
+        grad = next(g for g in arrays if type(g) is kind)
         if not backend.accepts_array(grad):
             raise ForeignArrayError(
                 f"{where} got a {describe(grad)}, but this scaler works on {backend.name!r} arrays "

@@ -136,13 +136,14 @@ class LossScaler(Agreeing):
     # -- state set-up -----------------------------------------------------------------
     def bind(self, array: Any) -> Backend:
         """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
+        if self._state is None:
+            _inputs.check_array_device(array, "the scaler")  # before a backend or state is chosen by it
         backend = self._backend
         if backend is None:
             backend = self._backend = _registry.backend_for_array(array)
         elif self._state is None:
             _registry.check_owned(backend, array, "the array given to the scaler")
         if self._state is None:
-            _inputs.check_array_device(array, "the scaler")  # before any state exists on it
             self._make_state(backend, array)
         return backend
 

@@ -101,3 +101,23 @@ def test_ci_reruns_the_plugin_tests_with_the_newest_pluggy():
     rerun = " ".join(lines[upgrade + 1:])
     assert "python -m pytest" in rerun and "tests/test_hookspecs.py" in rerun
     assert 'startswith("pluggy")' in lines[upgrade - 1] and "pluggy_req=" in lines[upgrade - 1]
+
+
+def _warn_from(module: str, category: type[Warning]) -> None:
+    """Issue a warning whose frame belongs to ``module``, as code in that module would."""
+    namespace = {"__name__": module, "warnings": __import__("warnings"), "category": category}
+    exec("def emit():\n    warnings.warn('probe', category)\n", namespace)
+    namespace["emit"]()
+
+
+def test_warnings_raised_in_polyamp_or_by_pluggy_fail_the_suite():
+    """pyproject's filterwarnings (issue 15): a warning polyamp's own code raises, and a pluggy
+    deprecation (1.7 warned about our hookspecs), is an error; others stay warnings."""
+    filters = _pyproject()["tool"]["pytest"]["ini_options"]["filterwarnings"]
+    assert "error:::polyamp" in filters and "error::DeprecationWarning:pluggy" in filters
+    with pytest.raises(RuntimeWarning, match="probe"):
+        _warn_from("polyamp.engine", RuntimeWarning)
+    with pytest.raises(DeprecationWarning, match="probe"):
+        _warn_from("pluggy._hooks", DeprecationWarning)
+    with pytest.warns(RuntimeWarning, match="probe"):
+        _warn_from("numpy.somewhere", RuntimeWarning)
