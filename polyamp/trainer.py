@@ -182,6 +182,8 @@ class MixedPrecisionTrainer:
         """One step: forward and backward in the compute dtype, masters updated unless inf/nan.
 
         Host reads: the loss, the skip decision and the gradient norm (one sync each on a GPU).
+        ``input`` is an array; ``target`` an array or None (passed to ``loss_fn`` as it is). What
+        ``loss_fn`` returns is checked before the backward: a bad call changes no weight or counter.
         """
         _step_inputs.check_batch(input, target)
         scaler, grads = self._scaler, self._grads
