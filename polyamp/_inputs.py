@@ -28,14 +28,15 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def iterable(
-    grads: Any, where: str, name: str = "grads", example: str = "[p.grad for p in params]"
+    grads: Any, where: str, name: str = "grads", example: str = "[p.grad for p in params]",
+    items: str = "gradient arrays", one: str = "[grad]",
 ) -> list[Any]:
     """``grads`` as a list; TypeError naming ``where`` and ``name`` for None, one array, a non-iterable."""
     if grads is None or hasattr(grads, "shape") or not isinstance(grads, Iterable):
         what = f"one {type(grads).__module__}.{type(grads).__name__}" if grads is not None else "None"
         raise TypeError(
-            f"{where} needs {name} to be a list, got {name}={what}. Fix: pass the list, e.g. "
-            f"{example} (a list of one for a single array)."
+            f"{where} needs {name} to be a list of {items}, got {name}={what}. Fix: pass the list, "
+            f"e.g. {example} ({one} for a single one)."
         )
     return list(grads)
 

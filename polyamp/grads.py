@@ -272,7 +272,8 @@ class GradBuffer(FlatArrays):
 
         Existing gradients are copied in; afterwards ``p.grad`` is a view of ``flat`` for every p.
         """
-        params = _inputs.iterable(params, "GradBuffer.attach", "params", "list(model.parameters())")
+        params = _inputs.iterable(params, "GradBuffer.attach", "params", "list(model.parameters())",
+                                  "parameters", "[param]")
         if not params:
             raise ConfigError("GradBuffer.attach got no parameters; pass a non-empty list")
         _check_parameters(params)

@@ -304,14 +304,14 @@ def test_clip_refuses_read_only_gradients_before_writing_any():
 
 @pytest.mark.parametrize("fn", [global_norm, lambda g: clip_grad_norm_(g, 1.0)], ids=["global_norm", "clip"])
 def test_none_gradients_are_named(fn):
-    with pytest.raises(TypeError, match=r"needs grads to be a list, got grads=None\. Fix"):
+    with pytest.raises(TypeError, match=r"needs grads to be a list of gradient arrays, got grads=None\. Fix"):
         fn(None)
 
 
 def test_buffer_and_attach_name_none_and_non_parameters():
     with pytest.raises(polyamp.ConfigError, match=r"GradBuffer needs shapes.*got shapes=None"):
         GradBuffer(None)
-    with pytest.raises(TypeError, match=r"GradBuffer\.attach needs params to be a list, got params=None"):
+    with pytest.raises(TypeError, match=r"attach needs params to be a list of parameters, got params=None"):
         GradBuffer.attach(None)
     with pytest.raises(TypeError, match=r"params\[0\] of type builtins\.memoryview.*polyamp\.Parameter"):
         GradBuffer.attach([memoryview(np.ones(3, np.float32))])

@@ -104,7 +104,8 @@ def test_meta_loss_is_refused_by_scale():
 def test_none_gradients_are_named(call):
     scaler = LossScaler()
     args = (None,) if call == "unscale_" else (None, lambda: None)
-    with pytest.raises(TypeError, match=rf"{call}\(\) needs grads to be a list, got grads=None\. Fix"):
+    message = rf"{call}\(\) needs grads to be a list of gradient arrays, got grads=None\. Fix"
+    with pytest.raises(TypeError, match=message):
         getattr(scaler, call)(*args)
     assert _snapshot(scaler) == (scaler.host_state(), 0, 0, False)
 
