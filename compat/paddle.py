@@ -156,11 +156,15 @@ class AmpScaler:
             flag = self._agreed(flag)
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
-            ran, result = True, call()
+            ran, result = True, call()  # a misaligned rank's flag is non-zero: the optimizer skips
             found = bool(optimizer._get_auxiliary_var("found_inf"))
+            if found:
+                self._engine.verify_agreement()
         else:
             found = flag if isinstance(flag, bool) else (
                 flag is not None and self._engine.backend.read_flag(flag))  # type: ignore[union-attr]
+            if found:
+                self._engine.verify_agreement()  # ranks that differ: RankMismatchError, nothing applied
             ran = not found
             result = call() if ran else None
         self._cache_found_inf = self.last_step_skipped = found
