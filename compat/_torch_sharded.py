@@ -103,7 +103,7 @@ class ShardedMethods:
         return self._agreed().reducer
 
     def _agreed(self) -> Agreement:
-        """The reducer and its one-time config check (the default group is resolved at first use)."""
+        """The agreement over the reducer (the default group is resolved at first use)."""
         if self._agreement is None:
             self._agreement = Agreement(build_reducer(self._group))
         return self._agreement
@@ -112,7 +112,7 @@ class ShardedMethods:
         """Unscale (or check) ``grads`` and return the flag summed over the group.
 
         Every rank issues the same collective, also one with no gradients (its flag is 0).
-        The first time, a MAX all-reduce first checks that every rank has the same config.
+        The same collective finds ranks whose config, state or collectives differ (RankMismatchError).
         """
         agreement, engine = self._agreed(), self._engine  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)

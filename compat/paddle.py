@@ -10,7 +10,7 @@ the scaler keeps one overflow flag: ``step`` uses the last ``unscale_`` of any o
 ``reducer=`` (a ``polyamp.distributed.reducer`` argument: a torch process group, ``"torch"``,
 an mpi4py communicator, ``"mpi"``, ...) agrees each ``step``/``minimize`` across ranks, as
 paddle fleet's distributed scaler does with an int32 MAX over the group: here one SUM of the
-overflow counts (the same decision), one collective per call, plus a config check at the first.
+overflow counts (the same decision), one collective per call, which also finds misaligned ranks.
 
 State-dict keys: paddle's ``scale`` (a 1-element float32 array), ``incr_ratio``,
 ``decr_ratio``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``, ``incr_count``,

@@ -9,6 +9,7 @@ collective, also at the first step. ``polyamp.distributed`` is imported only whe
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -278,6 +279,9 @@ def _host_state(state: Any) -> tuple[int, int, int]:
 def _new_like(like: Any, values: Any, shape_of: Any) -> Any:
     """A new array in ``like``'s library and device holding host ``values``: 0-d float32 for a
     flag (``shape_of`` None), else with ``shape_of``'s shape and dtype."""
+    if shape_of is None and not array_api_compat.is_array_api_obj(like) and hasattr(like, "place"):
+        paddle = sys.modules["paddle"]  # paddle tensors are no array-API arrays
+        return paddle.to_tensor(np.float32(values), place=like.place)
     xp = array_api_compat.array_namespace(like)
     device = array_api_compat.device(like)
     if shape_of is None:
@@ -354,7 +358,7 @@ class Agreeing:
         """``found_inf`` summed over the ranks, as a new device array (``found_inf`` is kept).
 
         For facades that keep their own per-optimizer flags (paddle's ``step`` uses the last
-        ``unscale_``'s): one collective, plus the config check at the scaler's first agreement.
+        ``unscale_``'s): one collective (with the fingerprint that finds misaligned ranks).
         None (a rank without gradients) sends 0, a host bool (a copy's) 0 or 1. Without a
         reducer: ``found_inf`` as it is.
         """

@@ -119,7 +119,8 @@ def _field(name: str, mine: int, other: int | None) -> str:
     def show(v: int) -> str:
         if name == "scale":
             return f"scale {format_scale(_from_bits(v))}"
-        return f"{v} values summed" if name == "payload" else f"{name.replace('config', 'config fingerprint')} {v}"
+        label = "config fingerprint" if name == "config" else name
+        return f"{v} values summed" if name == "payload" else f"{label} {v}"
 
     there = "other values on the other ranks (which differ among themselves too)" if other is None \
         else f"{show(other)} on the other ranks"

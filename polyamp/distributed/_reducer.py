@@ -149,11 +149,13 @@ class Reducer(abc.ABC):
             raise
 
     def _report_and_abort(self, error: ReducerError) -> None:
-        """Say why on stderr and the polyamp logger, then end the job through the engine."""
-        text = (f"{type(error).__name__}: {error} -- ending the job (on_fault='abort'), so that no "
-                "rank can complete the abandoned collective and apply a step the others did not.")
-        logger.error("%s", text)
-        print(f"polyamp: {text}", file=sys.stderr, flush=True)
+        """Say why on the polyamp logger (stderr when logging is not configured), then end the job."""
+        logger.error("%s: %s -- ending the job (on_fault='abort'), so that no rank can complete the "
+                     "abandoned collective and apply a step the others did not.", type(error).__name__, error)
+        for handler in (*logger.handlers, *logging.getLogger().handlers, logging.lastResort):
+            if handler is not None:
+                handler.flush()
+        sys.stderr.flush()
         self._abort()
 
     def retire(self, reason: str) -> None:
@@ -221,5 +223,5 @@ class Reducer(abc.ABC):
     def _barrier(self) -> None:
         """Issue one barrier and wait for it; ReducerError on a fault."""
 
-    def _abort(self) -> None:
+    def _abort(self) -> None:  # noqa: B027 - optional: an engine without an abort only raises
         """End the job after a fault the way the engine does (default: nothing, the error is raised)."""

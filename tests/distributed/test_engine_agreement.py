@@ -168,14 +168,16 @@ def wait_for_files(paths: list[Path], limit: float) -> None:
         time.sleep(0.05)
 
 
-def step_with_a_faulty_rank(rank: int, size: int, group: str, fault: str, timeout: float, marks: str) -> dict:
+def step_with_a_faulty_rank(
+    rank: int, size: int, group: str, fault: str, timeout: float, marks: str, on_fault: str = "abort"
+) -> dict:
     """Two good steps, then the last rank hangs (or dies) instead of its third step."""
     import os
 
     from polyamp import LossScaler
     from polyamp.distributed import ReducerError, reducer
 
-    scaler = LossScaler(reducer=reducer(group, timeout=timeout))
+    scaler = LossScaler(reducer=reducer(group, timeout=timeout, on_fault=on_fault))
     for _ in range(2):
         scaler.step([np.ones(3, np.float32)], lambda: None)
         scaler.update()
@@ -217,11 +219,20 @@ def test_dead_rank_gives_a_clear_error_through_step_gloo(run_gloo, tmp_path):
 
 
 def test_hung_rank_gives_a_timeout_error_through_step_mpi(run_mpi, tmp_path):
-    job = run_mpi(step_with_a_faulty_rank, 2, "mpi", "hangs", 1.0, str(tmp_path))
+    """on_fault="raise": the rank that timed out raises, and the job goes on."""
+    job = run_mpi(step_with_a_faulty_rank, 2, "mpi", "hangs", 1.0, str(tmp_path), "raise")
     out = job.results()[0]
     check_fault(out, "ReducerTimeoutError", "mpi", 1.0 + 1.5)
     assert "timeout=1 s" in out["message"]
     assert job.returncode == 0 and not job.timed_out
+
+
+def test_hung_rank_ends_the_job_by_default_mpi(run_mpi, tmp_path):
+    """The default, on_fault="abort": MPI_Abort ends every rank, the hung one included."""
+    job = run_mpi(step_with_a_faulty_rank, 2, "mpi", "hangs", 1.0, str(tmp_path), timeout=60)
+    assert not job.timed_out and job.returncode != 0
+    assert "ReducerTimeoutError" in job.output and "ending the job (on_fault='abort')" in job.output
+    assert not any(r.finished for r in job.ranks)  # neither rank went on past the fault
 
 
 def after_destroy(rank: int, size: int) -> dict:

@@ -57,7 +57,8 @@ def check_two_optimizers(results: list[dict]) -> None:
     for rank, out in enumerate(results):
         assert out["type"] == "RankMismatchError", (rank, out)
         assert "collectives are not aligned" in out["message"], out["message"]
-        assert "collective 2 of iteration 0" in out["message"] or "collective 1 of iteration 1" in out["message"]
+        message = out["message"]
+        assert "collective 2 of iteration 0" in message or "collective 1 of iteration 1" in message
         assert "step (or unscale_) the same optimizers on every rank" in out["message"]
         # iteration 0's first optimizer agreed everywhere; nothing after it was applied anywhere
         assert out["applied"] == [(0, 0)], (rank, out["applied"])
