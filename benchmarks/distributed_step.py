@@ -119,7 +119,7 @@ def bench(rank: int, case: tuple[int, int, int], reps: int, counter: Count) -> t
     sides = [Side("torch", TorchSharded("cpu"), case, rank),
              Side("polyamp", ShardedGradScaler("cpu"), case, rank)]
     iters = max(2, min(40, 2_000_000 // max(1, case[0] * case[1] * case[2])))
-    for side in sides:  # warm-up, and polyamp's one-time config check
+    for side in sides:  # warm-up
         side.run(iters, counter)
         side.times.clear()
         side.calls = 0

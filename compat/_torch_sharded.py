@@ -2,7 +2,8 @@
 
 torch's FSDP scaler all-reduces one flag per device per optimizer inside ``unscale_``; here
 the engine folds every device into one flag per optimizer, and one SUM all-reduce through a
-:mod:`polyamp.distributed` reducer agrees it before the skip decision and the update.
+:mod:`polyamp.distributed` reducer agrees it (with the fingerprint that finds misaligned ranks)
+before the skip decision and the update.
 FSDP2's DTensor gradients are unscaled as their local shards where the group spans their
 mesh: DTensor's own unscale would all-reduce the flag once more (a MAX per dtype group).
 Imports nothing of the facade: ``polyamp.compat.torch`` composes these mixins with its
@@ -54,7 +55,8 @@ def mesh_inside(mesh: Any, red: Reducer) -> bool:
 
 class ShardedMethods:
     """Mixin of :class:`polyamp.compat.torch.ShardedGradScaler`: torch's signature, the group,
-    and the agreement of each optimizer's flag (one collective per ``unscale_``/``step``)."""
+    and the agreement of each optimizer's flag (one collective per ``unscale_``/``step``, which
+    also finds ranks whose config, scale or sequence of collectives differ)."""
 
     _engine: LossScaler
     _device: str
@@ -101,7 +103,7 @@ class ShardedMethods:
         return self._agreed().reducer
 
     def _agreed(self) -> Agreement:
-        """The reducer and its one-time config check (the default group is resolved at first use)."""
+        """The agreement over the reducer (the default group is resolved at first use)."""
         if self._agreement is None:
             self._agreement = Agreement(build_reducer(self._group))
         return self._agreement
@@ -110,14 +112,33 @@ class ShardedMethods:
         """Unscale (or check) ``grads`` and return the flag summed over the group.
 
         Every rank issues the same collective, also one with no gradients (its flag is 0).
-        The first time, a MAX all-reduce first checks that every rank has the same config.
+        The same collective finds ranks whose config, state or collectives differ (RankMismatchError).
         """
-        agreement, config = self._agreed(), self._engine.config  # resolved before anything changes
-        agreement.check_config(config, like=self._engine.state.scale)
+        agreement, engine = self._agreed(), self._engine  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
-        found = self._engine.unscale_group_(grads, check_only=check_only)  # 0 without grads
-        agreement.sum_(found, config)
-        return found
+        found = engine.unscale_group_(grads, check_only=check_only)  # 0 without grads
+        return agreement.flag(found, engine.config, engine.state)
+
+    def _read_skip(self, found: Any) -> bool:
+        """The skip decision; when it says skip, RankMismatchError if the ranks differ (found on
+        a GPU: a read of this iteration's messages, on skipped steps only)."""
+        skipped = super()._read_skip(found)  # type: ignore[misc]
+        if skipped:
+            self._agreed().verify()
+        return skipped
+
+    def _confirm_aligned(self, found: Any) -> None:
+        """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag
+        (one sync) so that misaligned ranks raise here; they skip on the device regardless."""
+        agreement = self._agreement
+        if agreement is not None and agreement.unverified:
+            self._read_skip(found)
+
+    def update(self, new_scale: Any = None) -> None:
+        """torch's update; the next agreement is the first of a new iteration."""
+        super().update(new_scale)  # type: ignore[misc]
+        if self._agreement is not None:
+            self._agreement.end_iteration()
 
     def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:
         """DTensor gradients replaced by their local shards (same memory) where ``red``'s group

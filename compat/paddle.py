@@ -10,7 +10,7 @@ the scaler keeps one overflow flag: ``step`` uses the last ``unscale_`` of any o
 ``reducer=`` (a ``polyamp.distributed.reducer`` argument: a torch process group, ``"torch"``,
 an mpi4py communicator, ``"mpi"``, ...) agrees each ``step``/``minimize`` across ranks, as
 paddle fleet's distributed scaler does with an int32 MAX over the group: here one SUM of the
-overflow counts (the same decision), one collective per call, plus a config check at the first.
+overflow counts (the same decision), one collective per call, which also finds misaligned ranks.
 
 State-dict keys: paddle's ``scale`` (a 1-element float32 array), ``incr_ratio``,
 ``decr_ratio``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``, ``incr_count``,
@@ -156,11 +156,15 @@ class AmpScaler:
             flag = self._agreed(flag)
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
-            ran, result = True, call()
+            ran, result = True, call()  # a misaligned rank's flag is non-zero: the optimizer skips
             found = bool(optimizer._get_auxiliary_var("found_inf"))
+            if found:
+                self._engine.verify_agreement()
         else:
             found = flag if isinstance(flag, bool) else (
                 flag is not None and self._engine.backend.read_flag(flag))  # type: ignore[union-attr]
+            if found:
+                self._engine.verify_agreement()  # ranks that differ: RankMismatchError, nothing applied
             ran = not found
             result = call() if ran else None
         self._cache_found_inf = self.last_step_skipped = found

@@ -187,13 +187,20 @@ class GradScaler(ScalerAccessors):
         found = self._found[key]
         if found is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        skipped = self._engine.backend.read_flag(found)
+        skipped = self._read_skip(found)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         self._stages[key] = STEPPED
         self._last_skipped = skipped
         self._skipped_host += skipped
         self._skip_seen |= skipped
         return retval
+
+    def _read_skip(self, found: Any) -> bool:
+        """The skip decision: the one host read of a step (ShardedGradScaler checks the ranks too)."""
+        return self._engine.backend.read_flag(found)
+
+    def _confirm_aligned(self, found: Any) -> None:
+        """Before a fused optimizer's step: nothing here (ShardedGradScaler checks the ranks)."""
 
     def _self_scaling_step(self, optimizer: Any, stage: OptState, args: Any, kwargs: dict) -> Any:
         """torch's path for optimizers that take grad_scale/found_inf: no host sync here."""
@@ -222,6 +229,7 @@ class GradScaler(ScalerAccessors):
             if stage is UNSCALED
             else self._engine.state.scale * getattr(optimizer, "grad_scale", 1)
         )
+        self._confirm_aligned(found)
         optimizer.found_inf = found
         retval = optimizer.step(*args, **kwargs)
         self._stages[id(optimizer)] = STEPPED

@@ -1,21 +1,24 @@
 """The across-ranks half of LossScaler: one SUM all-reduce per step agrees the overflow flag.
 
-Every rank sums ``[non-finite count, *extra]`` (``extra``: e.g. the local sum of squares of a
-global-norm clip) in one collective, so all ranks see the same count and skip together. The
-scaler's first agreement also checks that every rank holds the same config (one more
-collective, that step only). ``polyamp.distributed`` is imported only when a reducer is given.
+Every rank sums one fixed-size message ``[non-finite count, *extra, *fingerprint bits]``
+(``extra``: e.g. the local sum of squares of a global-norm clip) in one collective, so all ranks
+see the same count and skip together, and a rank whose config, state or sequence of collectives
+differs is found in that same collective (``RankMismatchError`` on every rank). No second
+collective, also at the first step. ``polyamp.distributed`` is imported only when a reducer is given.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_compat
 import numpy as np
 
-from ._errors import ScalerStateError
+from ._errors import ConfigError, ScalerStateError
 from .config import LossScaleConfig
+from .policy import HostState
 
 if TYPE_CHECKING:  # the annotation only: importing polyamp must not import polyamp.distributed
     from .backend import Backend
@@ -39,51 +42,264 @@ class Agreed(NamedTuple):
 
 
 class Agreement:
-    """A reducer plus whether the config was checked: what ``LossScaler(reducer=...)`` holds."""
+    """A reducer plus the position of the next agreement: what ``LossScaler(reducer=...)`` holds.
+
+    Every agreement is ONE SUM all-reduce of a fixed-size message (see
+    :mod:`polyamp.distributed._fingerprint`): the non-finite count, up to two extra values, and
+    the bits of what must be equal on every rank (config, iteration, collective index, the
+    reducer's collective count, payload size, scale and trackers). When the ranks differ, every
+    rank raises ``RankMismatchError`` before anything is applied: at once where the message lives
+    on the host; on a GPU the mismatch is added to the agreed flag (so no rank can apply the
+    step) and named when the skip decision reads it (:meth:`verify`), at no extra sync.
+    """
 
     def __init__(self, group: Any) -> None:
         from .distributed import reducer  # only here: `import polyamp` stays free of it
 
         self.reducer: Reducer = reducer(group)
-        self.config_checked = False
+        self.iteration = 0  # iterations ended (update() calls) since this agreement was made
+        self.collective = 0  # agreements so far in this iteration
+        self._sent: list[tuple[Any, Any]] = []  # this iteration's (device message, fingerprint)
+        self._device_bits: Any = None
+        self._config: tuple[LossScaleConfig, int] | None = None
 
     def __deepcopy__(self, memo: dict) -> Agreement:
-        """A copy of a scaler is a new scaler: same reducer, config checked again at its first step."""
+        """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
         return Agreement(self.reducer)
 
-    def check_config(self, config: LossScaleConfig, like: Any) -> None:
-        """The first time only: ConfigError on every rank unless all hold ``config`` (one MAX
-        all-reduce, its buffer where ``like`` lives)."""
-        if not self.config_checked:
-            from .distributed import check_same_config
+    @staticmethod
+    def payload_spare() -> int:
+        """How many values :meth:`sum_payload_` needs after the payload (the fingerprint's bits)."""
+        from .distributed import _fingerprint as fp
 
-            check_same_config(self.reducer, config, like=like)
-            self.config_checked = True
+        return fp.BITS
 
-    def sum_(self, buffer: Any, config: LossScaleConfig) -> None:
-        """All-reduce ``buffer`` in place (SUM); the first time, check the config before it."""
-        self.check_config(config, like=buffer)
-        self.reducer.allreduce_sum_(buffer)
+    @property
+    def unverified(self) -> bool:
+        """Whether this iteration sent a message that was checked on the device only (GPU arrays)."""
+        return bool(self._sent)
 
-    def flag(self, found_inf: Any, config: LossScaleConfig) -> Any:
-        """A new array: ``found_inf`` summed over ranks (one collective; ``found_inf`` is kept)."""
-        buffer = _copy(found_inf)
-        self.sum_(buffer, config)
-        return buffer
+    def end_iteration(self) -> None:
+        """The scaler's update() ended an iteration: the next agreement is its first."""
+        self.iteration += 1
+        self.collective = 0
+        self._sent.clear()
 
-    def flag_and_extra(self, found_inf: Any, extra: Any, config: LossScaleConfig) -> Agreed:
-        """``found_inf`` and ``extra`` summed over ranks in ONE collective, in ``extra``'s dtype.
+    # -- the one collective ---------------------------------------------------------
+    def flag(self, found_inf: Any, config: LossScaleConfig, state: Any) -> Any:
+        """A new 0-d float32 array: ``found_inf`` summed over ranks (one collective)."""
+        return self.flag_and_extra(found_inf, None, config, state).found_inf
 
-        The count travels in ``extra``'s dtype (counts are small integers: exact in any float);
-        the agreed count comes back as float32 on ``extra``'s device.
+    def flag_and_extra(
+        self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0
+    ) -> Agreed:
+        """``found_inf`` and ``extra`` (at most 2 values) summed over ranks in ONE collective.
+
+        ``state`` (the scaler's ``LossScaleState``, or a ``HostState``) is fingerprinted with the
+        config, the agreement's position and ``payload`` (a size every rank must share). Returns
+        new arrays: the agreed count as float32 on ``extra``'s (else the flag's) device, plus 1
+        when the ranks are misaligned where that is found on the device, and ``extra`` summed,
+        in its dtype and shape.
         """
-        xp = array_api_compat.array_namespace(extra)
-        device = array_api_compat.device(extra)
-        count = xp.asarray(found_inf, device=device)  # e.g. a NumPy flag of a rank without gradients
-        buffer = xp.concat([xp.reshape(xp.astype(count, extra.dtype), (1,)), xp.reshape(extra, (-1,))])
-        self.sum_(buffer, config)
-        agreed = xp.astype(xp.reshape(buffer[:1], ()), xp.float32)
-        return Agreed(agreed, xp.reshape(buffer[1:], extra.shape))
+        from .distributed import _fingerprint as fp
+
+        if extra is not None and _size(extra) > fp.HEAD - 1:
+            raise ConfigError(
+                f"agree_(extra=...) carries at most {fp.HEAD - 1} values in the step's collective, got "
+                f"{_size(extra)} (shape {tuple(extra.shape)}). Fix: send e.g. a sum of squares pair."
+            )
+        host = self._next(config, payload=payload)
+        like = found_inf if extra is None else extra
+        if _on_host(found_inf, extra, state):
+            message = np.zeros(fp.MESSAGE, np.float64)
+            message[0] = float(_host(found_inf))
+            if extra is not None:
+                message[1:1 + _size(extra)] = np.asarray(_host(extra), np.float64).reshape(-1)
+            mine = fp.Fingerprint(*host, *_host_state(state))
+            message[fp.HEAD:] = fp.host_bits(mine)
+            self.reducer.allreduce_sum_(message)
+            self._check_now(message[fp.HEAD:], mine)
+            agreed = _new_like(like, message[0], None)
+            summed = None if extra is None else _new_like(extra, message[1:1 + _size(extra)], extra)
+            return Agreed(agreed, summed)
+        return self._on_device(found_inf, extra, host, state, like)
+
+    def _on_device(self, found_inf: Any, extra: Any, host: list[int], state: Any, like: Any) -> Agreed:
+        """The message built, summed and checked on the device: no host read (GPU arrays)."""
+        from .distributed import _fingerprint as fp
+
+        xp = array_api_compat.array_namespace(like)
+        device = array_api_compat.device(like)
+        f64 = xp.float64
+        if isinstance(found_inf, bool):
+            count = xp.full((1,), float(found_inf), dtype=f64, device=device)
+        else:
+            count = xp.reshape(xp.astype(xp.asarray(found_inf, device=device), f64), (1,))
+        pad = xp.zeros(fp.HEAD - 1 - (0 if extra is None else _size(extra)), dtype=f64, device=device)
+        parts = [count] if extra is None else [count, xp.reshape(xp.astype(extra, f64), (-1,))]
+        message = xp.concat([*parts, pad, self._bits(xp, device, host, state)])
+        self.reducer.allreduce_sum_(message)
+        sums = message[fp.HEAD:]
+        self._sent.append((sums, host, state))
+        size = float(self.reducer.size)
+        off = xp.astype(xp.any((sums != 0.0) & (sums != size)), xp.float32)
+        agreed = xp.astype(message[0], xp.float32) + off
+        summed = None
+        if extra is not None:
+            summed = xp.reshape(xp.astype(message[1:1 + _size(extra)], extra.dtype), extra.shape)
+        return Agreed(agreed, summed)
+
+    def sum_payload_(self, storage: Any, payload: int, config: LossScaleConfig, state: Any) -> Any:
+        """Sum ``storage`` in place: its first ``payload`` values and, after them, the fingerprint.
+
+        For data-parallel gradients (the trainer's flat buffer with ``BITS`` spare values at
+        its end): one collective. Returns None when the check ran on the host (it raised if the
+        ranks differ), else a 0-d float32 device flag, 1 when they differ (add it to the step's
+        overflow check; :meth:`verify` names the difference after a skip).
+        """
+        from .distributed import _fingerprint as fp
+
+        host = self._next(config, payload=payload)
+        view = _host_view(storage)
+        if view is not None and _on_host(None, None, state):
+            mine = fp.Fingerprint(*host, *_host_state(state))
+            view[payload:] = fp.host_bits(mine)
+            self.reducer.allreduce_sum_(storage)
+            self._check_now(view[payload:], mine)
+            return None
+        xp = array_api_compat.array_namespace(storage)
+        storage[payload:] = xp.astype(self._bits(xp, array_api_compat.device(storage), host, state),
+                                      storage.dtype)
+        self.reducer.allreduce_sum_(storage)
+        sums = storage[payload:]
+        self._sent.append((sums, host, state))
+        size = float(self.reducer.size)
+        return xp.astype(xp.any((sums != 0.0) & (sums != size)), xp.float32)
+
+    def _bits(self, xp: Any, device: Any, host: list[int], state: Any) -> Any:
+        """The fingerprint bits on ``device`` (float64), computed there: no host read."""
+        from .distributed import _fingerprint as fp
+
+        if self._device_bits is None or self._device_bits.device != device:
+            self._device_bits = fp.DeviceBits(xp, device)
+        if isinstance(state, HostState):
+            return self._device_bits([*host, *_host_state(state)])
+        return self._device_bits(host, *state)
+
+    # -- checking -------------------------------------------------------------------
+    def verify(self) -> None:
+        """After a skip decision said skip: RankMismatchError if this iteration's messages show
+        ranks that differ (reads them: a host sync, only on skipped steps)."""
+        from .distributed import _fingerprint as fp
+
+        for sums, host, state in self._sent:
+            self._check_now(_to_numpy(sums), fp.Fingerprint(*host, *_host_state(state)))
+
+    def _check_now(self, bit_sums: Any, mine: Any) -> None:
+        from .distributed import RankMismatchError
+        from .distributed import _fingerprint as fp
+
+        red = self.reducer
+        if not fp.misaligned(bit_sums, red.size):
+            return
+        what = fp.describe(bit_sums, red.size, mine)
+        red.retire(f"an agreement found the ranks misaligned ({what})")
+        raise RankMismatchError(
+            f"{red.describe()}: the ranks are not aligned, so no rank applies this step: {what}. "
+            f"{_fix(what)} The reducer is now retired: restart the ranks (e.g. from the last "
+            "checkpoint, loaded on every rank)."
+        )
+
+    def _next(self, config: LossScaleConfig, payload: int) -> list[int]:
+        """The host fields of the next agreement: config, iteration, collective, sequence, payload."""
+        from .distributed import config_fingerprint
+
+        if self._config is None or self._config[0] is not config:
+            self._config = (config, config_fingerprint(config))
+        self.collective += 1
+        return [self._config[1], self.iteration, self.collective, self.reducer.collectives, payload]
+
+
+def _fix(what: str) -> str:
+    if "collectives are not aligned" in what:
+        return ("Fix: every rank must issue the same agreements in the same order: step (or unscale_) "
+                "the same optimizers on every rank, update() once per iteration on every rank, and give "
+                "each scaler its own process group.")
+    if "config" in what:
+        return "Fix: build the scaler with the same config on every rank."
+    if "values summed" in what:
+        return "Fix: every rank must train the same model (the same number of gradient values)."
+    return ("Fix: load the same checkpoint on every rank (or none), and call set_scale, load_state_dict "
+            "or update(new_scale) on every rank alike.")
+
+
+def _size(array: Any) -> int:
+    return int(np.prod(tuple(array.shape)))
+
+
+def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
+    """Whether the flag, extra and state all live in host memory (reading them costs no sync)."""
+    arrays = [a for a in (found_inf, extra) if a is not None and not isinstance(a, bool)]
+    if state is not None and not isinstance(state, HostState):
+        arrays.append(state.scale)
+    return all(_host_view(a) is not None for a in arrays)
+
+
+def _host_view(array: Any) -> np.ndarray | None:
+    """A NumPy view of ``array``'s memory when it lives on the CPU, else None (no copy, no sync)."""
+    if isinstance(array, np.ndarray):
+        return array
+    if isinstance(array, np.generic):
+        return np.asarray(array)
+    try:
+        if array.__dlpack_device__()[0] == _CPU:
+            return np.from_dlpack(array)
+    except Exception:  # no DLPack, or a device this NumPy cannot view
+        return None
+    return None
+
+
+def _host(array: Any) -> Any:
+    if isinstance(array, bool):
+        return float(array)
+    view = _host_view(array)
+    return view if view is not None else array
+
+
+def _host_state(state: Any) -> tuple[int, int, int]:
+    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
+    from .distributed import _fingerprint as fp
+
+    if isinstance(state, HostState):
+        return fp.scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
+    scale, growth, backoff = (_to_numpy(a) for a in state)
+    return fp.scale_bits(float(scale)), int(growth), int(backoff)
+
+
+def _new_like(like: Any, values: Any, shape_of: Any) -> Any:
+    """A new array in ``like``'s library and device holding host ``values``: 0-d float32 for a
+    flag (``shape_of`` None), else with ``shape_of``'s shape and dtype."""
+    if shape_of is None and not array_api_compat.is_array_api_obj(like) and hasattr(like, "place"):
+        paddle = sys.modules["paddle"]  # paddle tensors are no array-API arrays
+        return paddle.to_tensor(np.float32(values), place=like.place)
+    xp = array_api_compat.array_namespace(like)
+    device = array_api_compat.device(like)
+    if shape_of is None:
+        return xp.asarray(float(values), dtype=xp.float32, device=device)
+    host = np.asarray(values).reshape(tuple(shape_of.shape))
+    return xp.asarray(host, dtype=shape_of.dtype, device=device)
+
+
+def _to_numpy(array: Any) -> np.ndarray:
+    view = _host_view(array)
+    if view is not None:
+        return view
+    if hasattr(array, "get"):  # cupy
+        return array.get()
+    return np.asarray(array.cpu() if hasattr(array, "cpu") else array)
+
+
+_CPU = 1  # kDLCPU in DLPack's device enumeration
 
 
 class Agreeing:
@@ -134,10 +350,7 @@ class Agreeing:
             )
         if self._agreement is None:
             return Agreed(self._pending, extra)
-        if extra is None:
-            agreed = Agreed(self._agreement.flag(self._pending, self._config), None)
-        else:
-            agreed = self._agreement.flag_and_extra(self._pending, extra, self._config)
+        agreed = self._agreement.flag_and_extra(self._pending, extra, self._config, self._state)
         self._pending, self._agreed = agreed.found_inf, True
         return agreed
 
@@ -145,21 +358,31 @@ class Agreeing:
         """``found_inf`` summed over the ranks, as a new device array (``found_inf`` is kept).
 
         For facades that keep their own per-optimizer flags (paddle's ``step`` uses the last
-        ``unscale_``'s): one collective, plus the config check at the scaler's first agreement.
+        ``unscale_``'s): one collective (with the fingerprint that finds misaligned ranks).
         None (a rank without gradients) sends 0, a host bool (a copy's) 0 or 1. Without a
         reducer: ``found_inf`` as it is.
         """
         if self._agreement is None:
             return found_inf
+        backend = self._ready_backend()
         if found_inf is None or isinstance(found_inf, bool):
-            backend = self._ready_backend()
             found_inf = backend.full(float(bool(found_inf)), "float32", self._state.scale)  # type: ignore[union-attr]
-        return self._agreement.flag(found_inf, self._config)
+        return self._agreement.flag(found_inf, self._config, self._state)
+
+    def verify_agreement(self) -> None:
+        """After a skip decision read a non-zero agreed flag: RankMismatchError if the ranks differ.
+
+        Free where the message lived on the host (it was checked as it arrived); on a GPU one
+        read of this iteration's messages, on skipped steps only. Without a reducer: nothing.
+        """
+        if self._agreement is not None:
+            self._agreement.verify()
 
     def _agree_pending(self) -> None:
         """With a reducer, sum the pending check over the ranks unless agree_() already did."""
         if self._agreement is not None and not self._agreed and self._pending is not None:
-            self._pending, self._agreed = self._agreement.flag(self._pending, self._config), True
+            self._pending = self._agreement.flag(self._pending, self._config, self._state)
+            self._agreed = True
 
 
 def _copy(array: Any) -> Any:

@@ -70,11 +70,12 @@ class LossScaler(Agreeing):
 
     ``reducer`` (a torch process group, ``"torch"``, an mpi4py communicator, ``"mpi"``, ...: see
     ``polyamp.distributed.reducer``) makes every rank agree on each step's overflow before the
-    skip decision: ONE SUM all-reduce of the non-finite count per step, issued by every rank in
-    the same order (a rank without gradients sends 0). The scaler's first agreement also checks
-    that all ranks hold the same config (a second collective, that step only). Every rank must
-    call ``step`` (or ``update``) each iteration. A deep copy shares the reducer and checks the
-    config again at its first step; pickling refuses a reducer (pickle ``state_dict()``).
+    skip decision: ONE SUM all-reduce per step of a fixed-size message (the non-finite count, and
+    a fingerprint of the config, the iteration, the collective's place and the scale state),
+    issued by every rank in the same order (a rank without gradients sends 0). A rank that
+    differs makes every rank raise ``polyamp.distributed.RankMismatchError`` before anything is
+    applied. Every rank must call ``step`` (or ``update``) each iteration. A deep copy shares the
+    reducer and counts its own iterations; pickling refuses a reducer (pickle ``state_dict()``).
     """
 
     enabled = True
@@ -250,6 +251,8 @@ class LossScaler(Agreeing):
         self._agree_pending()
         backend = self._backend
         skipped = bool(backend.read_flag(self._pending))  # type: ignore[union-attr]
+        if skipped:
+            self.verify_agreement()  # ranks that differ: RankMismatchError before anything applies
         before = self._state.scale + 0  # a copy: update() may change the scale in place
         if not skipped:
             step_fn()
@@ -294,6 +297,8 @@ class LossScaler(Agreeing):
             self._log_change(before, bool(self._skipped))  # type: ignore[arg-type]
         self.warn_if_at_floor(bool(self._skipped))
         self._end_iteration()
+        if self._agreement is not None:
+            self._agreement.end_iteration()
 
     def set_scale(self, value: Any) -> None:
         """Set the scale (a number, or a 1-element array read once to check it); trackers kept.

@@ -23,10 +23,14 @@ __all__ = ["FlatArrays"]
 class FlatArrays:
     """One flat array and one view of it per shape; writes through either side show in both.
 
-    ``like`` (an array) picks the library and device; NumPy when None.
+    ``like`` (an array) picks the library and device; NumPy when None. ``spare`` values follow
+    the views in the same memory (:attr:`storage`), e.g. for a message that one collective sums
+    with them.
     """
 
-    def __init__(self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None) -> None:
+    def __init__(
+        self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None, spare: int = 0
+    ) -> None:
         if shapes is None or isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
             raise ConfigError(
                 f"{type(self).__name__} needs shapes, a list of shapes, got shapes={shapes!r:.60}; pass "
@@ -35,11 +39,14 @@ class FlatArrays:
         shapes = [_check_shape(s) for s in shapes]
         if not shapes:
             raise ConfigError(f"{type(self).__name__} got shapes=[]; pass at least one shape")
+        if isinstance(spare, bool) or not isinstance(spare, numbers.Integral) or spare < 0:
+            raise ConfigError(f"spare must be an int >= 0 (values after the views), got spare={spare!r}")
         xp = array_api_compat.array_namespace(like) if like is not None else array_api_compat.numpy
         device = array_api_compat.device(like) if like is not None else None
         sizes = [math.prod(s) for s in shapes]
         name = _dtypes.dtype_name(dtype)
-        self._flat = xp.zeros(sum(sizes), dtype=_dtypes.resolve(xp, name), device=device)
+        self._storage = xp.zeros(sum(sizes) + int(spare), dtype=_dtypes.resolve(xp, name), device=device)
+        self._flat = self._storage[: sum(sizes)] if spare else self._storage
         self._xp, self._shapes, self._dtype_name = xp, tuple(shapes), name
         self._bounds = tuple(zip([0, *accumulate(sizes)], accumulate(sizes)))
         self._views = self.views_of(self._flat)
@@ -52,6 +59,11 @@ class FlatArrays:
     def flat(self) -> Any:
         """The one flat array every view shares memory with."""
         return self._flat
+
+    @property
+    def storage(self) -> Any:
+        """``flat`` followed by the ``spare`` values, in one array (``flat`` itself when none)."""
+        return self._storage
 
     @property
     def views(self) -> tuple[Any, ...]:

@@ -261,16 +261,19 @@ class GradBuffer(FlatArrays):
     handed to ``LossScaler.unscale_`` as a single gradient. Backward passes overwrite the views.
     """
 
-    def __init__(self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None) -> None:
-        super().__init__(shapes, dtype, like=like)
+    def __init__(
+        self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None, spare: int = 0
+    ) -> None:
+        super().__init__(shapes, dtype, like=like, spare=spare)
         self._params: list[Any] = []
         self._scaled = False
 
     @classmethod
-    def attach(cls, params: Iterable[Any]) -> GradBuffer:
+    def attach(cls, params: Iterable[Any], *, spare: int = 0) -> GradBuffer:
         """A buffer for ``params`` (polyamp.Parameters or torch tensors) that becomes their ``.grad``.
 
         Existing gradients are copied in; afterwards ``p.grad`` is a view of ``flat`` for every p.
+        ``spare``: values after the gradients in :attr:`storage` (see :class:`polyamp.flat.FlatArrays`).
         """
         params = _inputs.iterable(params, "GradBuffer.attach", "params", "list(model.parameters())",
                                   "parameters", "[param]")
@@ -284,7 +287,7 @@ class GradBuffer(FlatArrays):
                 f"GradBuffer.attach needs parameters of one floating dtype, got dtypes "
                 f"{sorted(str(d.dtype) for d in datas)}; make one buffer per dtype"
             )
-        buffer = cls([tuple(d.shape) for d in datas], names.pop(), like=datas[0])
+        buffer = cls([tuple(d.shape) for d in datas], names.pop(), like=datas[0], spare=spare)
         buffer._params = params
         buffer.reattach()
         return buffer

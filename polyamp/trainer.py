@@ -38,6 +38,7 @@ from .engine import LossScaler
 from .grads import GradBuffer, _check_max_norm
 from .noop import NoOpLossScaler
 from .parameter import Parameter
+from .policy import HostState
 
 __all__ = ["ArrayLossFn", "ArrayModel", "MixedPrecisionTrainer", "StepMetrics"]
 
@@ -129,7 +130,10 @@ class MixedPrecisionTrainer:
         else:
             self._steps = ArraySteps(model, self._dtype)
         _check_optimizer_holds(optimizer, self._steps.params)
-        self._grads = GradBuffer.attach(self._steps.params)
+        # with a reducer the fingerprint rides after the gradients: one collective per step
+        spare = 0 if self._agreement is None else self._agreement.payload_spare()
+        self._grads = GradBuffer.attach(self._steps.params, spare=spare)
+        self._aligned_once = False  # the first step checks the ranks' sizes before summing
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -193,38 +197,59 @@ class MixedPrecisionTrainer:
         loss = self._steps.forward_backward(input, target, loss_fn, scaler, ranks)
         if scaler.enabled:
             grads.mark_scaled()
-        if self._agreement is not None:
-            self._sum_over_ranks(grads.flat)
+        off = None if self._agreement is None else self._sum_over_ranks(grads)
         grads.unscale_(scaler)
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
-        finite = self._check_norm(norm)
+        finite = self._check_norm(norm, off)
         result = scaler.step([grads.flat], self._optimizer.step if finite else _no_step)
+        if result.skipped and off is not None:
+            self._agreement.verify()  # type: ignore[union-attr]  # misaligned ranks: raise, on every rank
         scaler.update()
+        if self._agreement is not None:
+            self._agreement.end_iteration()
         skipped = bool(result.skipped) or not finite
         return StepMetrics(float(loss), float(result.scale_before), skipped, float(norm))
 
-    def _sum_over_ranks(self, flat: Any) -> None:
-        """Sum ``flat`` over the ranks in place (already divided by their number): one collective.
+    def _sum_over_ranks(self, grads: GradBuffer) -> Any:
+        """Sum the gradients over the ranks in place (already divided by their number): ONE
+        collective, which also carries the fingerprint of the scaler's config and state.
 
-        The first call checks first that every rank runs the same scaler config (no loss
-        scaling counts as a fixed scale of 1), so that every rank unscales alike.
+        The first step first checks, in a message of fixed size, that every rank sums as many
+        values under the same config (no loss scaling counts as a fixed scale of 1). Returns None
+        (checked on the host) or a device flag that is 1 when the ranks differ.
         """
-        config = self._scaler.config if self._scaler.enabled else _NO_SCALING
-        self._agreement.sum_(flat, config)  # type: ignore[union-attr]
+        agreement, scaler = self._agreement, self._scaler
+        config = scaler.config if scaler.enabled else _NO_SCALING
+        state = scaler.state if scaler.enabled and scaler.state is not None else _UNSCALED_STATE
+        size = int(grads.flat.shape[0])
+        if not self._aligned_once:
+            xp = array_api_compat.array_namespace(grads.flat)
+            zero = xp.zeros((), dtype=xp.float32, device=array_api_compat.device(grads.flat))
+            agreement.flag_and_extra(zero, None, config, state, payload=size)  # type: ignore[union-attr]
+            agreement.verify()  # type: ignore[union-attr]  # once: a host read on a GPU
+            self._aligned_once = True
+        return agreement.sum_payload_(grads.storage, size, config, state)  # type: ignore[union-attr]
 
-    def _check_norm(self, norm: Any) -> bool:
+    def _check_norm(self, norm: Any, off: Any = None) -> bool:
         """False when a non-finite norm must keep this step off the weights (loss scaling off).
 
         With loss scaling, ``~isfinite(norm)`` joins the scaler's overflow check on the device
         (the scaler skips and counts the step); without, the norm is read here, as the metrics
-        read it anyway, and the trainer skips and counts the step.
+        read it anyway, and the trainer skips and counts the step. ``off`` (1 when the ranks
+        differ, found on the device) joins the check the same way.
         """
         xp = array_api_compat.array_namespace(norm)
         bad = ~xp.isfinite(norm)
         if self._scaler.enabled:
             self._scaler.record_found_inf(xp.astype(bad, xp.float32))
+            if off is not None:
+                self._scaler.record_found_inf(off)
             return True
+        if off is not None:
+            bad = bad | (off > 0)
         if bool(bad):
+            if off is not None:
+                self._agreement.verify()  # type: ignore[union-attr]
             self._unscaled_skips += 1
             return False
         return True
@@ -269,6 +294,7 @@ class ArraySteps:
 
 #: What the ranks' configs are compared as when loss scaling is off: a fixed scale of 1.
 _NO_SCALING = LossScaleConfig(init_scale=1.0, dynamic=False)
+_UNSCALED_STATE = HostState(1.0, 0, 0)
 
 
 def _no_step() -> None:

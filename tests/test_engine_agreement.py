@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from polyamp import ConfigError, LossScaleConfig, LossScaler, ScalerStateError, clip_grad_norm_, global_norm
-from polyamp.distributed import Reducer
+from polyamp.distributed import Reducer, config_fingerprint
+from polyamp.distributed._fingerprint import FIELDS, HEAD, MESSAGE, WIDTH
 
 
 class OneRank(Reducer):
@@ -36,6 +37,12 @@ class OneRank(Reducer):
         pass
 
 
+def _fields(values: list[float]) -> dict[str, int]:
+    """The fingerprint a one-rank message carries, read back from its bits."""
+    bits = np.array(values[HEAD:]).reshape(len(FIELDS), WIDTH)
+    return {name: int(np.dot(row, 2.0 ** np.arange(WIDTH))) for name, row in zip(FIELDS, bits)}
+
+
 def _grads(bad: bool = False) -> list[np.ndarray]:
     grads = [np.full(3, 8.0, np.float32), np.full(2, -4.0, np.float32)]
     if bad:
@@ -43,9 +50,10 @@ def _grads(bad: bool = False) -> list[np.ndarray]:
     return grads
 
 
-def test_one_collective_per_step_and_the_config_check_at_the_first():
+def test_one_collective_per_step_also_the_first_carrying_the_fingerprint():
     red = OneRank()
-    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=red)
+    config = LossScaleConfig(init_scale=4.0, growth_interval=2)
+    scaler = LossScaler(config, reducer=red)
     assert scaler.reducer is red
     counts, skipped = [], []
     for bad in (False, True, False):
@@ -54,10 +62,16 @@ def test_one_collective_per_step_and_the_config_check_at_the_first():
         scaler.update()
         counts.append(red.collectives - before)
         skipped.append(result.skipped)
-    assert counts == [2, 1, 1] and skipped == [False, True, False]
-    assert red.sent[0][0] == "max"  # check_same_config's fingerprint pair
-    assert [s[:3] for s in red.sent[1:]] == [("sum", "float32", ())] * 3  # the 0-d flag
-    assert [s[3] for s in red.sent[1:]] == [[0.0], [1.0], [0.0]]
+    assert counts == [1, 1, 1] and skipped == [False, True, False]
+    assert [s[:3] for s in red.sent] == [("sum", "float64", (MESSAGE,))] * 3  # one fixed size
+    assert [s[3][:HEAD] for s in red.sent] == [[0.0, 0, 0], [1.0, 0, 0], [0.0, 0, 0]]
+    sent = [_fields(s[3]) for s in red.sent]
+    assert [f["iteration"] for f in sent] == [0, 1, 2] and {f["collective"] for f in sent} == {1}
+    assert [f["sequence"] for f in sent] == [0, 1, 2] and {f["payload"] for f in sent} == {0}
+    assert {f["config"] for f in sent} == {config_fingerprint(config)}
+    # the state as each step unscaled with it: 4 (growth 0), 4 (growth 1), then backed off to 2
+    scales = [np.array(f["scale"], np.uint32).view(np.float32) for f in sent]
+    assert scales == [4.0, 4.0, 2.0] and [f["growth_tracker"] for f in sent] == [0, 1, 0]
 
 
 def test_agree_carries_extra_in_the_same_collective_and_step_sends_nothing_more():
@@ -69,7 +83,7 @@ def test_agree_carries_extra_in_the_same_collective_and_step_sends_nothing_more(
     grads = _grads(bad=True)
     scaler.unscale_(grads)
     agreed = scaler.agree_(np.array([2.5, 0.25]))
-    assert red.sent[-1][:3] == ("sum", "float64", (3,)) and red.sent[-1][3][0] == 1.0
+    assert red.sent[-1][:3] == ("sum", "float64", (MESSAGE,)) and red.sent[-1][3][:HEAD] == [1.0, 2.5, 0.25]
     np.testing.assert_array_equal(agreed.extra, [2.5, 0.25])
     assert agreed.found_inf.dtype == np.float32 and float(agreed.found_inf) == 1.0
     assert scaler.step(grads, lambda: pytest.fail("an overflowing step was applied")).skipped
@@ -83,13 +97,13 @@ def test_clipping_rides_in_the_scalers_collective():
     grads = [np.array([3.0, 0.0], np.float32), np.array([4.0], np.float32)]
     scaler.unscale_(grads)
     norm = clip_grad_norm_(grads, 1.0, scaler=scaler)
-    assert float(norm) == 5.0 and red.collectives == 2  # the config check, then [count, 25]
-    assert red.sent[-1][:3] == ("sum", "float64", (3,))
-    assert red.sent[-1][3] == [0.0, 25.0, 25.0 * 2.0**-1024]  # [count, sum of squares, the same / 2**1024]
+    assert float(norm) == 5.0 and red.collectives == 1  # [count, 25, ...] in the step's collective
+    assert red.sent[-1][:3] == ("sum", "float64", (MESSAGE,))
+    assert red.sent[-1][3][:HEAD] == [0.0, 25.0, 25.0 * 2.0**-1024]  # [count, sum of squares, / 2**1024]
     np.testing.assert_allclose(np.concatenate(grads), [0.6, 0.0, 0.8], rtol=1e-6)
     scaler.step(grads, lambda: None)
     scaler.update()
-    assert red.collectives == 2
+    assert red.collectives == 1
     # a second norm in the same iteration would be a second collective: refused
     scaler.unscale_(grads)
     global_norm(grads, scaler=scaler)
@@ -102,7 +116,7 @@ def test_a_rank_without_gradients_sends_zero_and_gets_the_global_norm():
     scaler = LossScaler(reducer=red)
     scaler.unscale_([])
     norm = clip_grad_norm_([], 1.0, scaler=scaler)
-    assert float(norm) == 0.0 and red.sent[-1][3] == [0.0, 0.0, 0.0]
+    assert float(norm) == 0.0 and red.sent[-1][3][:HEAD] == [0.0, 0.0, 0.0]
     alone = LossScaler()
     alone.unscale_([])
     with pytest.raises(ConfigError, match="no gradients"):  # without a reducer: nothing to take part in
@@ -129,7 +143,7 @@ def test_update_without_step_agrees_the_flag():
     scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=red)
     scaler.unscale_(_grads(bad=True))
     scaler.update()
-    assert red.collectives == 2 and scaler.get_scale() == 4.0
+    assert red.collectives == 1 and scaler.get_scale() == 4.0
 
 
 @pytest.mark.parametrize("when", ["before any unscale_()", "twice", "after step()"])
@@ -179,7 +193,8 @@ def test_copies_share_the_reducer_and_pickling_refuses_it():
     twin = copy.deepcopy(scaler)
     assert twin.reducer is red and twin.get_scale() == scaler.get_scale()
     twin.step(_grads(), lambda: None)
-    assert red.collectives == 4  # a copy is a new scaler: it checks the config at its first step
+    assert red.collectives == 2  # one per step, the copy's first included
+    assert _fields(red.sent[-1][3])["iteration"] == 0  # a copy counts its own iterations
     with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
         pickle.dumps(scaler)
     plain = pickle.loads(pickle.dumps(LossScaler()))

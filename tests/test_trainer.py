@@ -335,8 +335,10 @@ def test_reducer_averages_the_gradient_buffer_in_one_collective_per_step(loss_sc
     np.testing.assert_array_equal(w4, w)
     np.testing.assert_array_equal(b4, b)
     n = w.size + b.size
-    assert red.sent[0][0] == "max"  # the config check, once
-    assert red.sent[1:] == [("sum", (n,), "float32")] * 4  # then the flat buffer, once a step
+    from polyamp.distributed._fingerprint import BITS, MESSAGE
+
+    assert red.sent[0] == ("sum", (MESSAGE,), "float64")  # the sizes and configs checked, once
+    assert red.sent[1:] == [("sum", (n + BITS,), "float32")] * 4  # then the flat buffer + fingerprint
 
 
 def test_reducer_is_checked_when_the_trainer_is_built():

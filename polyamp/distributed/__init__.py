@@ -7,11 +7,12 @@ an mpi4py communicator (or "mpi"), a CuPy NCCL communicator, or whatever a plugi
 
 from ._agree import check_same_config, config_fingerprint
 from ._discovery import reducer, register_reducer
-from ._errors import ReducerError, ReducerTimeoutError, ReducerUnavailableError
+from ._errors import RankMismatchError, ReducerError, ReducerTimeoutError, ReducerUnavailableError
 from ._reducer import DEFAULT_TIMEOUT, Reducer, check_timeout, wait_until
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "RankMismatchError",
     "Reducer",
     "ReducerError",
     "ReducerTimeoutError",

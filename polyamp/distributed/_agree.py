@@ -1,4 +1,5 @@
-"""Checks that every rank runs the same loss-scale config: one MAX all-reduce, at the first step."""
+"""Checks that every rank runs the same loss-scale config: one MAX all-reduce (a standalone check;
+scalers carry the config fingerprint in every step's agreement instead)."""
 
 from __future__ import annotations
 

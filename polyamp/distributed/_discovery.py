@@ -15,7 +15,7 @@ from .. import _hookspecs
 from .._errors import ConfigError
 from .._plugins import PluginSet
 from ..config import short_repr
-from ._reducer import Reducer, check_timeout
+from ._reducer import OnFault, Reducer, check_on_fault, check_timeout
 
 _lock = threading.Lock()
 
@@ -49,21 +49,27 @@ def register_reducer(module: Any, name: str) -> None:
         _plugins().register(module, name)
 
 
-def reducer(group: Any, *, timeout: float | None = None) -> Reducer:
+def reducer(group: Any, *, timeout: float | None = None, on_fault: OnFault = "abort") -> Reducer:
     """A Reducer over ``group``: a torch ProcessGroup or "torch", an mpi4py communicator or "mpi",
     a CuPy NCCL communicator, or anything a plugin accepts. A Reducer is returned as it is.
 
     ``timeout``: seconds a collective may take before ``ReducerTimeoutError`` (None: the
     engine's default; torch's is the process group's own ``init_process_group(timeout=...)``).
+    ``on_fault``: after a timeout or a dead peer, "abort" (default) reports the error and ends
+    the job the way the engine does (MPI ``Abort``; torch aborts the process group, then raises),
+    so that no late rank can complete the abandoned step alone; "raise" only raises the error
+    on the ranks that saw it, accepting that risk.
     """
     if isinstance(group, Reducer):
-        if timeout is not None:
+        if timeout is not None or on_fault != "abort":
             raise ConfigError(
-                f"timeout={short_repr(timeout)} cannot change the existing reducer {group!r}. "
-                "Fix: pass timeout= when that reducer is built, or pass the group itself."
+                f"timeout={short_repr(timeout)}, on_fault={short_repr(on_fault)} cannot change the "
+                f"existing reducer {group!r}. Fix: pass them when that reducer is built (or set its "
+                "on_fault attribute), or pass the group itself."
             )
         return group
     seconds = check_timeout(timeout)
+    fault = check_on_fault(on_fault)
     plugins = _plugins()
     made = plugins.manager.hook.make_reducer(group=group, timeout=seconds)
     if made is None:
@@ -79,4 +85,5 @@ def reducer(group: Any, *, timeout: float | None = None) -> Reducer:
             f"a reducer plugin returned {type(made).__name__} for {short_repr(group)}, not a "
             "polyamp.distributed.Reducer. Fix: the plugin's make_reducer must return a Reducer subclass."
         )
+    made.on_fault = fault
     return made

@@ -125,6 +125,10 @@ class MPIReducer(Reducer):
     def _barrier(self) -> None:
         self._wait(self.comm.Ibarrier, "barrier", None)
 
+    def _abort(self) -> None:
+        """MPI_Abort on the communicator: mpirun ends every rank (a pending collective cannot complete)."""
+        self.comm.Abort(1)
+
     def _wait(self, issue: Any, what: str, buffer: Any) -> None:
         """Issue a non-blocking collective and poll it until done or the deadline passes."""
         try:

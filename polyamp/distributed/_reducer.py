@@ -1,17 +1,23 @@
 """The Reducer contract: in-place all-reduces over an existing engine, counted, with a deadline.
 
 Subclasses (one module per engine) implement ``_prepare`` (the buffer to reduce: the array or
-a zero-copy view of it; refuse it before anything is issued) and ``_allreduce``/``_barrier``
-(issue one collective, raise ``ReducerError`` on a fault). The base class counts collectives
-and retires the reducer after a fault, because the ranks' sequences of collectives no longer
-match and every later collective would mismatch.
+a zero-copy view of it; refuse it before anything is issued), ``_allreduce``/``_barrier``
+(issue one collective, raise ``ReducerError`` on a fault) and ``_abort`` (end the job the way
+the engine does). The base class counts collectives and retires the reducer after a fault,
+because the ranks' sequences of collectives no longer match and every later collective would
+mismatch. After a timeout or a dead peer a collective left pending on one rank could still
+complete on a late one, which would then apply a step the others did not: so by default
+(``on_fault="abort"``) a fault ends the job through the engine (MPI ``Abort``; torch aborts the
+process group), and ``on_fault="raise"`` only raises, where the user accepts that risk.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -28,6 +34,9 @@ SPIN = 2e-3
 MAX_POLL_PAUSE = 1e-3
 
 Op = Literal["sum", "max"]
+OnFault = Literal["abort", "raise"]
+ON_FAULT = ("abort", "raise")
+logger = logging.getLogger("polyamp")
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _HINT = (
     "Another rank probably hung, died, or skipped this collective (every rank must issue the same "
@@ -47,6 +56,17 @@ def check_timeout(timeout: Any) -> float | None:
             f"default), got timeout={short_repr(timeout)}"
         )
     return float(timeout)
+
+
+def check_on_fault(on_fault: Any) -> OnFault:
+    """``on_fault`` checked: "abort" (end the job after a fault) or "raise" (only raise)."""
+    if not isinstance(on_fault, str) or on_fault not in ON_FAULT:
+        raise ConfigError(
+            f"on_fault must be 'abort' (a timeout or dead peer ends the job, so no rank can complete "
+            f"the abandoned step alone) or 'raise' (raise only; a late rank may then complete it), "
+            f"got on_fault={short_repr(on_fault)}"
+        )
+    return on_fault  # type: ignore[return-value]
 
 
 def wait_until(done: Callable[[], bool], timeout: float) -> bool:
@@ -76,7 +96,9 @@ class Reducer(abc.ABC):
 
     ``name`` says which engine ("mpi", "torch:gloo", ...), ``rank``/``size`` this process's
     place in the group, ``timeout`` the seconds a collective may take (None: the engine's own
-    limit), ``collectives`` how many collectives this reducer has issued (tests, benchmarks).
+    limit), ``collectives`` how many collectives this reducer has issued (tests, benchmarks),
+    ``on_fault`` what a timeout or a dead peer does: "abort" (default) ends the job through the
+    engine after reporting the error, "raise" raises ``ReducerError`` on this rank only.
     """
 
     def __init__(self, name: str, rank: int, size: int, timeout: float | None) -> None:
@@ -86,6 +108,7 @@ class Reducer(abc.ABC):
         self.timeout = timeout
         self._collectives = 0
         self._retired: str | None = None
+        self.on_fault: OnFault = "abort"
 
     @property
     def collectives(self) -> int:
@@ -121,7 +144,23 @@ class Reducer(abc.ABC):
                 f"an earlier {what} failed ({type(exc).__name__}), so the ranks' collectives no longer "
                 "match. Restart the ranks (e.g. from the last checkpoint)."
             )
+            if self.on_fault == "abort":
+                self._report_and_abort(exc)
             raise
+
+    def _report_and_abort(self, error: ReducerError) -> None:
+        """Say why on the polyamp logger (stderr when logging is not configured), then end the job."""
+        logger.error("%s: %s -- ending the job (on_fault='abort'), so that no rank can complete the "
+                     "abandoned collective and apply a step the others did not.", type(error).__name__, error)
+        for handler in (*logger.handlers, *logging.getLogger().handlers, logging.lastResort):
+            if handler is not None:
+                handler.flush()
+        sys.stderr.flush()
+        self._abort()
+
+    def retire(self, reason: str) -> None:
+        """Make every later collective raise ReducerError, saying ``reason`` (e.g. misaligned ranks)."""
+        self._retired = reason
 
     def _usable(self) -> None:
         if self._retired is not None:
@@ -183,3 +222,6 @@ class Reducer(abc.ABC):
     @abc.abstractmethod
     def _barrier(self) -> None:
         """Issue one barrier and wait for it; ReducerError on a fault."""
+
+    def _abort(self) -> None:  # noqa: B027 - optional: an engine without an abort only raises
+        """End the job after a fault the way the engine does (default: nothing, the error is raised)."""

@@ -8,6 +8,7 @@ for the name "torch"; otherwise looks it up in ``sys.modules``.
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from datetime import timedelta
@@ -20,6 +21,7 @@ from .._hookspecs import hookimpl
 from ._errors import ReducerUnavailableError
 from ._reducer import Op, Reducer
 
+logger = logging.getLogger("polyamp")
 _TIMED_OUT = ("timed out", "timeout")
 _PEER_GONE = ("connection", "closed by peer", "reset by peer", "broken pipe", "aborted", "remote")
 
@@ -159,6 +161,17 @@ class TorchReducer(Reducer):
             "barrier",
             None,
         )
+
+    def _abort(self) -> None:
+        """Abort the process group (torch's own abort): its connections close, so a late rank's
+        collective fails instead of completing against this rank's abandoned one."""
+        group = self._group()
+        abort = getattr(group, "abort", None)
+        if callable(abort):
+            try:
+                abort()
+            except Exception as exc:  # e.g. a backend without abort: the error is raised regardless
+                logger.error("polyamp: aborting the process group failed: %s", exc)
 
     def _run(self, issue: Any, what: str, tensor: Any) -> None:
         work = None

@@ -15,6 +15,7 @@ from polyamp.compat.paddle import AmpScaler, GradScaler
 
 from polyamp import ConfigError, Parameter
 from polyamp.distributed import Reducer
+from polyamp.distributed._fingerprint import HEAD, MESSAGE
 from polyamp.optim import SGD
 
 
@@ -40,7 +41,7 @@ def _optimizer(grad: float) -> SGD:
 
 
 @pytest.mark.parametrize("use_minimize", [False, True])
-def test_one_collective_per_step_or_minimize_and_the_config_check_first(use_minimize):
+def test_one_collective_per_step_or_minimize_with_the_fingerprint(use_minimize):
     red = OneRank()
     scaler = (AmpScaler if use_minimize else GradScaler)(init_loss_scaling=2.0, reducer=red)
     counts = []
@@ -54,9 +55,10 @@ def test_one_collective_per_step_or_minimize_and_the_config_check_first(use_mini
             scaler.update()
         counts.append(red.collectives - before)
         assert scaler.last_step_skipped == (grad == np.inf)
-    assert counts == [2, 1, 1]
-    assert [op for op, _ in red.sent] == ["max", "sum", "sum", "sum"]
-    assert [values for _, values in red.sent[1:]] == [[0.0], [1.0], [0.0]]
+    assert counts == [1, 1, 1]
+    assert [op for op, _ in red.sent] == ["sum", "sum", "sum"]
+    assert {len(values) for _, values in red.sent} == {MESSAGE}  # one fixed size
+    assert [values[:HEAD] for _, values in red.sent] == [[0.0, 0, 0], [1.0, 0, 0], [0.0, 0, 0]]
 
 
 def test_a_rank_without_gradients_sends_zero_and_steps():
@@ -65,7 +67,7 @@ def test_a_rank_without_gradients_sends_zero_and_steps():
     param = Parameter(np.ones(2, np.float32))  # no gradient at all
     scaler.step(SGD([param], lr=0.5))
     scaler.update()
-    assert red.sent[-1] == ("sum", [0.0]) and scaler.last_step_skipped is False
+    assert red.sent[-1][1][:HEAD] == [0.0, 0, 0] and scaler.last_step_skipped is False
 
 
 def test_a_disabled_scaler_sends_nothing():
@@ -84,7 +86,7 @@ def test_a_deep_copy_shares_the_reducer_and_pickling_refuses_it():
     twin = copy.deepcopy(scaler)
     assert twin.engine.reducer is red
     twin.step(_optimizer(1.0))
-    assert red.collectives == 4  # the copy is a new scaler: it checks the config again
+    assert red.collectives == 2  # one per step, the copy's too
     with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
         pickle.dumps(scaler)
 
@@ -102,5 +104,5 @@ def test_a_copy_taken_after_unscale_still_agrees_its_flag():
     twin = copy.deepcopy(scaler)  # keeps the pending flag as a host bool
     before = red.collectives
     twin.step(optimizer)
-    assert red.collectives - before == 2 and red.sent[-1] == ("sum", [1.0])  # config check, flag
+    assert red.collectives - before == 1 and red.sent[-1][1][:HEAD] == [1.0, 0, 0]
     assert twin.last_step_skipped is True

@@ -44,20 +44,26 @@ def pieces(values: np.ndarray, rank: int) -> list[tuple[int, int, str]]:
 
 def engine_run(rank: int, size: int, group: str) -> dict:
     """Train this rank's shard with a distributed LossScaler; report decisions and counts."""
-    from polyamp import ConfigError, LossScaleConfig, LossScaler, clip_grad_norm_
-    from polyamp.distributed import reducer
+    from polyamp import LossScaleConfig, LossScaler, clip_grad_norm_
+    from polyamp.distributed import RankMismatchError, ReducerError, reducer
 
-    red = reducer(group)
     out: dict = {}
     # 1. configs that differ: every rank raises at the first step, and nothing is applied
-    odd = LossScaler(LossScaleConfig(growth_interval=GROWTH + (rank == size - 1)), reducer=red)
+    odd_red = reducer(group)
+    odd = LossScaler(LossScaleConfig(growth_interval=GROWTH + (rank == size - 1)), reducer=odd_red)
     odd.unscale_([np.ones(2, np.float32)] if rank != 2 else [])
     applied = []
     try:
         odd.step([], lambda: applied.append(1))
-    except ConfigError as exc:
+    except RankMismatchError as exc:
         out["mismatch"] = str(exc)
-    out["mismatch_applied"], out["after_mismatch"] = applied, red.collectives
+    out["mismatch_applied"], out["after_mismatch"] = applied, odd_red.collectives
+    try:  # the reducer is retired: nothing more is sent through it
+        odd_red.allreduce_sum_(np.zeros(1, np.float32))
+    except ReducerError as exc:
+        out["retired"] = str(exc)
+
+    red = reducer(group)
 
     # 2. training: the agreed skip, the collective count, clipping in the same collective
     import torch
@@ -131,11 +137,12 @@ def check_engine_job(results: list[dict], size: int) -> None:
     scales = reference["scales"]
     assert scales[0] < scales[BAD_STEP] > scales[BAD_STEP + 1]  # the scale grew, then backed off
     for rank, out in enumerate(results):
-        assert "configs differ" in out["mismatch"], out.get("mismatch")
+        assert "rank states differ: config fingerprint" in out["mismatch"], out.get("mismatch")
+        assert "Fix: build the scaler with the same config on every rank" in out["mismatch"]
         assert out["mismatch_applied"] == [] and out["after_mismatch"] == 1
-        # one collective per step, two at the first (the config check)
-        assert out["counts"] == [2] + [1] * (STEPS - 1), out["counts"]
-        assert out["reducer_collectives"] == 1 + 2 + (STEPS - 1)
+        assert "cannot issue another collective" in out["retired"]
+        assert out["counts"] == [1] * STEPS, out["counts"]  # one collective per step, the first too
+        assert out["reducer_collectives"] == STEPS
         assert out["skipped"] == reference["skipped"], (rank, out["skipped"])
         assert out["scales"] == reference["scales"] and out["final_scale"] == reference["final_scale"]
         assert out["norms"] == reference["norms"]  # exact: dyadic squares sum exactly in float64
@@ -161,14 +168,16 @@ def wait_for_files(paths: list[Path], limit: float) -> None:
         time.sleep(0.05)
 
 
-def step_with_a_faulty_rank(rank: int, size: int, group: str, fault: str, timeout: float, marks: str) -> dict:
+def step_with_a_faulty_rank(
+    rank: int, size: int, group: str, fault: str, timeout: float, marks: str, on_fault: str = "abort"
+) -> dict:
     """Two good steps, then the last rank hangs (or dies) instead of its third step."""
     import os
 
     from polyamp import LossScaler
     from polyamp.distributed import ReducerError, reducer
 
-    scaler = LossScaler(reducer=reducer(group, timeout=timeout))
+    scaler = LossScaler(reducer=reducer(group, timeout=timeout, on_fault=on_fault))
     for _ in range(2):
         scaler.step([np.ones(3, np.float32)], lambda: None)
         scaler.update()
@@ -210,11 +219,20 @@ def test_dead_rank_gives_a_clear_error_through_step_gloo(run_gloo, tmp_path):
 
 
 def test_hung_rank_gives_a_timeout_error_through_step_mpi(run_mpi, tmp_path):
-    job = run_mpi(step_with_a_faulty_rank, 2, "mpi", "hangs", 1.0, str(tmp_path))
+    """on_fault="raise": the rank that timed out raises, and the job goes on."""
+    job = run_mpi(step_with_a_faulty_rank, 2, "mpi", "hangs", 1.0, str(tmp_path), "raise")
     out = job.results()[0]
     check_fault(out, "ReducerTimeoutError", "mpi", 1.0 + 1.5)
     assert "timeout=1 s" in out["message"]
     assert job.returncode == 0 and not job.timed_out
+
+
+def test_hung_rank_ends_the_job_by_default_mpi(run_mpi, tmp_path):
+    """The default, on_fault="abort": MPI_Abort ends every rank, the hung one included."""
+    job = run_mpi(step_with_a_faulty_rank, 2, "mpi", "hangs", 1.0, str(tmp_path), timeout=60)
+    assert not job.timed_out and job.returncode != 0
+    assert "ReducerTimeoutError" in job.output and "ending the job (on_fault='abort')" in job.output
+    assert not any(r.finished for r in job.ranks)  # neither rank went on past the fault
 
 
 def after_destroy(rank: int, size: int) -> dict:

@@ -115,7 +115,7 @@ def wait_for_files(paths: list[Path], limit: float) -> None:
 def last_rank_hangs(rank: int, size: int, marks: str) -> dict:
     from polyamp.distributed import ReducerTimeoutError, reducer
 
-    red = reducer("mpi", timeout=1.0)
+    red = reducer("mpi", timeout=1.0, on_fault="raise")  # raise only: the default ends the job
     red.allreduce_sum_(np.ones(2, np.float32))
     if rank == size - 1:  # alive, but never joins the next collective
         wait_for_files([Path(marks, f"gave-up-{r}") for r in range(size - 1)], 60.0)
@@ -151,7 +151,7 @@ def test_hung_rank_gives_a_timeout_error_within_the_timeout(run_mpi, tmp_path):
 def last_rank_dies(rank: int, size: int) -> None:
     from polyamp.distributed import reducer
 
-    red = reducer("mpi", timeout=60.0)
+    red = reducer("mpi", timeout=60.0, on_fault="raise")
     red.allreduce_sum_(np.ones(2, np.float32))
     if rank == size - 1:
         os._exit(3)

@@ -1,0 +1,210 @@
+"""The fingerprint bits of an agreement message: host and device encodings agree, sums name what differs.
+
+Multi-process runs are in test_misaligned_ranks.py; here the encoding itself, and the device
+path (used for GPU arrays) run on NumPy arrays against a second scaler's real message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyamp import LossScaleConfig, LossScaler
+from polyamp.distributed import RankMismatchError, Reducer, ReducerError, reducer
+from polyamp.distributed import _fingerprint as fp
+from polyamp.policy import LossScaleState
+
+SCALES = [2.0**-126, 2.0**-100, 0.3, 1.0, 3.0, 1024.0, 65536.0, 2.0**100 * 1.75, 3.4028234663852886e38]
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_device_bits_equal_host_bits(scale):
+    host = [123456789, 7, 2, 2**32 - 1, 10**9]
+    growth, backoff = 1999, 3
+    device = fp.DeviceBits(np, "cpu")
+    state = (np.array(scale, np.float32), np.array(growth, np.int32), np.array(backoff, np.int32))
+    got = device(host, *state)
+    want = fp.host_bits(fp.Fingerprint(*host, fp.scale_bits(np.float32(scale)), growth, backoff))
+    np.testing.assert_array_equal(got, want)
+    assert got.shape == (fp.BITS,) and set(np.unique(got)) <= {0.0, 1.0}
+
+
+def _sums(*prints: fp.Fingerprint) -> np.ndarray:
+    return sum(fp.host_bits(p) for p in prints)
+
+
+def _print(scale: float = 1024.0, **fields) -> fp.Fingerprint:
+    base = dict(config=5, iteration=3, collective=1, sequence=3, payload=0,
+                scale=fp.scale_bits(scale), growth_tracker=0, backoff_tracker=0)
+    base.update(fields)
+    return fp.Fingerprint(**base)
+
+
+def test_equal_fingerprints_are_aligned_for_any_number_of_ranks():
+    for n in (1, 2, 3, 64):
+        assert not fp.misaligned(_sums(*[_print()] * n), n)
+
+
+def test_two_ranks_name_the_other_value():
+    mine, other = _print(1024.0), _print(2.0**20)
+    sums = _sums(mine, other)
+    assert fp.misaligned(sums, 2)
+    text = "rank states differ: scale 2**{} on this rank, scale 2**{} on the other ranks"
+    assert fp.describe(sums, 2, mine) == text.format(10, 20)
+    assert fp.describe(sums, 2, other) == text.format(20, 10)
+
+
+def test_three_ranks_say_when_the_others_differ_among_themselves():
+    a, b, c = _print(1024.0), _print(1024.0), _print(0.3)
+    sums = _sums(a, b, c)
+    assert fp.describe(sums, 3, c) == (
+        "rank states differ: scale 0.3 on this rank, scale 2**10 on the other ranks")
+    assert fp.describe(sums, 3, a) == (
+        "rank states differ: scale 2**10 on this rank, other values on the other ranks "
+        "(which differ among themselves too)")
+
+
+def test_a_collective_out_of_place_is_named_by_its_position():
+    mine = _print(iteration=0, collective=2, sequence=1)
+    other = _print(iteration=1, collective=1, sequence=1)
+    text = fp.describe(_sums(mine, other), 2, mine)
+    assert text.startswith("the ranks' collectives are not aligned: collective 2 of iteration 0")
+    assert "collective 1 of iteration 1 (#2) on the other ranks" in text
+
+
+@pytest.mark.parametrize("field", ["config", "payload", "growth_tracker", "backoff_tracker"])
+def test_every_field_is_named(field):
+    mine, other = _print(), _print(**{field: 9})
+    text = fp.describe(_sums(mine, other), 2, mine)
+    assert text and ("9" in text), text
+
+
+class Recorder(Reducer):
+    """One rank that keeps its messages (a second scaler's, to pair with the first's)."""
+
+    def __init__(self) -> None:
+        super().__init__("recorder", 0, 1, None)
+        self.messages: list[np.ndarray] = []
+
+    def _prepare(self, array):
+        return array
+
+    def _allreduce(self, buffer, op):
+        self.messages.append(np.array(buffer, copy=True))
+
+    def _barrier(self):
+        pass
+
+
+class PairedWith(Reducer):
+    """Rank 0 of two, whose peer's message is one recorded from another scaler: the sum is real."""
+
+    def __init__(self, peer: Recorder) -> None:
+        super().__init__("pair", 0, 2, None)
+        self.peer = peer
+
+    def _prepare(self, array):
+        return array
+
+    def _allreduce(self, buffer, op):
+        buffer += self.peer.messages[self.collectives - 1].astype(buffer.dtype)
+
+    def _barrier(self):
+        pass
+
+
+@pytest.fixture(params=["host", "device"])
+def path(request, monkeypatch):
+    """Run the agreement as for host arrays, or as for GPU arrays (forced on NumPy arrays)."""
+    if request.param == "device":
+        import polyamp._agreement as agreement
+
+        monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
+    return request.param
+
+
+def _run(scaler: LossScaler, steps: int, applied: list[int]) -> None:
+    for step in range(steps):
+        scaler.step([np.full(3, 2.0, np.float32)], lambda step=step: applied.append(step))
+        scaler.update()
+
+
+def test_aligned_ranks_step_together(path):
+    peer = Recorder()
+    _run(LossScaler(LossScaleConfig(init_scale=8.0), reducer=peer), 3, [])
+    applied: list[int] = []
+    _run(LossScaler(LossScaleConfig(init_scale=8.0), reducer=PairedWith(peer)), 3, applied)
+    assert applied == [0, 1, 2]
+
+
+def test_another_scale_raises_before_the_step_is_applied(path):
+    peer = Recorder()
+    _run(LossScaler(LossScaleConfig(init_scale=8.0), reducer=peer), 2, [])
+    red = PairedWith(peer)
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=red)
+    applied: list[int] = []
+    _run(scaler, 1, applied)
+    scaler.set_scale(4.0)  # this rank alone
+    expected = "scale 2\\*\\*2 on this rank, scale 2\\*\\*3 on the other ranks"
+    with pytest.raises(RankMismatchError, match=expected):
+        _run(scaler, 1, applied)
+    assert applied == [0]
+    with pytest.raises(ReducerError, match="cannot issue another collective.*misaligned"):
+        red.allreduce_sum_(np.zeros(1))
+
+
+def test_the_device_path_adds_the_mismatch_to_the_agreed_flag(monkeypatch):
+    import polyamp._agreement as agreement
+
+    monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
+    peer = Recorder()
+    _run(LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=7), reducer=peer), 1, [])
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=PairedWith(peer))
+    scaler.unscale_([np.ones(2, np.float32)])
+    agreed = scaler.agree_()
+    assert float(agreed.found_inf) == 1.0  # no overflow: the 1 is the mismatch, so every rank skips
+    with pytest.raises(RankMismatchError, match="config fingerprint"):
+        scaler.step([], lambda: pytest.fail("a misaligned step was applied"))
+
+
+def test_the_trainer_storage_carries_the_fingerprint_after_the_gradients():
+    from polyamp import GradBuffer
+
+    buffer = GradBuffer([(2, 3), (4,)], spare=fp.BITS)
+    assert buffer.flat.shape == (10,) and buffer.storage.shape == (10 + fp.BITS,)
+    buffer.views[1][...] = 5.0
+    assert buffer.storage[6:10].tolist() == [5.0] * 4 and np.shares_memory(buffer.flat, buffer.storage)
+    plain = GradBuffer([(2,)])
+    assert plain.storage is plain.flat
+
+
+def test_extra_holds_at_most_two_values_and_nothing_is_sent():
+    from polyamp import ConfigError
+
+    red = Recorder()
+    scaler = LossScaler(reducer=red)
+    scaler.unscale_([np.ones(2, np.float32)])
+    with pytest.raises(ConfigError, match="at most 2 values"):
+        scaler.agree_(np.zeros(3))
+    assert red.collectives == 0
+    scaler.agree_(np.zeros(2))
+    assert red.collectives == 1
+
+
+def test_on_fault_is_checked():
+    from polyamp import ConfigError
+
+    with pytest.raises(ConfigError, match="on_fault must be 'abort'.*or 'raise'.*got on_fault='exit'"):
+        reducer("mpi", on_fault="exit")
+    red = Recorder()
+    assert red.on_fault == "abort" and reducer(red) is red
+    with pytest.raises(ConfigError, match="cannot change the existing reducer"):
+        reducer(red, on_fault="raise")
+
+
+def test_state_values_of_a_host_state_are_fingerprinted_too():
+    """The trainer without loss scaling fingerprints a fixed scale of 1."""
+    state = LossScaleState(np.array(1.0, np.float32), np.array(0, np.int32), np.array(0, np.int32))
+    device = fp.DeviceBits(np, "cpu")
+    on_host = device([1, 2, 3, 4, 5, fp.scale_bits(1.0), 0, 0])
+    np.testing.assert_array_equal(on_host, device([1, 2, 3, 4, 5], *state))
