@@ -113,7 +113,8 @@ def test_info_line_names_tensors_and_floor_warning_quotes_the_diagnosis(caplog):
     scaler, reports = LossScaler(LossScaleConfig(init_scale=2.0**-125), diagnose=True), []
     with caplog.at_level(logging.INFO, logger="polyamp"):
         for _ in range(2):  # tiny gradients: unscaled by a tiny scale, they stay finite
-            tiny = {"embed.weight": np.full(3, 2.0**-126, np.float32), "head.bias": np.array([INF, 0], np.float32)}
+            tiny = {"embed.weight": np.full(3, 2.0**-126, np.float32),
+                    "head.bias": np.array([INF, 0], np.float32)}
             scaler.step(tiny, lambda: None)
             scaler.update()
             reports.append(scaler.last_overflow)
