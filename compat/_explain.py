@@ -14,9 +14,12 @@ from polyamp.overflow import named_arrays
 
 
 def _readable(grad: Any) -> Any:
-    """A sparse torch gradient as its values (a new tensor; the gradient is not changed)."""
+    """A sparse torch gradient as its values (a new tensor; the gradient is not changed), a
+    DTensor as this rank's shard (no collective: each rank reports its own values)."""
     if getattr(grad, "is_sparse", False):
         return grad.coalesce().values()
+    if callable(getattr(grad, "to_local", None)):
+        return grad.to_local()
     return grad
 
 

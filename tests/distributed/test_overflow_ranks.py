@@ -1,5 +1,6 @@
 """Overflow forensics across 2 gloo ranks, the overflow on rank 0 only: rank 0's report names its
-tensor, rank 1's says another rank overflowed (engine with reducer=, and ShardedGradScaler)."""
+tensor, rank 1's says another rank overflowed (engine with reducer=, ShardedGradScaler, and the
+paddle facade with reducer=)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ def diagnose_on_two_ranks(rank: int, size: int) -> dict:
     """Rank 0's ``head.bias`` gradient holds an inf; rank 1's gradients are finite."""
     import numpy as np
     import torch
+    from polyamp.compat.torch import ShardedGradScaler
 
     from polyamp import LossScaler
-    from polyamp.compat.torch import ShardedGradScaler
 
     out: dict = {}
     grads = {"embed.weight": np.ones(3, np.float32), "head.bias": np.ones(2, np.float32)}
@@ -37,6 +38,20 @@ def diagnose_on_two_ranks(rank: int, size: int) -> dict:
     sharded.update()
     report = sharded.last_overflow
     out["sharded"] = (report.found, [t.name for t in report.tensors], report.diagnosis)
+
+    from polyamp.compat.paddle import GradScaler as PaddleScaler
+
+    from polyamp.optim import SGD
+    from polyamp.parameter import Parameter
+
+    param = Parameter(np.zeros(2, np.float32), grad=np.full(2, 4.0, np.float32))
+    if rank == 0:
+        param.grad[1] = math.inf
+    paddle_facade = PaddleScaler(reducer="torch", diagnose=True, backend="numpy")
+    paddle_facade.step(SGD([param], lr=0.1))
+    paddle_facade.update()
+    report = paddle_facade.last_overflow
+    out["paddle"] = (report.found, [t.name for t in report.tensors], report.diagnosis)
     return out
 
 
@@ -49,4 +64,7 @@ def test_only_the_rank_that_overflowed_names_tensors(run_gloo):
     assert rank0["engine_applied"] is None and rank1["engine_applied"] is None
     assert rank0["sharded"][:2] == (True, ["bias"])
     found, names, diagnosis = rank1["sharded"]
+    assert not found and names == [] and "another rank overflowed" in diagnosis
+    assert rank0["paddle"][:2] == (True, ["params[0]"])  # polyamp.Parameter has no .name
+    found, names, diagnosis = rank1["paddle"]
     assert not found and names == [] and "another rank overflowed" in diagnosis
