@@ -78,7 +78,8 @@ class LossScaler(Agreeing):
 
     ``diagnose=True``: after a skipped step, :attr:`last_overflow` is the
     :class:`polyamp.OverflowReport` on that iteration's gradients (computed then, so applied
-    steps cost nothing more). Gradients may be a mapping name -> array (names in reports).
+    steps cost nothing more; an ``update()`` without ``step()`` reads the flag once to know).
+    Gradients may be a mapping name -> array (names in reports).
     """
 
     enabled = True
