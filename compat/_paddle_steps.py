@@ -40,20 +40,21 @@ def apply_optimizer(optimizer: Any, args: tuple, kwargs: dict) -> Any:
     return [], param_grad_pairs(optimizer)
 
 
-def log_change(before: HostState, after: HostState, found: bool, config: Any) -> None:
+def log_change(before: HostState, after: HostState, found: bool, config: Any, detail: str = "") -> None:
     """Say on the ``polyamp`` logger how the scale moved (paddle prints only its decreases).
 
     Overflows at INFO; growth, routine in a healthy run, at DEBUG (importing paddle turns INFO on).
+    ``detail``: appended to an overflow's line (the overflow report's summary, or "").
     """
     if found and after.scale != before.scale:
-        logger.info("Found inf or nan in gradients: loss scale decreased %g -> %g (decr_ratio=%g)",
-                    before.scale, after.scale, config.backoff_factor)
+        logger.info("Found inf or nan in gradients: loss scale decreased %g -> %g (decr_ratio=%g)%s",
+                    before.scale, after.scale, config.backoff_factor, detail)
     elif found and after.backoff_tracker:
         logger.info("Found inf or nan in gradients: loss scale kept at %g (overflow %d of "
-                    "decr_every_n_nan_or_inf=%d)", after.scale, after.backoff_tracker,
-                    config.backoff_interval)
+                    "decr_every_n_nan_or_inf=%d)%s", after.scale, after.backoff_tracker,
+                    config.backoff_interval, detail)
     elif found:
-        logger.info("Found inf or nan in gradients: loss scale kept at min_scale=%g", after.scale)
+        logger.info("Found inf or nan in gradients: loss scale kept at min_scale=%g%s", after.scale, detail)
     elif after.scale != before.scale:
         logger.debug("loss scale increased %g -> %g after %d finite steps (incr_every_n_steps)",
                      before.scale, after.scale, config.growth_interval)

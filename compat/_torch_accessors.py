@@ -16,7 +16,7 @@ from ._torch_state import check_interval, load_torch_state, to_torch_state
 
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_stages", "_found",
-                       "_skipped_host", "_unread", "_last_skipped", "_skip_seen"})
+                       "_skipped_host", "_unread", "_last_skipped", "_skip_seen", "_param_names"})
 
 
 class ScalerAccessors:

@@ -5,7 +5,9 @@ Signatures, defaults, the INIT/UNSCALED/STEPPED state machine, exception types a
 and the ``state_dict`` keys follow paddle 3.3's ``paddle/amp/grad_scaler.py``. As in paddle,
 the scaler keeps one overflow flag: ``step`` uses the last ``unscale_`` of any optimizer, and
 ``update`` the last ``step``. Extra keyword-only arguments: ``backend``, ``min_scale``,
-``max_scale``, ``reducer``. Importing this module imports no framework.
+``max_scale``, ``reducer``, ``diagnose`` (overflow forensics: ``explain(obj)``, and after a
+skipped step ``last_overflow``, gradients named by ``param.name``). Importing this module
+imports no framework.
 
 ``reducer=`` (a ``polyamp.distributed.reducer`` argument: a torch process group, ``"torch"``,
 an mpi4py communicator, ``"mpi"``, ...) agrees each ``step``/``minimize`` across ranks, as
@@ -42,7 +44,9 @@ from typing import Any
 
 from polyamp import schedule
 from polyamp.engine import LossScaler
+from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow, log_summary
 
+from ._explain import paddle_named_grads
 from ._paddle_copy import facade_state, restore, restore_facade
 from ._paddle_disabled import disabled_type
 from ._paddle_state import (
@@ -72,6 +76,8 @@ class AmpScaler:
     """Drop-in ``paddle.amp.AmpScaler``: ``scale`` and ``minimize``, on any backend and on CPU."""
 
     _enable = True
+    _diagnose = False  # class defaults: scalers copied before diagnose= existed load as off
+    _last_overflow: OverflowReport | None = None
 
     def __new__(cls, enable: bool = True, *args: Any, **kwargs: Any) -> AmpScaler:
         return object.__new__(cls if enable else disabled_type(cls, issubclass(cls, GradScaler)))
@@ -90,7 +96,9 @@ class AmpScaler:
         min_scale: float | None = None,
         max_scale: float | None = None,
         reducer: Any = None,
+        diagnose: bool = False,
     ) -> None:
+        self._diagnose = check_diagnose(diagnose)
         config = make_config(
             init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf,
             use_dynamic_loss_scaling, min_scale=min_scale, max_scale=max_scale,
@@ -151,7 +159,7 @@ class AmpScaler:
         """``(ran, call())``, not calling it if the last unscale saw inf/nan; paddle optimizers
         take the flag as their ``found_inf`` auxiliary variable and decide themselves, as in paddle.
         """
-        flag = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
+        flag = local = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
         if self._engine.reducer is not None:
             flag = self._agreed(flag)
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
@@ -169,7 +177,33 @@ class AmpScaler:
             result = call() if ran else None
         self._cache_found_inf = self.last_step_skipped = found
         self.skipped_steps += found
+        if self._diagnose:  # the report only on a skipped step: an applied one reads nothing more
+            self._last_overflow = self._skip_report(optimizer, local) if found else None
         return ran, result
+
+    # -- overflow forensics -----------------------------------------------------------
+    @property
+    def last_overflow(self) -> OverflowReport | None:
+        """With ``diagnose=True``, the report on the last skipped step's gradients; None after an
+        applied step (and always with ``diagnose=False``)."""
+        return self._last_overflow
+
+    def explain(self, obj: Any, *, names: Any = None, loss: Any = None) -> OverflowReport:
+        """:func:`polyamp.explain_overflow` on a Layer's, an optimizer's (names from
+        ``param.name``) or the given gradients, with this scaler's scale. Read-only."""
+        scale = self._engine.get_scale() if self._enable else 1.0
+        if names is not None:
+            return explain_overflow(obj, names=names, loss=loss, scale=scale)
+        return build_report(paddle_named_grads(obj), loss=loss, scale=scale)
+
+    def _skip_report(self, optimizer: Any, local: Any) -> OverflowReport:
+        """The report after a skipped step; with a reducer, this rank's own flag says whether
+        another rank overflowed (one read of it)."""
+        agreed = self._engine.reducer is not None
+        if agreed and local is not None and not isinstance(local, bool):
+            local = bool(self._engine.backend.read_flag(local))  # type: ignore[union-attr]
+        return build_report(paddle_named_grads(optimizer), scale=self._engine.get_scale(), skipped=True,
+                            agreed=agreed, local_flag=None if local is None else bool(local))
 
     def _agreed(self, flag: Any) -> Any:
         """The flag summed over the ranks (one collective). A rank without gradients sends 0 and
@@ -187,8 +221,8 @@ class AmpScaler:
         else:
             before = engine.host_state()
             engine.update(found_inf=found)
-            log_change(before, engine.host_state(), found, engine.config)
-        engine.warn_if_at_floor(found)
+            log_change(before, engine.host_state(), found, engine.config, log_summary(self._last_overflow))
+        engine.warn_if_at_floor(found, self._last_overflow)
 
     def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
         """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped."""
@@ -307,11 +341,13 @@ class GradScaler(AmpScaler):
         min_scale: float | None = None,
         max_scale: float | None = None,
         reducer: Any = None,
+        diagnose: bool = False,
     ) -> None:
         super().__init__(
             enable, init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps,
             decr_every_n_nan_or_inf, use_dynamic_loss_scaling,
             backend=backend, min_scale=min_scale, max_scale=max_scale, reducer=reducer,
+            diagnose=diagnose,
         )
 
     def step(self, optimizer: Any) -> None:

@@ -19,14 +19,18 @@ from enum import Enum
 from typing import Any
 
 from polyamp.engine import LossScaler
+from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow, log_summary
 
+from ._explain import torch_named_grads
 from ._torch_accessors import ScalerAccessors
 from ._torch_disabled import DisabledMethods, cuda_missing
+from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
 from ._torch_grads import collect_grads
 from ._torch_sharded import DisabledShardedInit, ShardedMethods
 from ._torch_state import TorchConfigError, check_new_scale, is_array, torch_config
 
-__all__ = ["GradScaler", "OptState", "ShardedGradScaler", "TorchConfigError"]
+__all__ = ["ForwardRecord", "ForwardWatch", "GradScaler", "OptState", "ShardedGradScaler",
+           "TorchConfigError", "watch_forward"]
 
 logger = logging.getLogger("polyamp")
 
@@ -56,9 +60,14 @@ def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
 class GradScaler(ScalerAccessors):
     """Drop-in ``torch.amp.GradScaler`` that also scales NumPy, CuPy and array-API arrays.
 
-    Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``.
+    Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``, and
+    overflow forensics: ``explain(obj)``, and with ``diagnose=True`` ``last_overflow``, the report
+    on a skipped step's gradients (named after ``name_parameters(module)``).
     """
 
+    _diagnose = False  # class defaults: scalers pickled before diagnose= existed load as off
+    _last_overflow: OverflowReport | None = None
+    _param_names: dict[int, str] = {}  # id(parameter) -> name; replaced, never mutated
     _allow_fp16 = False  # torch's GradScaler refuses to unscale FP16 gradients
     _flags_are_sums = False  # an optimizer's flag is 0 or 1 (sharded: summed over ranks)
 
@@ -88,7 +97,9 @@ class GradScaler(ScalerAccessors):
         backoff_interval: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        diagnose: bool = False,
     ) -> None:
+        self._diagnose = check_diagnose(diagnose)
         config = torch_config(init_scale, growth_factor, backoff_factor, growth_interval,
                                backoff_interval, min_scale, max_scale)
         self._device = device
@@ -188,6 +199,8 @@ class GradScaler(ScalerAccessors):
         if found is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         skipped = self._read_skip(found)
+        if self._diagnose and (skipped or not self._skip_seen):  # a report only when skipped
+            self._last_overflow = self._skip_report(optimizer) if skipped else None
         retval = None if skipped else optimizer.step(*args, **kwargs)
         self._stages[key] = STEPPED
         self._last_skipped = skipped
@@ -256,7 +269,7 @@ class GradScaler(ScalerAccessors):
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
             self._advance(flags[0] if len(flags) == 1 else sum(flags[1:], flags[0]))
-            self._engine.warn_if_at_floor(self._skip_seen)
+            self._engine.warn_if_at_floor(self._skip_seen, self._last_overflow)
         self._reset_iteration()
 
     def _advance(self, found_inf: Any) -> None:
@@ -271,12 +284,38 @@ class GradScaler(ScalerAccessors):
         before = engine.get_scale()
         engine.update(found_inf)
         after = engine.get_scale()
+        detail = log_summary(self._last_overflow)
         if after != before:
-            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g",
-                        before, after)
+            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g%s",
+                        before, after, detail)
         else:
             logger.info("overflow in gradients: step skipped, loss scale kept at %g "
-                        "(absorbed by backoff_interval=%d)", before, engine.config.backoff_interval)
+                        "(absorbed by backoff_interval=%d)%s", before, engine.config.backoff_interval,
+                        detail)
+
+    # -- overflow forensics -----------------------------------------------------------
+    @property
+    def last_overflow(self) -> OverflowReport | None:
+        """With ``diagnose=True``, the report on the last skipped step's gradients; None after an
+        applied step (and always with ``diagnose=False``, or for optimizers that skip themselves)."""
+        return self._last_overflow
+
+    def name_parameters(self, module: Any) -> None:
+        """Name an optimizer's gradients in reports after ``module.named_parameters()``."""
+        self._param_names = {id(p): name for name, p in module.named_parameters()}
+
+    def explain(self, obj: Any, *, names: Any = None, loss: Any = None) -> OverflowReport:
+        """:func:`polyamp.explain_overflow` on an ``nn.Module``'s, an optimizer's or the given
+        gradients, with this scaler's scale (one read). Read-only, at any point of the iteration."""
+        if names is not None:
+            return explain_overflow(obj, names=names, loss=loss, scale=self.get_scale())
+        named = torch_named_grads(obj, self._param_names)
+        return build_report(named, loss=loss, scale=self.get_scale())
+
+    def _skip_report(self, optimizer: Any) -> OverflowReport:
+        """The report after ``optimizer``'s step was skipped (sharded: agreed over the ranks)."""
+        named = torch_named_grads(optimizer, self._param_names)
+        return build_report(named, scale=self.get_scale(), skipped=True, agreed=self._flags_are_sums)
 
 
 class DisabledGradScaler(DisabledMethods, GradScaler):
@@ -294,8 +333,31 @@ class ShardedGradScaler(ShardedMethods, GradScaler):
     torch's signature (``backoff_factor`` before ``growth_factor``, then ``process_group``),
     FP16 and CPU gradients; each optimizer's overflow flag is agreed with one SUM all-reduce
     over ``process_group`` (None: the default group; or anything
-    :func:`polyamp.distributed.reducer` accepts), so every rank skips together.
+    :func:`polyamp.distributed.reducer` accepts), so every rank skips together. With
+    ``diagnose=True`` a rank whose own gradients are finite reports that another rank overflowed.
     """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        backoff_factor: float = 0.5,
+        growth_factor: float = 2.0,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Any = None,
+        *,
+        backend: str | None = None,
+        backoff_interval: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        diagnose: bool = False,
+    ) -> None:
+        diagnose = check_diagnose(diagnose)
+        super().__init__(device, init_scale, backoff_factor, growth_factor, growth_interval, enabled,
+                         process_group, backend=backend, backoff_interval=backoff_interval,
+                         min_scale=min_scale, max_scale=max_scale)
+        self._diagnose = diagnose
 
 
 class DisabledShardedGradScaler(DisabledShardedInit, DisabledGradScaler, ShardedGradScaler):

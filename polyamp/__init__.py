@@ -18,6 +18,7 @@ from .config import LossScaleConfig
 from .engine import LossScaler, ScalerStateError, StepResult
 from .grads import GradBuffer, ScaledGradientsError, clip_grad_norm_, global_norm
 from .noop import NoOpLossScaler
+from .overflow import OverflowReport, TensorOverflow, explain_overflow
 from .parameter import Parameter
 from .policy import HostState, LossScaleState, next_host_state, next_state
 from .trainer import ArrayLossFn, ArrayModel, MixedPrecisionTrainer, StepMetrics
@@ -42,6 +43,7 @@ __all__ = [
     "LossScaler",
     "MixedPrecisionTrainer",
     "NoOpLossScaler",
+    "OverflowReport",
     "Parameter",
     "PolyampError",
     "ScaledGradientsError",
@@ -49,8 +51,10 @@ __all__ = [
     "StateDictError",
     "StepMetrics",
     "StepResult",
+    "TensorOverflow",
     "available_backends",
     "clip_grad_norm_",
+    "explain_overflow",
     "get_backend",
     "global_norm",
     "make_scaler",

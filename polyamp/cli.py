@@ -17,7 +17,8 @@ from ._registry import ENV_VAR, available_backends
 
 DESCRIPTION = ("Dynamic loss scaling over NumPy, CuPy and PyTorch arrays. 'polyamp info' lists the "
                "backends and the POLYAMP_BACKEND in effect; 'polyamp demo' trains one MLP in float32 "
-               "and in float16 without and with loss scaling, and plots the result.")
+               "and in float16 without and with loss scaling, and plots the result; 'polyamp inspect "
+               "PATH' shows what a checkpoint holds.")
 
 
 def _env_line(infos: list) -> str:
@@ -66,7 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(demo)
     demo.set_defaults(func=_demo)
+    inspect = sub.add_parser(
+        "inspect", help="show a checkpoint's format, scale, trackers, counters and config",
+        description="Read a checkpoint polyamp can load (LossScaler.save(), .gz too, or a torch- or "
+        "paddle-facade state_dict() saved as JSON) and print what it holds. Nothing in the file is "
+        "executed. Exits 2 with a one-line error for anything else.",
+    )
+    inspect.add_argument("path", metavar="PATH", help="the checkpoint file")
+    inspect.add_argument("--json", action="store_true", help="print the same as JSON")
+    inspect.set_defaults(func=_inspect)
     return parser
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from . import _inspect as inspect
+    from ._errors import StateDictError
+
+    try:
+        info = inspect.describe(args.path)
+    except StateDictError as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the message held
+        print(f"polyamp inspect: error: {message}", file=sys.stderr)
+        return 2
+    print(inspect.as_json(info) if args.json else inspect.format_text(info))
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-from . import _inputs, _registry, checkpoint
+from . import _inputs, _registry, checkpoint, overflow
 from ._agreement import LOOP as _LOOP
 from ._agreement import Agreeing, Agreement
 from ._errors import ScalerStateError
@@ -76,13 +76,23 @@ class LossScaler(Agreeing):
     differs makes every rank raise ``polyamp.distributed.RankMismatchError`` before anything is
     applied. Every rank must call ``step`` (or ``update``) each iteration. A deep copy shares the
     reducer and counts its own iterations; pickling refuses a reducer (pickle ``state_dict()``).
+
+    ``diagnose=True``: after a skipped step, :attr:`last_overflow` is the
+    :class:`polyamp.OverflowReport` on that iteration's gradients (computed then, so applied
+    steps cost nothing more; an ``update()`` without ``step()`` reads the flag once to know).
+    Gradients may be a mapping name -> array (names in reports).
     """
 
     enabled = True
     _floor_warned = False  # set per instance by warn_if_at_floor; a class default survives copies
+    _diagnose = False  # class defaults: copies pickled before diagnose= existed load as off
+    _last_overflow: overflow.OverflowReport | None = None
+    _checked: list[tuple[str, Any]] | None = None
+    _local_found: Any = None
 
     def __init__(
-        self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None
+        self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None,
+        diagnose: bool = False,
     ) -> None:
         if config is None:
             config = LossScaleConfig()
@@ -94,6 +104,7 @@ class LossScaler(Agreeing):
         self._config = config
         name, source = _registry.requested_backend(backend)
         self._backend: Backend | None = _registry.get_backend(name, source) if name else None
+        self._diagnose = overflow.check_diagnose(diagnose)
         self._agreement = None if reducer is None else Agreement(reducer)
         self._state: LossScaleState | None = None
         self._host = HostState(float(config.init_scale), 0, 0)
@@ -107,6 +118,8 @@ class LossScaler(Agreeing):
         self._unscaled = False  # unscale_ (or step) divided this iteration's gradients
         self._skipped: bool | None = None  # step()'s host decision, until update()
         self._agreed = False  # _pending is already summed over the ranks (agree_ ran)
+        self._local_found = None  # this rank's own _pending, before any agreement summed it
+        self._checked = [] if self._diagnose else None  # (name, gradient) unscaled this iteration
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -123,6 +136,19 @@ class LossScaler(Agreeing):
     def state(self) -> LossScaleState | None:
         """The device state arrays, or None before the first array is seen."""
         return self._state
+
+    @property
+    def last_overflow(self) -> overflow.OverflowReport | None:
+        """The report on the last skipped step's gradients (``diagnose=True``); None after an
+        applied step, and always None with ``diagnose=False``."""
+        return self._last_overflow
+
+    def explain(self, grads: Any, *, names: Any = None, loss: Any = None) -> overflow.OverflowReport:
+        """:func:`polyamp.explain_overflow` with this scaler's scale (one read of it).
+
+        Read-only: no pending check, no state change; allowed at any point of the iteration.
+        """
+        return overflow.explain_overflow(grads, names=names, loss=loss, scale=self.get_scale())
 
     @property
     def has_pending_check(self) -> bool:
@@ -209,7 +235,11 @@ class LossScaler(Agreeing):
 
     def _unscale(self, grads: Iterable[Any], check_only: bool, where: str) -> Any:
         self._refuse_after_agreement("unscale_()")
-        grads = _inputs.gradient_list(grads, where)  # refuses bad gradients before any state changes
+        given, names = (list(grads.values()), list(map(str, grads))) if isinstance(grads, Mapping) else (
+            grads, None)
+        if self._diagnose:
+            given = list(given)  # read twice: checked here, named for the report below
+        grads = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
         backend = self.bind(grads[0]) if grads else self._ready_backend()
         if grads:
             _inputs.check_owned(grads, backend, where)
@@ -218,8 +248,10 @@ class LossScaler(Agreeing):
         if grads:
             by = backend.full(1.0, "float32", scale) if check_only else scale
             backend.unscale_and_check(grads, by, found)
-        self._pending = found if self._pending is None else self._pending + found
+        self._pending = self._local_found = found if self._pending is None else self._pending + found
         self._unscaled = True
+        if self._diagnose:
+            self._checked.extend(overflow.name_gradients(given, names, len(self._checked)))  # type: ignore[union-attr]
         return found
 
     def record_found_inf(self, flag: Any) -> None:
@@ -227,7 +259,7 @@ class LossScaler(Agreeing):
         iteration's pending check, so the coming skip decision counts it. No host synchronisation.
         """
         self._refuse_after_agreement("record_found_inf()")
-        self._pending = flag if self._pending is None else self._pending + flag
+        self._pending = self._local_found = flag if self._pending is None else self._pending + flag
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
@@ -254,6 +286,8 @@ class LossScaler(Agreeing):
         if skipped:
             self.verify_agreement()  # ranks that differ: RankMismatchError before anything applies
         before = self._state.scale + 0  # a copy: update() may change the scale in place
+        if self._diagnose:  # the report only on a skipped step: an applied one reads nothing more
+            self._last_overflow = self._explain_skip() if skipped else None
         if not skipped:
             step_fn()
         self._skipped = skipped
@@ -282,6 +316,13 @@ class LossScaler(Agreeing):
                 "update() found no inf checks recorded this iteration. Fix: call "
                 "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
             )
+        agreement = self._agreement
+        if found_inf is None and self._skipped is None and agreement is not None and agreement.unverified:
+            if self._backend.read_flag(flag):  # type: ignore[union-attr]  # checked on the device only
+                agreement.verify()  # ranks that differ: RankMismatchError before the scale moves
+        if self._diagnose and self._skipped is None:  # an update without step(): one read of the flag
+            skips = flag if isinstance(flag, bool) else self._ready_backend().read_flag(flag)
+            self._last_overflow = self._explain_skip() if skips else None
         log = self._skipped is not None and logger.isEnabledFor(
             logging.INFO if self._skipped else logging.DEBUG
         )
@@ -315,6 +356,15 @@ class LossScaler(Agreeing):
             self._host = self._host._replace(scale=number)
         self._end_iteration()
 
+    def _explain_skip(self) -> overflow.OverflowReport:
+        """The report on this iteration's gradients after a skip (reads the scale, and with a
+        reducer this rank's own flag, to tell whether another rank overflowed)."""
+        local = None
+        if self._agreement is not None and self._local_found is not None:
+            local = bool(self._backend.read_flag(self._local_found))  # type: ignore[union-attr]
+        return overflow.build_report(self._checked or [], scale=self.get_scale(), skipped=True,
+                                     agreed=self._agreement is not None, local_flag=local)
+
     # -- reading back (host syncs) ----------------------------------------------------
     def host_state(self) -> HostState:
         """The state as Python numbers: a device sync when the state lives on a GPU."""
@@ -328,11 +378,12 @@ class LossScaler(Agreeing):
         """The current scale as a float (a device sync)."""
         return self.host_state().scale
 
-    def warn_if_at_floor(self, skipped: bool) -> None:
+    def warn_if_at_floor(self, skipped: bool, report: overflow.OverflowReport | None = None) -> None:
         """After a skipped step's update: warn once per scaler if the scale sits at SCALE_FLOOR.
 
         Reads the scale (a device sync) only on skipped steps and only until the warning is given,
-        so the per-step hot path is untouched. Facades call it with their host-read skip flag.
+        so the per-step hot path is untouched. Facades call it with their host-read skip flag
+        (and their last report: the warning quotes its diagnosis, else :attr:`last_overflow`'s).
         """
         if not skipped or self._floor_warned or not self._config.dynamic:
             return
@@ -342,7 +393,7 @@ class LossScaler(Agreeing):
                 "loss scale hit its floor 2**-126 (float32's smallest normal) after repeated "
                 "overflows; it stays there instead of decaying to 0. Usual causes: a NaN or inf "
                 "loss or forward pass, gradients not zeroed between steps, or a learning rate "
-                "that diverged."
+                "that diverged.%s", overflow.floor_note(self._last_overflow if report is None else report),
             )
 
     def _log_change(self, old: float, skipped: bool) -> None:
@@ -351,11 +402,13 @@ class LossScaler(Agreeing):
             if new != old:
                 logger.debug("loss scale grew %g -> %g", old, new)
         elif new != old:
-            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g", old, new)
+            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g%s", old, new,
+                        overflow.log_summary(self._last_overflow))
         else:
             logger.info(
                 "overflow in gradients: step skipped, loss scale kept at %g "
-                "(absorbed by backoff_interval=%d)", old, self._config.backoff_interval,
+                "(absorbed by backoff_interval=%d)%s", old, self._config.backoff_interval,
+                overflow.log_summary(self._last_overflow),
             )
 
     # -- checkpoints and copies -------------------------------------------------------

@@ -37,6 +37,7 @@ from .config import LossScaleConfig
 from .engine import LossScaler
 from .grads import GradBuffer, _check_max_norm
 from .noop import NoOpLossScaler
+from .overflow import OverflowReport, build_report, check_diagnose
 from .parameter import Parameter
 from .policy import HostState
 
@@ -72,13 +73,15 @@ class StepMetrics:
     """What one :meth:`MixedPrecisionTrainer.train_step` did, as host numbers.
 
     ``loss_scale`` is the scale this step's backward used; ``grad_norm`` is the global norm
-    of the unscaled gradients before clipping (inf or nan on a skipped step).
+    of the unscaled gradients before clipping (inf or nan on a skipped step). ``overflow``:
+    with ``diagnose=True``, the report on a skipped step's gradients and loss, else None.
     """
 
     loss: float
     loss_scale: float
     skipped: bool
     grad_norm: float
+    overflow: OverflowReport | None = None
 
 
 def _is_torch_module(model: Any) -> bool:
@@ -102,6 +105,9 @@ class MixedPrecisionTrainer:
     gradients are summed over the ranks after it. With equal shards that is the step of one
     process on the whole batch; the float32 masters (started equal on every rank) stay equal.
     One collective per step, and one more at the first to check the ranks' scaler configs.
+
+    ``diagnose=True`` puts an :class:`polyamp.OverflowReport` in ``StepMetrics.overflow`` on
+    skipped steps (gradients named by the model's ``named_parameters()``, else ``params[i]``).
     """
 
     def __init__(
@@ -115,7 +121,9 @@ class MixedPrecisionTrainer:
         max_grad_norm: float | None = None,
         backend: str | None = None,
         reducer: Any = None,
+        diagnose: bool = False,
     ) -> None:
+        self._diagnose = check_diagnose(diagnose)
         self._dtype = _dtypes.compute_dtype_name(compute_dtype)
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
@@ -208,7 +216,18 @@ class MixedPrecisionTrainer:
         if self._agreement is not None:
             self._agreement.end_iteration()
         skipped = bool(result.skipped) or not finite
-        return StepMetrics(float(loss), float(result.scale_before), skipped, float(norm))
+        loss, scale = float(loss), float(result.scale_before)
+        report = self._explain(loss, scale) if skipped and self._diagnose else None
+        return StepMetrics(loss, scale, skipped, float(norm), report)
+
+    def _explain(self, loss: float, scale: float) -> OverflowReport:
+        """The report on a skipped step: each parameter's gradient (a view of the buffer), the loss."""
+        params = self._steps.params
+        named = getattr(self._model, "named_parameters", None)
+        by_id = {id(p): n for n, p in named()} if callable(named) else {}
+        grads = [(by_id.get(id(p), f"params[{i}]"), p.grad) for i, p in enumerate(params)]
+        return build_report([(n, g) for n, g in grads if g is not None], loss=loss, scale=scale,
+                            skipped=True)
 
     def _sum_over_ranks(self, grads: GradBuffer) -> Any:
         """Sum the gradients over the ranks in place (already divided by their number): ONE

@@ -56,6 +56,10 @@ class MLP:
         """The float32 master parameters: weight and bias of each layer, in order."""
         return self._params
 
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """``("layers.<i>.weight" / "layers.<i>.bias", parameter)`` in order, as torch names them."""
+        return [(f"layers.{i // 2}.{'bias' if i % 2 else 'weight'}", p) for i, p in enumerate(self._params)]
+
     def forward(self, x: Any, compute_dtype: Any = "float32") -> Any:
         """The logits of ``x`` (already in the compute dtype), computed in the compute dtype.
 

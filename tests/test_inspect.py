@@ -1,0 +1,104 @@
+"""``polyamp inspect PATH``: polyamp checkpoints (.gz too), torch- and paddle-facade state dicts
+saved as JSON, ``--json``; exit 2 with one line for anything else, never executing the file."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polyamp import LossScaleConfig, LossScaler
+from polyamp.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "polyamp", "inspect", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def trained_scaler() -> LossScaler:
+    scaler = LossScaler(LossScaleConfig(init_scale=1024.0, growth_interval=10, backoff_interval=3))
+    for bad in (False, True, False):
+        scaler.step([np.array([np.inf if bad else 1.0], np.float32)], lambda: None)
+        scaler.update()
+    return scaler
+
+
+@pytest.mark.parametrize("name", ["ckpt.json", "ckpt.json.gz"])
+def test_polyamp_checkpoint_text_and_json(tmp_path, name, capsys):
+    path = tmp_path / name
+    scaler = trained_scaler()
+    scaler.save(path)
+    host = scaler.host_state()
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "format:   polyamp.LossScaler version 1" in text
+    assert f"scale:    {host.scale:g}" in text
+    assert f"trackers: growth {host.growth_tracker}, backoff {host.backoff_tracker}" in text
+    assert "counters: 3 steps, 1 skipped" in text and "backoff_interval=3" in text
+    assert main(["inspect", "--json", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["steps"] == 3 and data["skipped_steps"] == 1 and data["scale"] == host.scale
+    assert data["config"]["growth_interval"] == 10
+
+
+def test_torch_facade_state_dict_as_json(tmp_path, capsys):
+    from polyamp.compat.torch import GradScaler
+
+    path = tmp_path / "torch.json"
+    scaler = GradScaler("cpu", init_scale=256.0, growth_interval=7, backend="numpy")
+    path.write_text(json.dumps(scaler.state_dict()))
+    assert main(["inspect", "--json", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["format"] == "torch GradScaler state_dict (JSON)" and data["scale"] == 256.0
+    assert data["config"]["growth_interval"] == 7 and data["steps"] is None
+
+
+def test_paddle_facade_state_dict_as_json(tmp_path, capsys):
+    from polyamp.compat.paddle import GradScaler
+
+    state = GradScaler(init_loss_scaling=512.0, decr_every_n_nan_or_inf=2, backend="numpy").state_dict()
+    state["scale"] = state["scale"].tolist()  # paddle's 1-element array, as JSON
+    path = tmp_path / "paddle.json"
+    path.write_text(json.dumps(state))
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "paddle GradScaler state_dict (JSON)" in text and "scale:    512" in text
+    assert "backoff_interval=2" in text and "not saved in this format" in text
+
+
+class Boom:
+    def __reduce__(self):
+        return (Path.write_text, (Path("/tmp/polyamp-inspect-executed"), "x"))
+
+
+@pytest.mark.parametrize(("content", "words"), [
+    (None, "No such file"),
+    ("dir", "is a directory"),
+    (b"\x00\x01garbage", "not valid JSON"),
+    (json.dumps([1, 2]).encode(), "holds JSON list"),
+    (json.dumps({"a": 1}).encode(), "not a checkpoint polyamp can load"),
+    (json.dumps({"format": "polyamp.LossScaler", "version": 1, "config": {}, "scale": -1.0,
+                 "growth_tracker": 0, "backoff_tracker": 0}).encode(), "scale"),
+    (json.dumps({"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 0,
+                 "_growth_tracker": 0}).encode(), "growth_interval"),
+    ("pickle", "not valid JSON"),
+])
+def test_anything_else_exits_2_with_one_line(tmp_path, content, words):
+    path = tmp_path / "x"
+    if content == "dir":
+        path.mkdir()
+    elif content == "pickle":
+        path.write_bytes(pickle.dumps(Boom()))
+    elif content is not None:
+        path.write_bytes(content)
+    out = _run(str(path))
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("polyamp inspect: error: ") and words in lines[0]
+    assert not Path("/tmp/polyamp-inspect-executed").exists()  # nothing in the file ran
