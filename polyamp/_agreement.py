@@ -62,6 +62,7 @@ class Agreement:
         self._sent: list[tuple[Any, Any]] = []  # this iteration's (device message, fingerprint)
         self._device_bits: Any = None
         self._config: tuple[LossScaleConfig, int] | None = None
+        self._message = np.zeros(_message_size(), np.float64)  # the host path's buffer, reused
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -111,15 +112,16 @@ class Agreement:
         host = self._next(config, payload=payload)
         like = found_inf if extra is None else extra
         if _on_host(found_inf, extra, state):
-            message = np.zeros(fp.MESSAGE, np.float64)
-            message[0] = float(_host(found_inf))
+            message = self._message  # reused: nothing keeps it past this call
+            message[0] = float(found_inf)  # 0-d, in host memory: no sync
+            message[1:fp.HEAD] = 0.0
             if extra is not None:
                 message[1:1 + _size(extra)] = np.asarray(_host(extra), np.float64).reshape(-1)
             mine = fp.Fingerprint(*host, *_host_state(state))
             message[fp.HEAD:] = fp.host_bits(mine)
             self.reducer.allreduce_sum_(message)
             self._check_now(message[fp.HEAD:], mine)
-            agreed = _new_like(like, message[0], None)
+            agreed = _new_flag(like, message[0])
             summed = None if extra is None else _new_like(extra, message[1:1 + _size(extra)], extra)
             return Agreed(agreed, summed)
         return self._on_device(found_inf, extra, host, state, like)
@@ -233,16 +235,33 @@ def _fix(what: str) -> str:
             "or update(new_scale) on every rank alike.")
 
 
+def _message_size() -> int:
+    from .distributed import _fingerprint as fp
+
+    return fp.MESSAGE
+
+
 def _size(array: Any) -> int:
     return int(np.prod(tuple(array.shape)))
 
 
 def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
     """Whether the flag, extra and state all live in host memory (reading them costs no sync)."""
-    arrays = [a for a in (found_inf, extra) if a is not None and not isinstance(a, bool)]
-    if state is not None and not isinstance(state, HostState):
-        arrays.append(state.scale)
-    return all(_host_view(a) is not None for a in arrays)
+    scale = None if state is None or isinstance(state, HostState) else state.scale
+    return all(a is None or isinstance(a, bool) or _is_host(a) for a in (found_inf, extra, scale))
+
+
+def _is_host(array: Any) -> bool:
+    """Whether ``array``'s memory is host memory (no copy, no sync)."""
+    if isinstance(array, (np.ndarray, np.generic)):
+        return True
+    is_cpu = getattr(array, "is_cpu", None)  # torch: a plain attribute read
+    if isinstance(is_cpu, bool):
+        return is_cpu
+    try:
+        return array.__dlpack_device__()[0] == _CPU
+    except Exception:  # no DLPack: treated as device memory (the generic path)
+        return False
 
 
 def _host_view(array: Any) -> np.ndarray | None:
@@ -272,8 +291,20 @@ def _host_state(state: Any) -> tuple[int, int, int]:
 
     if isinstance(state, HostState):
         return fp.scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
-    scale, growth, backoff = (_to_numpy(a) for a in state)
+    scale, growth, backoff = state
+    if not _is_host(scale):
+        scale, growth, backoff = (_to_numpy(a) for a in state)
     return fp.scale_bits(float(scale)), int(growth), int(backoff)
+
+
+def _new_flag(like: Any, value: float) -> Any:
+    """A new 0-d float32 array holding ``value``, in ``like``'s library, in host memory."""
+    if isinstance(like, (np.ndarray, np.generic, bool)):
+        return np.asarray(value, np.float32)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(like, torch.Tensor):
+        return torch.tensor(value, dtype=torch.float32, device=like.device)
+    return _new_like(like, value, None)
 
 
 def _new_like(like: Any, values: Any, shape_of: Any) -> Any:

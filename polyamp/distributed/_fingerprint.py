@@ -11,6 +11,7 @@ other ranks is read back from the sums where they agree among themselves (always
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -23,7 +24,8 @@ BITS = len(FIELDS) * WIDTH
 #: Elements before the bits: the non-finite count and two extra values (e.g. a sum of squares pair).
 HEAD = 3
 MESSAGE = HEAD + BITS
-_SHIFTS = np.arange(WIDTH, dtype=np.uint64)
+_MASK = 2**WIDTH - 1
+_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
 
 
 class Fingerprint(NamedTuple):
@@ -41,13 +43,13 @@ class Fingerprint(NamedTuple):
 
 def scale_bits(scale: float) -> int:
     """The float32 bit pattern of ``scale`` (what a device computes from the scale array)."""
-    return int(np.array(scale, np.float32).view(np.uint32))
+    return _U32.unpack(_F32.pack(scale))[0]
 
 
 def host_bits(values: Fingerprint | list[int]) -> np.ndarray:
-    """The fingerprint as ``BITS`` float64 values of 0 and 1 (field by field, least bit first)."""
-    words = np.array([int(v) % 2**WIDTH for v in values], dtype=np.uint64)
-    return ((words[:, None] >> _SHIFTS) & np.uint64(1)).astype(np.float64).reshape(-1)
+    """The fingerprint as ``BITS`` uint8 values of 0 and 1 (field by field, least bit first)."""
+    words = np.array([v & _MASK for v in values], dtype="<u4")
+    return np.unpackbits(words.view(np.uint8), bitorder="little")
 
 
 class DeviceBits:
@@ -80,15 +82,20 @@ class DeviceBits:
 
 
 def misaligned(bit_sums: np.ndarray, ranks: int) -> bool:
-    """Whether any fingerprint bit was not the same on every rank (host side)."""
-    return bool(np.any((bit_sums != 0) & (bit_sums != ranks)))
+    """Whether any fingerprint bit was not the same on every rank (host side).
+
+    Each sum s is in [0, ranks]; s * (ranks - s) is 0 exactly at 0 and ranks, so one exact dot
+    product of small integers answers for all bits.
+    """
+    sums = np.asarray(bit_sums, np.float64)
+    return bool(np.dot(sums, ranks - sums) != 0.0)
 
 
 def describe(bit_sums: np.ndarray, ranks: int, mine: Fingerprint) -> str:
     """What differs between this rank and the others, e.g. "scale 2**10 on this rank, 2**20 on
     the other ranks"; fields are named in the order they explain a misalignment best."""
     sums = np.asarray(bit_sums, dtype=np.float64).reshape(len(FIELDS), WIDTH)
-    own = host_bits(mine).reshape(len(FIELDS), WIDTH)
+    own = host_bits(mine).astype(np.float64).reshape(len(FIELDS), WIDTH)
     others = sums - own  # each bit summed over the other ranks
     differs = np.any((sums != 0) & (sums != ranks), axis=1)
     value: dict[str, int | None] = {}

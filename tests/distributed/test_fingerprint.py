@@ -30,7 +30,7 @@ def test_device_bits_equal_host_bits(scale):
 
 
 def _sums(*prints: fp.Fingerprint) -> np.ndarray:
-    return sum(fp.host_bits(p) for p in prints)
+    return sum(fp.host_bits(p).astype(np.float64) for p in prints)
 
 
 def _print(scale: float = 1024.0, **fields) -> fp.Fingerprint:
