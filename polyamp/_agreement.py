@@ -60,7 +60,7 @@ class Agreement:
         self.iteration = 0  # iterations ended (update() calls) since this agreement was made
         self.collective = 0  # agreements so far in this iteration
         self._sent: list[tuple[Any, Any]] = []  # this iteration's (device message, fingerprint)
-        self._device_bits: Any = None
+        self._encoders: dict[Any, Any] = {}  # (device, encoding) -> DeviceEncoder
         self._config: tuple[LossScaleConfig, int] | None = None
         self._message = np.zeros(_message_size(), np.float64)  # the host path's buffer, reused
 
@@ -73,7 +73,7 @@ class Agreement:
         """How many values :meth:`sum_payload_` needs after the payload (the fingerprint's bits)."""
         from .distributed import _fingerprint as fp
 
-        return fp.BITS
+        return fp.BITS.size
 
     @property
     def unverified(self) -> bool:
@@ -118,9 +118,9 @@ class Agreement:
             if extra is not None:
                 message[1:1 + _size(extra)] = np.asarray(_host(extra), np.float64).reshape(-1)
             mine = fp.Fingerprint(*host, *_host_state(state))
-            message[fp.HEAD:] = fp.host_bits(mine)
+            message[fp.HEAD:] = fp.encode(mine, fp.BYTES)
             self.reducer.allreduce_sum_(message)
-            self._check_now(message[fp.HEAD:], mine)
+            self._check_now(message[fp.HEAD:], mine, fp.BYTES)
             agreed = _new_flag(like, message[0])
             summed = None if extra is None else _new_like(extra, message[1:1 + _size(extra)], extra)
             return Agreed(agreed, summed)
@@ -139,12 +139,12 @@ class Agreement:
             count = xp.reshape(xp.astype(xp.asarray(found_inf, device=device), f64), (1,))
         pad = xp.zeros(fp.HEAD - 1 - (0 if extra is None else _size(extra)), dtype=f64, device=device)
         parts = [count] if extra is None else [count, xp.reshape(xp.astype(extra, f64), (-1,))]
-        message = xp.concat([*parts, pad, self._bits(xp, device, host, state)])
+        encoder = self._encoder(xp, device, fp.BYTES)
+        message = xp.concat([*parts, pad, self._encode(encoder, host, state)])
         self.reducer.allreduce_sum_(message)
         sums = message[fp.HEAD:]
-        self._sent.append((sums, host, state))
-        size = float(self.reducer.size)
-        off = xp.astype(xp.any((sums != 0.0) & (sums != size)), xp.float32)
+        self._sent.append((sums, host, state, fp.BYTES))
+        off = xp.astype(encoder.misaligned(sums, self.reducer.size), xp.float32)
         agreed = xp.astype(message[0], xp.float32) + off
         summed = None
         if extra is not None:
@@ -165,28 +165,33 @@ class Agreement:
         view = _host_view(storage)
         if view is not None and _on_host(None, None, state):
             mine = fp.Fingerprint(*host, *_host_state(state))
-            view[payload:] = fp.host_bits(mine)
+            view[payload:] = fp.encode(mine, fp.BITS)
             self.reducer.allreduce_sum_(storage)
-            self._check_now(view[payload:], mine)
+            self._check_now(view[payload:], mine, fp.BITS)
             return None
         xp = array_api_compat.array_namespace(storage)
-        storage[payload:] = xp.astype(self._bits(xp, array_api_compat.device(storage), host, state),
-                                      storage.dtype)
+        encoder = self._encoder(xp, array_api_compat.device(storage), fp.BITS)
+        storage[payload:] = xp.astype(self._encode(encoder, host, state), storage.dtype)
         self.reducer.allreduce_sum_(storage)
         sums = storage[payload:]
-        self._sent.append((sums, host, state))
-        size = float(self.reducer.size)
-        return xp.astype(xp.any((sums != 0.0) & (sums != size)), xp.float32)
+        self._sent.append((sums, host, state, fp.BITS))
+        return xp.astype(encoder.misaligned(sums, self.reducer.size), xp.float32)
 
-    def _bits(self, xp: Any, device: Any, host: list[int], state: Any) -> Any:
-        """The fingerprint bits on ``device`` (float64), computed there: no host read."""
+    def _encoder(self, xp: Any, device: Any, encoding: Any) -> Any:
+        """The device encoder for ``encoding`` on ``device`` (made once per device)."""
         from .distributed import _fingerprint as fp
 
-        if self._device_bits is None or self._device_bits.device != device:
-            self._device_bits = fp.DeviceBits(xp, device)
+        key = (device, encoding)
+        if key not in self._encoders:
+            self._encoders[key] = fp.DeviceEncoder(xp, device, encoding)
+        return self._encoders[key]
+
+    @staticmethod
+    def _encode(encoder: Any, host: list[int], state: Any) -> Any:
+        """The fingerprint encoded on the encoder's device (float64), computed there: no host read."""
         if isinstance(state, HostState):
-            return self._device_bits([*host, *_host_state(state)])
-        return self._device_bits(host, *state)
+            return encoder([*host, *_host_state(state)])
+        return encoder(host, *state)
 
     # -- checking -------------------------------------------------------------------
     def verify(self) -> None:
@@ -194,17 +199,17 @@ class Agreement:
         ranks that differ (reads them: a host sync, only on skipped steps)."""
         from .distributed import _fingerprint as fp
 
-        for sums, host, state in self._sent:
-            self._check_now(_to_numpy(sums), fp.Fingerprint(*host, *_host_state(state)))
+        for sums, host, state, encoding in self._sent:
+            self._check_now(_to_numpy(sums), fp.Fingerprint(*host, *_host_state(state)), encoding)
 
-    def _check_now(self, bit_sums: Any, mine: Any) -> None:
+    def _check_now(self, sums: Any, mine: Any, encoding: Any) -> None:
         from .distributed import RankMismatchError
         from .distributed import _fingerprint as fp
 
         red = self.reducer
-        if not fp.misaligned(bit_sums, red.size):
+        if not fp.misaligned(sums, red.size, encoding):
             return
-        what = fp.describe(bit_sums, red.size, mine)
+        what = fp.describe(sums, red.size, mine, encoding)
         red.retire(f"an agreement found the ranks misaligned ({what})")
         raise RankMismatchError(
             f"{red.describe()}: the ranks are not aligned, so no rank applies this step: {what}. "

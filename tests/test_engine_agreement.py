@@ -16,7 +16,7 @@ import pytest
 
 from polyamp import ConfigError, LossScaleConfig, LossScaler, ScalerStateError, clip_grad_norm_, global_norm
 from polyamp.distributed import Reducer, config_fingerprint
-from polyamp.distributed._fingerprint import FIELDS, HEAD, MESSAGE, WIDTH
+from polyamp.distributed._fingerprint import FIELDS, HEAD, MESSAGE
 
 
 class OneRank(Reducer):
@@ -38,9 +38,9 @@ class OneRank(Reducer):
 
 
 def _fields(values: list[float]) -> dict[str, int]:
-    """The fingerprint a one-rank message carries, read back from its bits."""
-    bits = np.array(values[HEAD:]).reshape(len(FIELDS), WIDTH)
-    return {name: int(np.dot(row, 2.0 ** np.arange(WIDTH))) for name, row in zip(FIELDS, bits)}
+    """The fingerprint a one-rank message carries, read back from its bytes."""
+    octets = np.array(values[HEAD:HEAD + 4 * len(FIELDS)]).reshape(len(FIELDS), 4)
+    return {name: int(np.dot(row, 256.0 ** np.arange(4))) for name, row in zip(FIELDS, octets)}
 
 
 def _grads(bad: bool = False) -> list[np.ndarray]:

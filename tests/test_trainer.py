@@ -338,7 +338,7 @@ def test_reducer_averages_the_gradient_buffer_in_one_collective_per_step(loss_sc
     from polyamp.distributed._fingerprint import BITS, MESSAGE
 
     assert red.sent[0] == ("sum", (MESSAGE,), "float64")  # the sizes and configs checked, once
-    assert red.sent[1:] == [("sum", (n + BITS,), "float32")] * 4  # then the flat buffer + fingerprint
+    assert red.sent[1:] == [("sum", (n + BITS.size,), "float32")] * 4  # the flat buffer + fingerprint
 
 
 def test_reducer_is_checked_when_the_trainer_is_built():

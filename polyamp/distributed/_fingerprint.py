@@ -1,11 +1,14 @@
-"""What every rank must hold equal, written as bits that the step's one SUM all-reduce checks.
+"""What every rank must hold equal, written as digits that the step's one SUM all-reduce checks.
 
-An agreement message is ``[non-finite count, extra0, extra1, *bits]`` (float64, the same length on
-every rank and call). ``bits`` are the 32 bits of each field in :data:`FIELDS`, one value 0/1 per
-element. Summed over n ranks, a bit is 0 or n exactly when every rank sent the same bit (sums of
-0/1 values are exact in float32 up to 2**24 ranks, in float64 up to 2**53), so misalignment is
-found inside the collective that agrees the flag, at no extra collective. A field's value on the
-other ranks is read back from the sums where they agree among themselves (always with 2 ranks).
+An agreement message is ``[non-finite count, extra0, extra1, *digits, *squares]`` (float64, the
+same length on every rank and call): each 32-bit field of :data:`FIELDS` as 4 bytes, and each
+byte squared. Summed over n ranks, ``sum**2 == n * sum_of_squares`` holds for a byte exactly
+when every rank sent the same byte (Cauchy-Schwarz; every number stays an exact integer in float64
+below 2**21 ranks), so misalignment is found inside the collective that agrees the flag, at no
+extra collective. The trainer's float32 gradient buffer carries the fields as bits instead (a
+bit's sum is 0 or n; exact below 2**24 ranks), whose squares are the bits themselves. A field's
+value on the other ranks is read back from the sums where they agree among themselves (always
+with 2 ranks).
 """
 
 from __future__ import annotations
@@ -20,12 +23,34 @@ import numpy as np
 FIELDS = ("config", "iteration", "collective", "sequence", "payload", "scale", "growth_tracker",
           "backoff_tracker")
 WIDTH = 32
-BITS = len(FIELDS) * WIDTH
-#: Elements before the bits: the non-finite count and two extra values (e.g. a sum of squares pair).
-HEAD = 3
-MESSAGE = HEAD + BITS
 _MASK = 2**WIDTH - 1
 _F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
+
+
+class Encoding(NamedTuple):
+    """How the fields travel: ``digit_bits`` bits per value, and the squares after the digits."""
+
+    digit_bits: int
+    squares: bool
+
+    @property
+    def digits(self) -> int:
+        """Digits per message (all fields)."""
+        return len(FIELDS) * WIDTH // self.digit_bits
+
+    @property
+    def size(self) -> int:
+        """Values per message: the digits, and their squares where they are not 0/1."""
+        return self.digits * (2 if self.squares else 1)
+
+
+#: float64 agreement messages: bytes and their squares (exact below 2**21 ranks).
+BYTES = Encoding(8, True)
+#: float32 gradient buffers (the data-parallel trainer): bits (exact below 2**24 ranks).
+BITS = Encoding(1, False)
+#: Elements before the fingerprint: the non-finite count and two extra values (a sum of squares pair).
+HEAD = 3
+MESSAGE = HEAD + BYTES.size
 
 
 class Fingerprint(NamedTuple):
@@ -46,29 +71,35 @@ def scale_bits(scale: float) -> int:
     return _U32.unpack(_F32.pack(scale))[0]
 
 
-def host_bits(values: Fingerprint | list[int]) -> np.ndarray:
-    """The fingerprint as ``BITS`` uint8 values of 0 and 1 (field by field, least bit first)."""
-    words = np.array([v & _MASK for v in values], dtype="<u4")
-    return np.unpackbits(words.view(np.uint8), bitorder="little")
+def encode(values: Fingerprint | list[int], encoding: Encoding = BYTES) -> np.ndarray:
+    """The fingerprint as ``encoding.size`` float64 values (field by field, lowest digit first)."""
+    octets = np.array([v & _MASK for v in values], dtype="<u4").view(np.uint8)
+    if encoding.digit_bits == 1:
+        return np.unpackbits(octets, bitorder="little").astype(np.float64)
+    digits = octets.astype(np.float64)
+    return np.concatenate([digits, digits * digits])
 
 
-class DeviceBits:
-    """Computes the bits on the state's device, without a host read (for GPU arrays).
+class DeviceEncoder:
+    """Computes the encoding on the state's device, without a host read (for GPU arrays).
 
     Host fields enter as fills (kernel arguments, no host-to-device copy); the scale's bit
     pattern is rebuilt exactly from comparisons with the powers of two (no bit cast needed).
     """
 
-    def __init__(self, xp: Any, device: Any) -> None:
-        self.xp, self.device = xp, device
+    def __init__(self, xp: Any, device: Any, encoding: Encoding = BYTES) -> None:
+        self.xp, self.device, self.encoding = xp, device, encoding
         f64 = xp.float64
+        per_field = WIDTH // encoding.digit_bits
         self._powers = xp.asarray(np.ldexp(1.0, np.arange(-126, 128)), dtype=f64, device=device)
-        self._shifts = xp.asarray(np.ldexp(1.0, -np.arange(WIDTH)), dtype=f64, device=device)
+        steps = -encoding.digit_bits * np.arange(per_field)
+        self._shifts = xp.asarray(np.ldexp(1.0, steps), dtype=f64, device=device)
+        self._base = float(2**encoding.digit_bits)
 
     def __call__(self, host: list[int], scale: Any = None, growth: Any = None, backoff: Any = None) -> Any:
-        """The bits of ``host`` (every field's value, or the first five with the state arrays)."""
+        """The encoding of ``host`` (every field's value, or the first five with the state arrays)."""
         xp, f64 = self.xp, self.xp.float64
-        words = [xp.full((), float(v % 2**WIDTH), dtype=f64, device=self.device) for v in host]
+        words = [xp.full((), float(v & _MASK), dtype=f64, device=self.device) for v in host]
         if scale is not None:
             s = xp.astype(scale, f64)
             above = s >= self._powers
@@ -77,34 +108,48 @@ class DeviceBits:
             pattern = exponent * 2.0**23 + (s / power - 1.0) * 2.0**23  # the float32 bit pattern
             words += [pattern, xp.astype(growth, f64), xp.astype(backoff, f64)]
         stacked = xp.stack([xp.reshape(w, ()) for w in words])
-        halves = xp.floor(stacked[:, None] * self._shifts[None, :])
-        return xp.reshape(halves - 2.0 * xp.floor(halves / 2.0), (-1,))
+        high = xp.floor(stacked[:, None] * self._shifts[None, :])
+        digits = xp.reshape(high - self._base * xp.floor(high / self._base), (-1,))
+        return xp.concat([digits, digits * digits]) if self.encoding.squares else digits
+
+    def misaligned(self, sums: Any, ranks: int) -> Any:
+        """A 0-d bool on the device: True when some digit differed between the ranks."""
+        xp = self.xp
+        sums = xp.astype(sums, xp.float64)
+        n = self.encoding.digits
+        squares = sums[n:] if self.encoding.squares else sums
+        return xp.any(sums[:n] * sums[:n] != float(ranks) * squares)
 
 
-def misaligned(bit_sums: np.ndarray, ranks: int) -> bool:
-    """Whether any fingerprint bit was not the same on every rank (host side).
-
-    Each sum s is in [0, ranks]; s * (ranks - s) is 0 exactly at 0 and ranks, so one exact dot
-    product of small integers answers for all bits.
-    """
-    sums = np.asarray(bit_sums, np.float64)
-    return bool(np.dot(sums, ranks - sums) != 0.0)
+def _split(sums: np.ndarray, encoding: Encoding) -> tuple[np.ndarray, np.ndarray]:
+    sums = np.asarray(sums, dtype=np.float64)
+    n = encoding.digits
+    return (sums[:n], sums[n:]) if encoding.squares else (sums, sums)
 
 
-def describe(bit_sums: np.ndarray, ranks: int, mine: Fingerprint) -> str:
+def misaligned(sums: np.ndarray, ranks: int, encoding: Encoding = BYTES) -> bool:
+    """Whether any digit was not the same on every rank (host side)."""
+    digits, squares = _split(sums, encoding)
+    return bool(np.any(digits * digits != ranks * squares))
+
+
+def describe(sums: np.ndarray, ranks: int, mine: Fingerprint, encoding: Encoding = BYTES) -> str:
     """What differs between this rank and the others, e.g. "scale 2**10 on this rank, 2**20 on
     the other ranks"; fields are named in the order they explain a misalignment best."""
-    sums = np.asarray(bit_sums, dtype=np.float64).reshape(len(FIELDS), WIDTH)
-    own = host_bits(mine).astype(np.float64).reshape(len(FIELDS), WIDTH)
-    others = sums - own  # each bit summed over the other ranks
-    differs = np.any((sums != 0) & (sums != ranks), axis=1)
+    digits, squares = _split(sums, encoding)
+    own, _ = _split(encode(mine, encoding), encoding)
+    per_field = WIDTH // encoding.digit_bits
+    shape = (len(FIELDS), per_field)
+    digits, squares, own = digits.reshape(shape), squares.reshape(shape), own.reshape(shape)
+    differs = np.any(digits * digits != ranks * squares, axis=1)
+    others, others_sq = digits - own, squares - own * own  # each digit summed over the other ranks
+    weights = 2.0 ** (encoding.digit_bits * np.arange(per_field))
     value: dict[str, int | None] = {}
     for i, name in enumerate(FIELDS):
-        agree = np.all((others[i] == 0) | (others[i] == ranks - 1))
-        value[name] = int(np.dot(others[i] / (ranks - 1), 2.0 ** np.arange(WIDTH))) if agree else None
+        agree = np.all(others[i] * others[i] == (ranks - 1) * others_sq[i])
+        value[name] = int(np.dot(others[i] / (ranks - 1), weights)) if agree else None
     parts = []
-    if differs[FIELDS.index("iteration")] or differs[FIELDS.index("collective")] or differs[
-            FIELDS.index("sequence")]:
+    if any(differs[FIELDS.index(f)] for f in ("iteration", "collective", "sequence")):
         parts.append(_position(mine, value))
     for name in ("config", "payload", "scale", "growth_tracker", "backoff_tracker"):
         if differs[FIELDS.index(name)]:

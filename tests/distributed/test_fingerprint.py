@@ -17,20 +17,28 @@ from polyamp.policy import LossScaleState
 SCALES = [2.0**-126, 2.0**-100, 0.3, 1.0, 3.0, 1024.0, 65536.0, 2.0**100 * 1.75, 3.4028234663852886e38]
 
 
+ENCODINGS = [fp.BYTES, fp.BITS]
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS, ids=["bytes", "bits"])
 @pytest.mark.parametrize("scale", SCALES)
-def test_device_bits_equal_host_bits(scale):
+def test_the_device_encoding_equals_the_host_encoding(scale, encoding):
     host = [123456789, 7, 2, 2**32 - 1, 10**9]
     growth, backoff = 1999, 3
-    device = fp.DeviceBits(np, "cpu")
+    device = fp.DeviceEncoder(np, "cpu", encoding)
     state = (np.array(scale, np.float32), np.array(growth, np.int32), np.array(backoff, np.int32))
     got = device(host, *state)
-    want = fp.host_bits(fp.Fingerprint(*host, fp.scale_bits(np.float32(scale)), growth, backoff))
+    want = fp.encode(fp.Fingerprint(*host, fp.scale_bits(np.float32(scale)), growth, backoff), encoding)
     np.testing.assert_array_equal(got, want)
-    assert got.shape == (fp.BITS,) and set(np.unique(got)) <= {0.0, 1.0}
+    assert got.shape == (encoding.size,) and float(got.max()) <= (255.0**2 if encoding.squares else 1.0)
 
 
-def _sums(*prints: fp.Fingerprint) -> np.ndarray:
-    return sum(fp.host_bits(p).astype(np.float64) for p in prints)
+def test_bytes_and_squares_fit_the_message():
+    assert fp.BYTES.size == 2 * 32 and fp.MESSAGE == fp.HEAD + 64 and fp.BITS.size == 256
+
+
+def _sums(*prints: fp.Fingerprint, encoding=fp.BYTES) -> np.ndarray:
+    return sum(fp.encode(p, encoding) for p in prints)
 
 
 def _print(scale: float = 1024.0, **fields) -> fp.Fingerprint:
@@ -40,9 +48,18 @@ def _print(scale: float = 1024.0, **fields) -> fp.Fingerprint:
     return fp.Fingerprint(**base)
 
 
-def test_equal_fingerprints_are_aligned_for_any_number_of_ranks():
+@pytest.mark.parametrize("encoding", ENCODINGS, ids=["bytes", "bits"])
+def test_equal_fingerprints_are_aligned_for_any_number_of_ranks(encoding):
     for n in (1, 2, 3, 64):
-        assert not fp.misaligned(_sums(*[_print()] * n), n)
+        assert not fp.misaligned(_sums(*[_print()] * n, encoding=encoding), n, encoding)
+    assert fp.misaligned(_sums(_print(), _print(2.0), encoding=encoding), 2, encoding)
+
+
+def test_a_byte_that_differs_is_found_even_when_the_sums_match():
+    """Ranks sending bytes 1 and 3 sum like ranks sending 2 and 2: the squares tell them apart."""
+    a, b, c = _print(iteration=1), _print(iteration=3), _print(iteration=2)
+    assert fp.misaligned(_sums(a, b), 2) and not fp.misaligned(_sums(c, c), 2)
+    assert _sums(a, b)[1] == _sums(c, c)[1]  # the iteration's lowest byte: equal sums
 
 
 def test_two_ranks_name_the_other_value():
@@ -170,8 +187,8 @@ def test_the_device_path_adds_the_mismatch_to_the_agreed_flag(monkeypatch):
 def test_the_trainer_storage_carries_the_fingerprint_after_the_gradients():
     from polyamp import GradBuffer
 
-    buffer = GradBuffer([(2, 3), (4,)], spare=fp.BITS)
-    assert buffer.flat.shape == (10,) and buffer.storage.shape == (10 + fp.BITS,)
+    buffer = GradBuffer([(2, 3), (4,)], spare=fp.BITS.size)
+    assert buffer.flat.shape == (10,) and buffer.storage.shape == (10 + fp.BITS.size,)
     buffer.views[1][...] = 5.0
     assert buffer.storage[6:10].tolist() == [5.0] * 4 and np.shares_memory(buffer.flat, buffer.storage)
     plain = GradBuffer([(2,)])
@@ -205,6 +222,6 @@ def test_on_fault_is_checked():
 def test_state_values_of_a_host_state_are_fingerprinted_too():
     """The trainer without loss scaling fingerprints a fixed scale of 1."""
     state = LossScaleState(np.array(1.0, np.float32), np.array(0, np.int32), np.array(0, np.int32))
-    device = fp.DeviceBits(np, "cpu")
+    device = fp.DeviceEncoder(np, "cpu")
     on_host = device([1, 2, 3, 4, 5, fp.scale_bits(1.0), 0, 0])
     np.testing.assert_array_equal(on_host, device([1, 2, 3, 4, 5], *state))
