@@ -21,13 +21,14 @@ only NumPy.
 from __future__ import annotations
 
 import os
-import platform
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "ENV_VAR",
@@ -56,7 +57,7 @@ _forced_threads: int | None = None
 _compiled: dict[str, Callable[..., bool]] | None = None
 _compile_tried = False
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_pool: ThreadPoolExecutor | None = None  # concurrent.futures is imported with the first pool
 _pool_key: tuple[int, int] = (0, 0)  # (pid, workers) the pool was made for: a forked child makes its own
 
 # Exponent mask per dtype name: a value is inf/nan exactly when all its exponent bits are set.
@@ -263,6 +264,8 @@ def _native_half() -> bool:
 
     Elsewhere LLVM would call a runtime function numba does not link, which aborts the process.
     """
+    import platform
+
     from numba.core import codegen, config
 
     machine = platform.machine().lower()
@@ -420,6 +423,8 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     global _pool, _pool_key
     key = (os.getpid(), workers)
     if _pool_key != key or _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
         with _lock:
             if _pool_key != key or _pool is None:
                 _pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="polyamp-numpy")
@@ -446,6 +451,8 @@ def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str, workers: 
     parts = min(workers, x.nbytes // PARALLEL_BYTES)
     if parts < 2:
         return bool(fn(x, inv, scale))
+    from concurrent.futures import wait
+
     line = 64 // x.dtype.itemsize
     step = -(-x.size // parts // line) * line
     pool = _executor(workers)
