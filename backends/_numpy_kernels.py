@@ -33,11 +33,13 @@ if TYPE_CHECKING:
 __all__ = [
     "ENV_VAR",
     "KERNELS",
+    "THREADS_ENV_VAR",
     "active_kernel",
     "all_finite",
     "compiled_available",
     "set_kernel",
     "set_threads",
+    "threads",
     "unscale_and_check_",
 ]
 
