@@ -61,6 +61,8 @@ _compile_tried = False
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None  # concurrent.futures is imported with the first pool
 _pool_key: tuple[int, int] = (0, 0)  # (pid, workers) the pool was made for: a forked child makes its own
+_names: dict[np.dtype, str] = {}
+_cpus: int | None = None
 
 # Exponent mask per dtype name: a value is inf/nan exactly when all its exponent bits are set.
 _EXP_MASK = {
@@ -134,10 +136,20 @@ def threads() -> int:
 
 
 def _usable_cpus() -> int:
-    """The cpus this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
+    """The cpus this process may run on (its affinity mask where the OS has one), read once."""
+    global _cpus
+    if _cpus is None:
+        has_mask = hasattr(os, "sched_getaffinity")
+        _cpus = max(1, len(os.sched_getaffinity(0)) if has_mask else os.cpu_count() or 1)
+    return _cpus
+
+
+def _name(dtype: np.dtype) -> str:
+    """``dtype.name``, remembered: NumPy builds that string anew on every access (microseconds)."""
+    name = _names.get(dtype)
+    if name is None:
+        name = _names[dtype] = dtype.name
+    return name
 
 
 def active_kernel() -> str:
@@ -340,7 +352,7 @@ def _limits(dtype: np.dtype) -> tuple[type, type, np.integer, np.integer]:
     """
     bits = 8 * dtype.itemsize
     signed, unsigned = np.dtype(f"int{bits}").type, np.dtype(f"uint{bits}").type
-    mask = _EXP_MASK[dtype.name]
+    mask = _EXP_MASK[_name(dtype)]
     return signed, unsigned, signed(mask), unsigned(mask | 1 << (bits - 1))
 
 
@@ -400,7 +412,7 @@ def _check_dtype(g: np.ndarray) -> None:
     """
     if isinstance(g, np.matrix):
         raise TypeError("a gradient is a numpy.matrix; pass np.asarray(m), an ndarray view of its memory")
-    if not isinstance(g, np.ndarray) or g.dtype.name not in _EXP_MASK:
+    if not isinstance(g, np.ndarray) or _name(g.dtype) not in _EXP_MASK:
         raise TypeError(
             f"gradients must be float16/bfloat16/float32/float64 ndarrays, got {getattr(g, 'dtype', type(g))}"
         )
@@ -410,7 +422,7 @@ def _fast_path(x: np.ndarray, kernel: str) -> Callable[[np.ndarray, np.float32, 
     """The function for flat ``x`` on ``kernel``: the compiled one where it exists and ``x`` is writable."""
     if kernel == "compiled" and x.flags.writeable:
         kernels = _load_compiled()
-        fn = kernels.get(x.dtype.name) if kernels else None
+        fn = kernels.get(_name(x.dtype)) if kernels else None
         if fn is not None:
             return fn
     return _blocked
@@ -498,7 +510,7 @@ def all_finite(arrays: Sequence[np.ndarray]) -> bool:
     with np.errstate(all="ignore"):
         for a in arrays:
             a = np.asarray(a)
-            if a.dtype.name not in _EXP_MASK:
+            if _name(a.dtype) not in _EXP_MASK:
                 if a.dtype.kind in "fc" and not np.isfinite(a).all():
                     return False
             elif _process(a, one, False, kernel, workers):
