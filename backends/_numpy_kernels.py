@@ -2,14 +2,20 @@
 
 Three interchangeable paths give bit-identical gradients and the same flag:
 
-* ``compiled``: one numba loop per float32/float64 gradient that reads each value once, ORs the
-  exponent bits into an integer flag and writes ``v * inv`` (compiled lazily, cached on disk);
+* ``compiled``: one numba loop per gradient that reads each value once, ORs the exponent bits
+  into an integer flag and writes ``v * inv`` (compiled lazily, cached on disk). float16 and
+  bfloat16 are widened to float32, multiplied and rounded back to nearest-even, as torch does:
+  float16 through the CPU's conversion instructions (F16C on x86), bfloat16 as integer bit
+  operations on two values per 32-bit word;
 * ``blocked``: pure NumPy over cache-sized blocks, so the check and the multiply share one trip
   through memory;
 * ``naive``: ``isfinite(g).all()`` then ``g *= inv`` (two passes and a gradient-sized temporary).
 
 The path is ``set_kernel(name)`` if set, else ``$POLYAMP_NUMPY_KERNEL``, else ``compiled`` when
-numba imports (``blocked`` otherwise). Importing this module imports only NumPy.
+numba imports (``blocked`` otherwise). A gradient of at least ``2 * PARALLEL_BYTES`` is cut into
+contiguous parts run on ``set_threads(n)`` / ``$POLYAMP_NUMPY_THREADS`` threads (default: the
+usable cpus), as torch's kernel runs on its intra-op threads. Importing this module imports
+only NumPy.
 """
 
 from __future__ import annotations
@@ -17,32 +23,46 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
     "ENV_VAR",
     "KERNELS",
+    "THREADS_ENV_VAR",
     "active_kernel",
     "all_finite",
     "compiled_available",
     "set_kernel",
+    "set_threads",
+    "threads",
     "unscale_and_check_",
 ]
 
 ENV_VAR = "POLYAMP_NUMPY_KERNEL"
+THREADS_ENV_VAR = "POLYAMP_NUMPY_THREADS"
 KERNELS = ("compiled", "blocked", "naive")
 #: Bytes per block of the blocked path: the check and the multiply of a block hit L2, not DRAM.
 BLOCK_BYTES = 512 * 1024
+#: Least bytes per thread: below this, handing a part to a thread costs more than it saves.
+PARALLEL_BYTES = 4 * 1024 * 1024
 
 #: Why the compiled path is unavailable (``None`` while it works or has not been tried yet).
 compiled_error: str | None = None
 
 _forced: str | None = None
-_compiled: dict[np.dtype, Callable[..., bool]] | None = None
+_forced_threads: int | None = None
+_compiled: dict[str, Callable[..., bool]] | None = None
 _compile_tried = False
 _lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None  # concurrent.futures is imported with the first pool
+_pool_key: tuple[int, int] = (0, 0)  # (pid, workers) the pool was made for: a forked child makes its own
+_names: dict[np.dtype, str] = {}
+_cpus: int | None = None
 
 # Exponent mask per dtype name: a value is inf/nan exactly when all its exponent bits are set.
 _EXP_MASK = {
@@ -53,6 +73,16 @@ _EXP_MASK = {
 }
 _F32_MASK, _F32_CARRY = np.uint32(0x7F800000), np.uint32(0x00800000)
 _F64_MASK, _F64_CARRY = np.uint64(0x7FF0000000000000), np.uint64(0x0010000000000000)
+_F16_MASK, _F16_CARRY = np.uint16(0x7C00), np.uint16(0x0400)
+# bfloat16 two to a 32-bit word: each half's carry sets that half's top bit and stops there
+_BF16X2_MASK, _BF16X2_CARRY = np.uint32(0x7F807F80), np.uint32(0x00800080)
+_BF16X2_TOPS = np.uint32(0x80008000)
+_U32 = np.uint32
+# numba intrinsics the 16-bit kernels call (bit casts, float16 conversions): bound by _jit_kernels
+_as_f32: Any = None
+_as_u32: Any = None
+_f16_to_f32: Any = None
+_f32_to_f16: Any = None
 
 
 # ----------------------------------------------------------------------------- kernel selection
@@ -75,6 +105,50 @@ def _requested() -> str:
     name = _forced or os.environ.get(ENV_VAR, "").strip().lower() or "compiled"
     if name not in KERNELS:
         raise ValueError(f"{ENV_VAR}={name!r}; expected one of {KERNELS}")
+    return name
+
+
+def set_threads(n: int | None) -> None:
+    """Threads a large gradient is cut across (``1``: the calling thread only), or ``None`` for the default.
+
+    Process-wide, like ``set_kernel``; the default is ``$POLYAMP_NUMPY_THREADS``, else the usable cpus.
+    """
+    global _forced_threads
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"set_threads(n) needs a whole number >= 1 or None, got n={n!r}")
+    _forced_threads = n
+
+
+def threads() -> int:
+    """Threads a gradient of at least ``2 * PARALLEL_BYTES`` is cut across now.
+
+    ``set_threads``, then ``$POLYAMP_NUMPY_THREADS``, then the cpus this process may run on.
+    """
+    if _forced_threads is not None:
+        return _forced_threads
+    text = os.environ.get(THREADS_ENV_VAR, "").strip()
+    if not text:
+        return _usable_cpus()
+    n = int(text) if text.isdigit() else 0
+    if n < 1:
+        raise ValueError(f"{THREADS_ENV_VAR}={text!r}; expected a whole number >= 1 (1: no extra threads)")
+    return n
+
+
+def _usable_cpus() -> int:
+    """The cpus this process may run on (its affinity mask where the OS has one), read once."""
+    global _cpus
+    if _cpus is None:
+        has_mask = hasattr(os, "sched_getaffinity")
+        _cpus = max(1, len(os.sched_getaffinity(0)) if has_mask else os.cpu_count() or 1)
+    return _cpus
+
+
+def _name(dtype: np.dtype) -> str:
+    """``dtype.name``, remembered: NumPy builds that string anew on every access (microseconds)."""
+    name = _names.get(dtype)
+    if name is None:
+        name = _names[dtype] = dtype.name
     return name
 
 
@@ -131,23 +205,125 @@ def _scale_check_f64(g: np.ndarray, inv: np.float64, scale: bool) -> bool:
     return (acc >> np.uint64(63)) != 0
 
 
-def _jit_kernels(cache: bool) -> dict[np.dtype, Callable[..., bool]]:
-    """Compile the float32/float64 kernels for their one signature each (eagerly, so errors show).
+def _scale_check_f16(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
+    """Multiply float16 ``g`` (its uint16 bits) by ``inv`` in float32, round back; True if any was inf/nan.
+
+    As torch: widen (exact), multiply in float32, round to nearest-even once (F16C on x86).
+    """
+    acc = np.uint16(0)
+    for i in range(g.size):
+        b = g[i]
+        acc = np.uint16(acc | ((b & _F16_MASK) + _F16_CARRY))
+        if scale:
+            g[i] = _f32_to_f16(_f16_to_f32(b) * inv)
+    return (acc >> np.uint16(15)) != 0
+
+
+def _scale_check_bf16(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
+    """Multiply bfloat16 ``g`` (its uint16 bits) by ``inv`` in float32, round back; True if any was inf/nan.
+
+    Two values per aligned 32-bit word: widen by a shift or a mask, round as torch does,
+    ``(u + 0x7FFF + bit 16 of u) >> 16``. A NaN product has its low 16 bits zero (an input NaN,
+    or inf * 0), so it rounds to a NaN; a NaN ``inv`` must not come here.
+    """
+    head = (g.ctypes.data >> 1) & 1  # a value before the first 4-byte boundary
+    pairs = g[head : head + 2 * ((g.size - head) // 2)].view(np.uint32)
+    acc = _U32(0)
+    for i in range(pairs.size):
+        w = pairs[i]
+        acc = _U32(acc | _U32(_U32(w & _BF16X2_MASK) + _BF16X2_CARRY))
+        if scale:
+            lo = _as_u32(_as_f32(_U32(w << _U32(16))) * inv)
+            hi = _as_u32(_as_f32(_U32(w & _U32(0xFFFF0000))) * inv)
+            lo = _U32(lo + _U32(0x7FFF) + _U32(_U32(lo >> _U32(16)) & _U32(1)))
+            hi = _U32(hi + _U32(0x7FFF) + _U32(_U32(hi >> _U32(16)) & _U32(1)))
+            pairs[i] = _U32(_U32(hi & _U32(0xFFFF0000)) | _U32(lo >> _U32(16)))
+    tail = head + 2 * pairs.size
+    for k in range(g.size - 2 * pairs.size):  # the (at most two) values outside the words
+        j = k if k < head else tail + k - head
+        w = _U32(g[j])
+        acc = _U32(acc | _U32(_U32(w & _BF16X2_MASK) + _BF16X2_CARRY))
+        if scale:
+            u = _as_u32(_as_f32(_U32(w << _U32(16))) * inv)
+            g[j] = np.uint16(_U32(u + _U32(0x7FFF) + _U32(_U32(u >> _U32(16)) & _U32(1))) >> _U32(16))
+    return _U32(acc & _BF16X2_TOPS) != _U32(0)
+
+
+def _numba_casts() -> tuple[Any, Any, Any, Any]:
+    """numba intrinsics: float32 <-> uint32 bit casts (both ways), float16 bits -> float32 -> float16 bits.
+
+    The float16 ones are LLVM's ``half`` conversions, so use them only where ``_native_half()``.
+    """
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    def cast(src: Any, dst: Any, emit: Callable[[Any, Any], Any]) -> Any:
+        def typer(typingctx: Any, value: Any) -> Any:
+            return dst(src), lambda context, builder, sig, args: emit(builder, args[0])
+
+        return intrinsic(typer)
+
+    f32, i32, i16, half = ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.HalfType()
+    return (
+        cast(types.uint32, types.float32, lambda b, v: b.bitcast(v, f32)),
+        cast(types.float32, types.uint32, lambda b, v: b.bitcast(v, i32)),
+        cast(types.uint16, types.float32, lambda b, v: b.fpext(b.bitcast(v, half), f32)),
+        cast(types.float32, types.uint16, lambda b, v: b.bitcast(b.fptrunc(v, half), i16)),
+    )
+
+
+def _native_half() -> bool:
+    """Whether LLVM converts float16 in hardware for numba's target (x86 needs F16C; arm64 always can).
+
+    Elsewhere LLVM would call a runtime function numba does not link, which aborts the process.
+    """
+    import platform
+
+    from numba.core import codegen, config
+
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64"):
+        return False
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
+    return "+f16c" in features.split(",")
+
+
+def _jit_kernels(cache: bool) -> dict[str, Callable[..., bool]]:
+    """Compile the kernels for their one signature each (eagerly, so errors show), keyed by dtype name.
 
     Seconds when compiling; with ``cache`` a later process loads them from ``__pycache__`` instead.
+    The float16 kernel exists only where ``_native_half()``; float16 takes the blocked path elsewhere.
     """
     import numba
+
+    global _as_f32, _as_u32, _f16_to_f32, _f32_to_f16
+    # the kernels find them as module globals when numba compiles them
+    _as_f32, _as_u32, _f16_to_f32, _f32_to_f16 = _numba_casts()
 
     def jit(sig: str, fn: Callable[..., bool]) -> Callable[..., bool]:
         return numba.njit(sig, cache=cache, nogil=True)(fn)
 
-    return {
-        np.dtype(np.float32): jit("b1(f4[::1], f4, b1)", _scale_check_f32),
-        np.dtype(np.float64): jit("b1(f8[::1], f8, b1)", _scale_check_f64),
+    k32 = jit("b1(f4[::1], f4, b1)", _scale_check_f32)
+    k64 = jit("b1(f8[::1], f8, b1)", _scale_check_f64)
+    kbf16 = jit("b1(u2[::1], f4, b1)", _scale_check_bf16)
+    kernels: dict[str, Callable[..., bool]] = {
+        "float32": k32,
+        "float64": lambda x, inv, scale: k64(x, np.float64(inv), scale),
+        # a NaN inv makes NaN products with any low bits, which the word rounding could carry
+        "bfloat16": lambda x, inv, scale: (
+            kbf16(x.view(np.uint16), inv, scale) if inv == inv else _blocked(x, inv, scale)
+        ),
     }
+    if _native_half():
+        k16 = jit("b1(u2[::1], f4, b1)", _scale_check_f16)
+        kernels["float16"] = lambda x, inv, scale: k16(x.view(np.uint16), inv, scale)
+    return kernels
 
 
-def _load_compiled() -> dict[np.dtype, Callable[..., bool]] | None:
+def _load_compiled() -> dict[str, Callable[..., bool]] | None:
     """Import numba and compile (or load from the disk cache) the kernels, once per process.
 
     A cache that fails to load is bypassed; any other failure is kept in ``compiled_error``.
@@ -176,7 +352,7 @@ def _limits(dtype: np.dtype) -> tuple[type, type, np.integer, np.integer]:
     """
     bits = 8 * dtype.itemsize
     signed, unsigned = np.dtype(f"int{bits}").type, np.dtype(f"uint{bits}").type
-    mask = _EXP_MASK[dtype.name]
+    mask = _EXP_MASK[_name(dtype)]
     return signed, unsigned, signed(mask), unsigned(mask | 1 << (bits - 1))
 
 
@@ -236,26 +412,70 @@ def _check_dtype(g: np.ndarray) -> None:
     """
     if isinstance(g, np.matrix):
         raise TypeError("a gradient is a numpy.matrix; pass np.asarray(m), an ndarray view of its memory")
-    if not isinstance(g, np.ndarray) or g.dtype.name not in _EXP_MASK:
+    if not isinstance(g, np.ndarray) or _name(g.dtype) not in _EXP_MASK:
         raise TypeError(
             f"gradients must be float16/bfloat16/float32/float64 ndarrays, got {getattr(g, 'dtype', type(g))}"
         )
 
 
-def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str) -> bool:
+def _fast_path(x: np.ndarray, kernel: str) -> Callable[[np.ndarray, np.float32, bool], bool]:
+    """The function for flat ``x`` on ``kernel``: the compiled one where it exists and ``x`` is writable."""
+    if kernel == "compiled" and x.flags.writeable:
+        kernels = _load_compiled()
+        fn = kernels.get(_name(x.dtype)) if kernels else None
+        if fn is not None:
+            return fn
+    return _blocked
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    """The shared pool of ``workers - 1`` threads (the caller runs one part itself).
+
+    Made anew after a fork (the parent's threads do not exist in the child) or a change of
+    ``threads()``; an old pool is left to the garbage collector, as another call may still use it.
+    """
+    global _pool, _pool_key
+    key = (os.getpid(), workers)
+    if _pool_key != key or _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with _lock:
+            if _pool_key != key or _pool is None:
+                _pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="polyamp-numpy")
+                _pool_key = key
+    return _pool
+
+
+def _quiet(fn: Callable[..., bool], x: np.ndarray, inv: np.float32, scale: bool) -> bool:
+    """``fn(x, inv, scale)`` with NumPy's float warnings off (errstate is per thread)."""
+    with np.errstate(all="ignore"):
+        return bool(fn(x, inv, scale))
+
+
+def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str, workers: int) -> bool:
     """Check (and scale, if ``scale``) one gradient on the chosen path; True if it held inf/nan.
 
-    Compiled kernels exist for float32/float64 only; float16/bfloat16 take the blocked path.
+    A flat gradient of at least ``2 * PARALLEL_BYTES`` is cut into up to ``workers`` contiguous
+    parts (whole 64-byte lines) that run at once; the call returns when all have finished.
     """
     x = _flat(g) if kernel != "naive" else None
     if x is None:
         return _naive(g, inv, scale)
-    if kernel == "compiled" and x.flags.writeable:
-        kernels = _load_compiled()
-        fn = kernels.get(x.dtype) if kernels else None
-        if fn is not None:
-            return bool(fn(x, x.dtype.type(inv), scale))
-    return _blocked(x, inv, scale)
+    fn = _fast_path(x, kernel)
+    parts = min(workers, x.nbytes // PARALLEL_BYTES)
+    if parts < 2:
+        return bool(fn(x, inv, scale))
+    from concurrent.futures import wait
+
+    line = 64 // x.dtype.itemsize
+    step = -(-x.size // parts // line) * line
+    pool = _executor(workers)
+    futures = [pool.submit(_quiet, fn, x[i : i + step], inv, scale) for i in range(step, x.size, step)]
+    try:
+        bad = bool(fn(x[:step], inv, scale))
+    finally:
+        wait(futures)  # never return while a thread still writes the gradient
+    return bad | any([f.result() for f in futures])
 
 
 def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found_inf: np.ndarray) -> None:
@@ -267,7 +487,7 @@ def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found
         raise ValueError("inv_scale and found_inf must hold exactly one element")
     inv = np.float32(np.asarray(inv_scale).reshape(())[()])
     scale = not inv == 1.0
-    kernel = _requested()
+    kernel, workers = _requested(), threads()
     for g in grads:
         _check_dtype(g)
         if scale and not g.flags.writeable:
@@ -275,7 +495,7 @@ def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found
     bad = False
     with np.errstate(all="ignore"):  # torch is silent about inf/nan/overflow; so are we
         for g in grads:
-            bad |= _process(g, inv, scale, kernel)
+            bad |= _process(g, inv, scale, kernel, workers)
     if bad:
         found_inf[...] = 1.0
 
@@ -285,14 +505,14 @@ def all_finite(arrays: Sequence[np.ndarray]) -> bool:
 
     One read pass per float array on the same paths as ``unscale_and_check_``, nothing written.
     """
-    kernel = _requested()
+    kernel, workers = _requested(), threads()
     one = np.float32(1.0)
     with np.errstate(all="ignore"):
         for a in arrays:
             a = np.asarray(a)
-            if a.dtype.name not in _EXP_MASK:
+            if _name(a.dtype) not in _EXP_MASK:
                 if a.dtype.kind in "fc" and not np.isfinite(a).all():
                     return False
-            elif _process(a, one, False, kernel):
+            elif _process(a, one, False, kernel, workers):
                 return False
     return True

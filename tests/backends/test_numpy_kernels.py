@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -399,3 +400,191 @@ def test_import_is_cheap_and_numba_is_lazy():
     )
     env = {k: v for k, v in os.environ.items() if k != K.ENV_VAR}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# ----------------------------------------------------------------------------- float16 / bfloat16
+HALF_INVS = (0.5, 1 / 3, 3.0, 2.0**-16, 2.0**-30, 1e-45, 65536.0, 2.0**100, 0.0, np.inf, 1.0000001)
+
+
+def _half(dtype: str) -> np.dtype:
+    return np.dtype(_bf16() if dtype == "bfloat16" else dtype)
+
+
+def _at_offset(bits: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of ``bits`` starting ``offset`` values (2 bytes each) past a 64-byte boundary."""
+    buf = np.zeros(bits.size + 64, np.uint16)
+    start = (-buf.ctypes.data % 64) // 2 + offset
+    out = buf[start : start + bits.size]
+    out[...] = bits
+    assert out.size == 0 or out.ctypes.data % 64 == 2 * offset
+    return out
+
+
+@pytest.fixture
+def threads_reset():
+    """``set_threads`` back to the default afterwards."""
+    yield
+    K.set_threads(None)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("inv", HALF_INVS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_half_bit_pattern_matches_torch(kernel, dtype, inv, offset):
+    # all 65536 values: subnormals, +-0, inf, NaN payloads (signalling too), values that overflow
+    # to inf or round to subnormals or zero; offset 1 starts the gradient off a 4-byte boundary
+    dt = _half(dtype)
+    bits = _at_offset(np.arange(2**16, dtype=np.uint32).astype(np.uint16), offset)
+    assert check_against_torch([bits.view(dt)], inv) == 1.0
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_odd_sizes_and_ends(kernel, dtype, offset):
+    # the bfloat16 kernel works on pairs of values: a value before the first pair or after the last
+    # one must be scaled and checked like the others
+    dt = _half(dtype)
+    rng = np.random.default_rng(7)
+    for n in range(0, 12):
+        values = random_f32(rng, n, 8, scale=1.0).astype(dt).view(np.uint16)
+        assert check_against_torch([_at_offset(values, offset).view(dt)], 1 / 3) == 0.0
+        for pos in range(n):
+            bits = values.copy()
+            bits[pos] = np.array(-np.inf, dt).view(np.uint16)
+            assert check_against_torch([_at_offset(bits, offset).view(dt)], 1 / 3) == 1.0, (n, pos)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_strided_and_fortran_views(kernel, dtype):
+    dt = _half(dtype)
+    rng = np.random.default_rng(8)
+    views = [SHAPES[name] for name in ("strided", "fortran", "sliced_2d", "reversed")]
+    for make in [*views, lambda a: a[1:]]:
+        base = random_f32(rng, 600, 8, scale=1.0).astype(dt)
+        base[[5, 300]] = [np.nan, np.inf]
+        grad = make(base)
+        want, flag = torch_unscale([np.ascontiguousarray(grad)], 2.0**-8)
+        found = np.zeros((), np.float32)
+        K.unscale_and_check_([grad], np.array(2.0**-8, np.float32), found)
+        assert_same_bits(np.ascontiguousarray(grad), want[0])
+        assert float(found) == flag
+
+
+def test_bfloat16_nan_inv_matches_torch(kernel):
+    # a NaN inv_scale makes NaN products whose low bits the pairwise rounding could carry into
+    # the sign: that case takes the blocked path, and every value comes out NaN as in torch
+    dt = _half("bfloat16")
+    a = random_f32(np.random.default_rng(9), 101, 8, 1.0).astype(dt)
+    check_against_torch([a], float("nan"))
+    assert np.isnan(a.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_parallel_parts_match_torch(kernel, threads_reset, monkeypatch, dtype, parts):
+    # a gradient of >= 2 * PARALLEL_BYTES is cut into parts run on threads; an inf in any part,
+    # the first (run by the caller) or a later one (run by a worker), sets the flag
+    monkeypatch.setattr(K, "PARALLEL_BYTES", 256)
+    K.set_threads(parts)
+    dt = _half(dtype) if dtype in ("float16", "bfloat16") else np.dtype(dtype)
+    rng = np.random.default_rng(10)
+    for n in (511, 1000, 4099):
+        values = random_f32(rng, n, 12, scale=1.0).astype(dt)
+        assert check_against_torch([values.copy(), values[1:].copy()], 1 / 3) == 0.0
+        for pos in (0, n // 2, n - 1):
+            bad = values.copy()
+            bad[pos] = np.nan
+            assert check_against_torch([values.copy(), bad], 1 / 3) == 1.0, (n, pos)
+            assert K.all_finite([bad]) is False
+
+
+def test_parallel_parts_use_worker_threads(threads_reset, monkeypatch):
+    # the parts after the first run on the pool's threads, not on the caller's
+    seen = []
+    fast = K._fast_path
+
+    def spy(x, kernel):
+        fn = fast(x, kernel)
+
+        def run(part, inv, scale):
+            seen.append(threading.get_ident())
+            return fn(part, inv, scale)
+
+        return run
+
+    monkeypatch.setattr(K, "_fast_path", spy)
+    monkeypatch.setattr(K, "PARALLEL_BYTES", 1024)
+    K.set_threads(3)
+    found = np.zeros((), np.float32)
+    K.unscale_and_check_([np.ones(3 * 256, np.float32)], np.array(0.5, np.float32), found)
+    assert len(seen) == 3 and seen.count(threading.get_ident()) == 1  # 3 parts, 2 on the pool
+    K.set_threads(1)
+    seen.clear()
+    K.unscale_and_check_([np.ones(3 * 256, np.float32)], np.array(0.5, np.float32), found)
+    assert seen == [threading.get_ident()]
+
+
+def test_threads_setting_and_env(threads_reset, monkeypatch):
+    monkeypatch.delenv(K.THREADS_ENV_VAR, raising=False)
+    K.set_threads(None)
+    assert K.threads() >= 1
+    monkeypatch.setenv(K.THREADS_ENV_VAR, "3")
+    assert K.threads() == 3
+    K.set_threads(2)
+    assert K.threads() == 2
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="set_threads"):
+            K.set_threads(bad)
+    K.set_threads(None)
+    for text in ("0", "two", "-2"):
+        monkeypatch.setenv(K.THREADS_ENV_VAR, text)
+        with pytest.raises(ValueError, match=K.THREADS_ENV_VAR):
+            K.unscale_and_check_([np.ones(3, np.float32)], np.array(0.5, np.float32), np.zeros(()))
+
+
+def test_parallel_parts_after_fork():
+    # a forked child must not wait on the parent's pool threads, which do not exist in it
+    code = (
+        "import os, sys, numpy as np\n"
+        "from polyamp.backends import _numpy_kernels as K\n"
+        "K.PARALLEL_BYTES = 1024; K.set_threads(2)\n"
+        "f = np.zeros((), np.float32)\n"
+        "K.unscale_and_check_([np.ones(4096, np.float32)], np.array(0.5, np.float32), f)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    g = np.ones(4096, np.float32); g[-1] = np.inf\n"
+        "    K.unscale_and_check_([g], np.array(0.5, np.float32), f)\n"
+        "    os._exit(0 if float(f) == 1.0 and g[0] == 0.5 else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n"
+    )
+    if not hasattr(os, "fork"):
+        pytest.skip("no os.fork on this platform")
+    env = {k: v for k, v in os.environ.items() if k not in (K.ENV_VAR, K.THREADS_ENV_VAR)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_compiled_kernels_cover_half_types():
+    # float16 and bfloat16 get compiled kernels (float16 where LLVM converts half in hardware)
+    pytest.importorskip("numba")
+    assert K.compiled_available(), K.compiled_error
+    assert {"float32", "float64", "bfloat16"} <= set(K._compiled)
+    assert ("float16" in K._compiled) == K._native_half()
+
+
+def test_float16_without_hardware_conversion_takes_blocked(monkeypatch):
+    # where LLVM cannot convert half in hardware the float16 kernel is not built (building it would
+    # abort the process); float16 then takes the blocked path, with the same results
+    pytest.importorskip("numba")
+    monkeypatch.setattr(K, "_compile_tried", False)
+    monkeypatch.setattr(K, "_compiled", None)
+    monkeypatch.setattr(K, "compiled_error", None)
+    monkeypatch.setattr(K, "_native_half", lambda: False)
+    K.set_kernel("compiled")
+    try:
+        assert K.compiled_available()
+        assert "float16" not in K._compiled and "bfloat16" in K._compiled
+        bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+        assert check_against_torch([bits.view(np.float16)], 1 / 3) == 1.0
+    finally:
+        K.set_kernel(None)
