@@ -29,6 +29,12 @@ def owns_array(array: Any) -> bool:
 
 
 @hookimpl
+def accepts_array(array: Any) -> bool:
+    """Its arrays, and Python numbers (a loss given as a float), which it picks by default too."""
+    return owns_array(array) or (isinstance(array, (int, float)) and not isinstance(array, bool))
+
+
+@hookimpl
 def full(value: Any, dtype: str, like: Any) -> Any:
     return np.full((), value, dtype=_DTYPES[dtype])
 

@@ -19,7 +19,7 @@ from ._agreement import LOOP as _LOOP
 from ._agreement import Agreeing, Agreement
 from ._errors import ScalerStateError
 from .backend import Backend
-from .config import SCALE_FLOOR, LossScaleConfig
+from .config import SCALE_FLOOR, LossScaleConfig, config_from
 from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
@@ -68,6 +68,9 @@ class LossScaler(Agreeing):
     Copies (``copy.deepcopy``, ``pickle``, taken between ``update()`` and the next step) are
     independent and keep the state; the copy recreates its device arrays on first use.
 
+    ``config`` or its fields as keywords: ``LossScaler(init_scale=1024, growth_interval=100,
+    backend="numpy")`` (not both).
+
     ``reducer`` (a torch process group, ``"torch"``, an mpi4py communicator, ``"mpi"``, ...: see
     ``polyamp.distributed.reducer``) makes every rank agree on each step's overflow before the
     skip decision: ONE SUM all-reduce of the non-finite count per step, issued by every rank in
@@ -81,10 +84,10 @@ class LossScaler(Agreeing):
     _floor_warned = False  # set per instance by warn_if_at_floor; a class default survives copies
 
     def __init__(
-        self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None
+        self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None,
+        **fields: Any,
     ) -> None:
-        if config is None:
-            config = LossScaleConfig()
+        config = config_from(config, fields, type(self).__name__)
         if not isinstance(config, LossScaleConfig):
             raise TypeError(
                 f"config must be a polyamp.LossScaleConfig, got config={config!r}; "
@@ -170,7 +173,7 @@ class LossScaler(Agreeing):
             return outputs
         backend = self.bind(first)
         scale = self._state.scale  # type: ignore[union-attr]
-        return _map_tree(outputs, lambda a: backend.scale_array(a, scale))
+        return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
 
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
         """Divide ``grads`` in place by the scale; return this call's device overflow flag.
@@ -404,3 +407,10 @@ def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_map_tree(t, fn) for t in tree)
     return fn(tree)
+
+
+def _scale_leaf(backend: Backend, leaf: Any, scale: Any) -> Any:
+    """``leaf * scale``; a Python number gives a Python float (not a NumPy scalar), as it came in."""
+    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+        return float(backend.scale_array(float(leaf), scale))
+    return backend.scale_array(leaf, scale)
