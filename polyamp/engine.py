@@ -18,6 +18,7 @@ from . import _inputs, _registry, checkpoint
 from ._agreement import LOOP as _LOOP
 from ._agreement import Agreeing, Agreement
 from ._errors import ScalerStateError
+from ._skip_log import SkipLog
 from .backend import Backend
 from .config import SCALE_FLOOR, LossScaleConfig, config_from
 from .policy import HostState, LossScaleState, next_host_state
@@ -97,6 +98,7 @@ class LossScaler(Agreeing):
         name, source = _registry.requested_backend(backend)
         self._backend: Backend | None = _registry.get_backend(name, source) if name else None
         self._agreement = None if reducer is None else Agreement(reducer)
+        self._skip_log = SkipLog()  # the first skips one INFO line each, then a summary per window
         self._state: LossScaleState | None = None
         self._host = HostState(float(config.init_scale), 0, 0)
         self._end_iteration()
@@ -257,8 +259,9 @@ class LossScaler(Agreeing):
 
         ``found_inf`` is a flag array of the bound backend, or a host bool: put on the state's
         device, or applied to the host state when no array has been seen yet (no backend is
-        chosen by it). After a skipped step it logs the scale change at INFO, after a growth at
-        DEBUG (reading the scale only when that level is on). With a reducer and no ``step`` this
+        chosen by it). After a skipped step it logs the scale change (the first few at INFO, then a
+        summary per 1000 steps: ``_skip_log``), after a growth at DEBUG, reading the scale only
+        when a line is due. With a reducer and no ``step`` this
         iteration, the pending check is summed over the ranks first; ``found_inf`` is used as given.
         """
         if found_inf is not None:
@@ -273,10 +276,8 @@ class LossScaler(Agreeing):
                 "update() found no inf checks recorded this iteration. Fix: call "
                 "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
             )
-        log = self._skipped is not None and logger.isEnabledFor(
-            logging.INFO if self._skipped else logging.DEBUG
-        )
-        before = self.get_scale() if log else None
+        skipped = self._skipped
+        before = self.get_scale() if skipped is not None and self._skip_log.wants_scale(skipped) else None
         if isinstance(flag, bool) and self._state is None:
             self._host = next_host_state(self._host, flag, self._config)
         else:
@@ -284,8 +285,8 @@ class LossScaler(Agreeing):
             if isinstance(flag, bool):
                 flag = backend.full(float(flag), "float32", self._state.scale)  # type: ignore[union-attr]
             self._state = backend.update_scale(self._state, flag, self._config)
-        if log:
-            self._log_change(before, bool(self._skipped))  # type: ignore[arg-type]
+        if skipped is not None:
+            self._skip_log.after_update(skipped, before, self.get_scale, self._describe_change)
         self.warn_if_at_floor(bool(self._skipped))
         self._end_iteration()
 
@@ -334,18 +335,14 @@ class LossScaler(Agreeing):
                 "that diverged."
             )
 
-    def _log_change(self, old: float, skipped: bool) -> None:
-        new = self.get_scale()
+    def _describe_change(self, skipped: bool, old: float, new: float) -> str | None:
+        """The log line of one update's scale change (``_skip_log`` picks its level)."""
         if not skipped:
-            if new != old:
-                logger.debug("loss scale grew %g -> %g", old, new)
-        elif new != old:
-            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g", old, new)
-        else:
-            logger.info(
-                "overflow in gradients: step skipped, loss scale kept at %g "
-                "(absorbed by backoff_interval=%d)", old, self._config.backoff_interval,
-            )
+            return f"loss scale grew {old:g} -> {new:g}" if new != old else None
+        if new != old:
+            return f"overflow in gradients: step skipped, loss scale backed off {old:g} -> {new:g}"
+        return (f"overflow in gradients: step skipped, loss scale kept at {old:g} "
+                f"(absorbed by backoff_interval={self._config.backoff_interval})")
 
     # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
