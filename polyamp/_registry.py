@@ -69,10 +69,19 @@ def _info(name: str) -> BackendInfo:
 
 
 def _summary() -> str:
-    parts = []
-    for info in available_backends():
-        parts.append(info.name if info.available else f"{info.name} (unavailable: {info.reason})")
-    return ", ".join(parts) or "none (is polyamp installed? run: pip install -e .)"
+    """The installed backends by name, those that cannot run here apart (their reasons, each with
+    its own install hint, are in ``polyamp info``: one message repeats none of them)."""
+    infos = available_backends()
+    if not infos:
+        return "none (is polyamp installed? run: pip install -e .)"
+    usable = ", ".join(i.name for i in infos if i.available) or "none"
+    other = [i.name for i in infos if not i.available]
+    return f"{usable} (unavailable here: {', '.join(other)}; `polyamp info` says why)" if other else usable
+
+
+def _usable() -> str:
+    """The names of the backends that can run here."""
+    return ", ".join(i.name for i in available_backends() if i.available) or "none"
 
 
 def get_backend(name: str, source: str = "backend=") -> Backend:
@@ -98,8 +107,7 @@ def _bound(name: str, source: str) -> Backend:
     if not info.available:
         raise BackendUnavailableError(
             f"backend {name!r} (asked for by {source}) is unavailable: {info.reason}. "
-            f"Installed backends: {_summary()}. Fix: choose an available backend with "
-            f"backend=... or {ENV_VAR}=..., or make {name!r} available."
+            f"Or choose a backend available here ({_usable()}) with backend=... or {ENV_VAR}=..."
         )
     from . import _hookspecs
 
