@@ -337,8 +337,10 @@ class LossScaler(Agreeing):
 
     def _describe_change(self, skipped: bool, old: float, new: float) -> str | None:
         """The log line of one update's scale change (``_skip_log`` picks its level)."""
-        if not skipped:
-            return f"loss scale grew {old:g} -> {new:g}" if new != old else None
+        if not skipped:  # or not read on the host: the torch facade with a fused optimizer
+            if new < old:
+                return f"overflow in gradients: loss scale backed off {old:g} -> {new:g}"
+            return f"loss scale grew {old:g} -> {new:g}" if new > old else None
         if new != old:
             return f"overflow in gradients: step skipped, loss scale backed off {old:g} -> {new:g}"
         return (f"overflow in gradients: step skipped, loss scale kept at {old:g} "

@@ -133,3 +133,18 @@ def test_a_detail_is_appended_to_a_skipped_steps_line(caplog):
 def test_scale_text_writes_powers_of_two_as_such():
     assert [_skip_log.scale_text(s) for s in (2.0**14, 2.0**-3, 1.0, 3.0, 0.1)] == [
         "2**14", "2**-3", "2**0", "3", "0.1"]
+
+
+def test_a_backoff_the_host_did_not_read_is_not_called_growth(caplog):
+    """A fused optimizer decides the skip itself: the torch facade sees the scale fall, not grow."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([param], lr=0.0, fused=True)
+    scaler = TorchScaler("cpu", init_scale=8.0)
+    with caplog.at_level(logging.DEBUG, logger="polyamp"):
+        scaler.scale(torch.ones(()))
+        param.grad = torch.full((2,), torch.inf)
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 4.0
+    assert records(caplog, logging.DEBUG) == [
+        (logging.DEBUG, "overflow in gradients: loss scale backed off 8 -> 4")]
