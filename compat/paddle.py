@@ -186,6 +186,7 @@ class AmpScaler:
         engine.warn_if_at_floor(found)
 
     def _describe_change(self, found: bool, before: Any, after: Any) -> str | None:
+        """The log line of one update, in paddle's words (None: the scale did not move)."""
         return describe_change(found, before, after, self._engine.config)
 
     def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:

@@ -107,7 +107,8 @@ def _bound(name: str, source: str) -> Backend:
     if not info.available:
         raise BackendUnavailableError(
             f"backend {name!r} (asked for by {source}) is unavailable: {info.reason}. "
-            f"Or choose a backend available here ({_usable()}) with backend=... or {ENV_VAR}=..."
+            f"{'Or' if 'Fix:' in info.reason else 'Fix:'} choose a backend available here ({_usable()}) "
+            f"with backend=... or {ENV_VAR}=..."
         )
     from . import _hookspecs
 

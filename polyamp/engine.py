@@ -261,8 +261,8 @@ class LossScaler(Agreeing):
         device, or applied to the host state when no array has been seen yet (no backend is
         chosen by it). After a skipped step it logs the scale change (the first few at INFO, then a
         summary per 1000 steps: ``_skip_log``), after a growth at DEBUG, reading the scale only
-        when a line is due. With a reducer and no ``step`` this
-        iteration, the pending check is summed over the ranks first; ``found_inf`` is used as given.
+        when a line is due. With a reducer and no ``step`` this iteration, the pending check is
+        summed over the ranks first; ``found_inf`` is used as given.
         """
         if found_inf is not None:
             found_inf = _inputs.flag_value(found_inf, self._backend)
