@@ -4,7 +4,9 @@ Each side runs in its own new interpreter (``python -c "import x"``), alternatin
 same machine load; the table shows the median wall time of the import measured inside each
 process (``time.perf_counter`` around the import) and the difference, and the same for the CPU
 time the process spent on it (``time.process_time``: on a busy machine it leaves out the waits
-for a core, which the wall time counts). Run:
+for a core, which the wall time counts). Modules load from their bytecode caches, as in an
+installed polyamp: the children run without PYTHONDONTWRITEBYTECODE, and a first, untimed
+import writes the caches (numpy's were written when pip installed it). Run:
 
     python benchmarks/import_time.py [--runs 5]
 """
@@ -12,6 +14,7 @@ for a core, which the wall time counts). Run:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -20,10 +23,13 @@ CODE = ("import time; t, c = time.perf_counter(), time.process_time(); import {0
         "print(time.perf_counter() - t, time.process_time() - c)")
 
 
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def once(module: str) -> tuple[float, float]:
     """(wall, CPU) seconds one fresh interpreter spends on ``import module``."""
     out = subprocess.run([sys.executable, "-c", CODE.format(module)], capture_output=True,
-                         text=True, check=True)
+                         text=True, check=True, env=ENV)
     wall, cpu = out.stdout.split()
     return float(wall), float(cpu)
 
@@ -32,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="fresh processes per side (default: 5)")
     args = parser.parse_args()
-    once("polyamp")  # warms the file cache for both
+    once("polyamp")  # writes polyamp's bytecode caches, and warms the file cache for both
     times: dict[str, list[tuple[float, float]]] = {"numpy": [], "polyamp": []}
     for _ in range(args.runs):
         for module in times:
