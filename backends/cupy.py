@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from polyamp._errors import install_hint
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState
 
@@ -50,7 +51,7 @@ def backend_info() -> dict[str, Any]:
         cupy = _cupy()
     except ImportError as exc:
         return _unavailable(
-            f"cupy is not installed ({exc}). Fix: pip install 'polyamp[cupy]' "
+            f"cupy is not installed ({exc}). Fix: {install_hint('cupy')} "
             "(or the cupy-cudaXXx wheel matching your CUDA)"
         )
     except Exception as exc:  # a broken install must not break discovery

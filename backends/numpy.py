@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from polyamp.backends import _numpy_kernels
 
+from polyamp._errors import install_hint
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import HostState, LossScaleState, next_host_state
 
@@ -26,6 +27,12 @@ def backend_info() -> dict[str, Any]:
 @hookimpl
 def owns_array(array: Any) -> bool:
     return isinstance(array, (np.ndarray, np.generic))
+
+
+@hookimpl
+def accepts_array(array: Any) -> bool:
+    """Its arrays, and Python numbers (a loss given as a float), which it picks by default too."""
+    return owns_array(array) or (isinstance(array, (int, float)) and not isinstance(array, bool))
 
 
 @hookimpl
@@ -68,7 +75,7 @@ def _float_dtype(dtype: str) -> Any:
             import ml_dtypes
         except ImportError as exc:
             raise ImportError(
-                "bfloat16 on NumPy needs ml_dtypes: pip install 'polyamp[bfloat16]'"
+                f"bfloat16 on NumPy needs ml_dtypes: {install_hint('bfloat16')}"
             ) from exc
         return ml_dtypes.bfloat16
     if dtype not in ("float32", "float16", "float64"):

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from polyamp._errors import install_hint
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState, next_state
 
@@ -45,7 +46,7 @@ def backend_info() -> dict[str, Any]:
     if importlib.util.find_spec("paddle") is None:
         return {
             "available": False,
-            "reason": "paddle is not installed; pip install paddlepaddle (or paddlepaddle-gpu)",
+            "reason": f"paddle is not installed. Fix: {install_hint('paddle')} (on GPUs: paddlepaddle-gpu)",
             "version": None,
         }
     return {"available": True, "reason": "", "version": _installed_version()}

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from polyamp._errors import install_hint
 from polyamp._hookspecs import hookimpl
 from polyamp._inputs import refuse_meta
 from polyamp.config import SCALE_FLOOR
@@ -34,7 +35,7 @@ def backend_info() -> dict[str, Any]:
     except ImportError as exc:
         return {
             "available": False,
-            "reason": f"torch is not installed ({exc}); pip install torch",
+            "reason": f"torch is not installed ({exc}). Fix: {install_hint('torch')}",
             "version": None,
         }
     return {"available": True, "reason": "", "version": torch.__version__}

@@ -1,15 +1,12 @@
-"""The moving parts of the paddle facade: optimizer stages, gradients, the optimizer call, logging."""
+"""The moving parts of the paddle facade: optimizer stages, gradients, the optimizer call, log lines."""
 
 from __future__ import annotations
 
-import logging
 from enum import Enum
 from typing import Any
 
 from polyamp.adapters import iter_params
 from polyamp.policy import HostState
-
-logger = logging.getLogger("polyamp")
 
 
 class OptimizerState(Enum):
@@ -40,21 +37,21 @@ def apply_optimizer(optimizer: Any, args: tuple, kwargs: dict) -> Any:
     return [], param_grad_pairs(optimizer)
 
 
-def log_change(before: HostState, after: HostState, found: bool, config: Any, detail: str = "") -> None:
-    """Say on the ``polyamp`` logger how the scale moved (paddle prints only its decreases).
+def describe_change(found: bool, before: HostState, after: HostState, config: Any) -> str | None:
+    """How the scale moved, in paddle's words (paddle prints only its decreases); None: it did not.
 
-    Overflows at INFO; growth, routine in a healthy run, at DEBUG (importing paddle turns INFO on).
-    ``detail``: appended to an overflow's line (the overflow report's summary, or "").
+    ``polyamp._skip_log`` picks the level: overflows at INFO (the first few, then a summary),
+    growth, routine in a healthy run, at DEBUG (importing paddle turns INFO on).
     """
     if found and after.scale != before.scale:
-        logger.info("Found inf or nan in gradients: loss scale decreased %g -> %g (decr_ratio=%g)%s",
-                    before.scale, after.scale, config.backoff_factor, detail)
-    elif found and after.backoff_tracker:
-        logger.info("Found inf or nan in gradients: loss scale kept at %g (overflow %d of "
-                    "decr_every_n_nan_or_inf=%d)%s", after.scale, after.backoff_tracker,
-                    config.backoff_interval, detail)
-    elif found:
-        logger.info("Found inf or nan in gradients: loss scale kept at min_scale=%g%s", after.scale, detail)
-    elif after.scale != before.scale:
-        logger.debug("loss scale increased %g -> %g after %d finite steps (incr_every_n_steps)",
-                     before.scale, after.scale, config.growth_interval)
+        return (f"Found inf or nan in gradients: loss scale decreased {before.scale:g} -> {after.scale:g} "
+                f"(decr_ratio={config.backoff_factor:g})")
+    if found and after.backoff_tracker:
+        return (f"Found inf or nan in gradients: loss scale kept at {after.scale:g} (overflow "
+                f"{after.backoff_tracker} of decr_every_n_nan_or_inf={config.backoff_interval})")
+    if found:
+        return f"Found inf or nan in gradients: loss scale kept at min_scale={after.scale:g}"
+    if after.scale != before.scale:
+        return (f"loss scale increased {before.scale:g} -> {after.scale:g} after "
+                f"{config.growth_interval} finite steps (incr_every_n_steps)")
+    return None

@@ -25,7 +25,8 @@ polyamp's ``_backoff_tracker`` and (no torch key: torch is always dynamic).
 Where polyamp differs from paddle, on purpose:
 
 * it works on CPU (paddle's disables itself off GPU/XPU) and over NumPy, torch and CuPy;
-* scale changes go to the ``polyamp`` logger (overflows at INFO, growth at DEBUG), not ``print``;
+* scale changes go to the ``polyamp`` logger (the first overflows at INFO, then one summary per
+  1000 steps; each step's line and growth at DEBUG), not ``print``;
 * ``scale()`` keeps its input's shape (paddle returns shape [1] for a 0-d loss) and never
   turns itself off (paddle disables dynamic scaling when ``scale()`` runs outside
   ``auto_cast(dtype='float16')``; pass ``enable=False`` for bfloat16);
@@ -38,7 +39,6 @@ Where polyamp differs from paddle, on purpose:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +63,7 @@ from ._paddle_state import (
     to_paddle_state,
     to_torch_state_dict,
 )
-from ._paddle_steps import OptimizerState, apply_optimizer, log_change, logger, param_grad_pairs
+from ._paddle_steps import OptimizerState, apply_optimizer, describe_change, param_grad_pairs
 from ._torch_state import is_array
 
 __all__ = [
@@ -214,15 +214,19 @@ class AmpScaler:
         return agreed
 
     def _update(self) -> None:
-        """One step of paddle's rule with the last step's flag; reads the scale only to log it."""
+        """One step of paddle's rule with the last step's flag; reads the scale only to log it
+        (``polyamp._skip_log``: the first few overflows at INFO, then a summary; growth at DEBUG)."""
         found, engine = bool(self._cache_found_inf), self._engine
-        if not logger.isEnabledFor(logging.INFO if found else logging.DEBUG):  # else no sync
-            engine.update(found_inf=found)
-        else:
-            before = engine.host_state()
-            engine.update(found_inf=found)
-            log_change(before, engine.host_state(), found, engine.config, log_summary(self._last_overflow))
+        log = engine._skip_log
+        before = engine.host_state() if log.wants_scale(found) else None
+        engine.update(found_inf=found)
+        log.after_update(found, before, engine.host_state, self._describe_change,
+                         log_summary(self._last_overflow))
         engine.warn_if_at_floor(found, self._last_overflow)
+
+    def _describe_change(self, found: bool, before: Any, after: Any) -> str | None:
+        """The log line of one update, in paddle's words (None: the scale did not move)."""
+        return describe_change(found, before, after, self._engine.config)
 
     def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
         """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped."""

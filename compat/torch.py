@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import warnings
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -32,7 +31,6 @@ from ._torch_state import TorchConfigError, check_new_scale, is_array, torch_con
 __all__ = ["ForwardRecord", "ForwardWatch", "GradScaler", "OptState", "ShardedGradScaler",
            "TorchConfigError", "watch_forward"]
 
-logger = logging.getLogger("polyamp")
 
 _NOT_SCALED = (
     "This may indicate your script did not use scaler.scale(loss or outputs) earlier "
@@ -273,25 +271,17 @@ class GradScaler(ScalerAccessors):
         self._reset_iteration()
 
     def _advance(self, found_inf: Any) -> None:
-        """The engine's update; after a skipped step, logs the scale change at INFO level.
+        """The engine's update, logged as the engine logs (``polyamp._skip_log``): skipped steps
+        (the first few at INFO, then a summary per window) and, when DEBUG is on, growth.
 
-        The log reads the scale twice (two syncs), and only when the polyamp logger is on.
+        Reads the scale (a sync each) only when a line is due; skips are those step() read.
         """
-        engine = self._engine
-        if not (self._skip_seen and logger.isEnabledFor(logging.INFO)):
-            engine.update(found_inf)
-            return
-        before = engine.get_scale()
+        engine, skipped = self._engine, self._skip_seen
+        log = engine._skip_log
+        before = engine.get_scale() if log.wants_scale(skipped) else None
         engine.update(found_inf)
-        after = engine.get_scale()
-        detail = log_summary(self._last_overflow)
-        if after != before:
-            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g%s",
-                        before, after, detail)
-        else:
-            logger.info("overflow in gradients: step skipped, loss scale kept at %g "
-                        "(absorbed by backoff_interval=%d)%s", before, engine.config.backoff_interval,
-                        detail)
+        log.after_update(skipped, before, engine.get_scale, engine._describe_change,
+                         log_summary(self._last_overflow))
 
     # -- overflow forensics -----------------------------------------------------------
     @property

@@ -1,7 +1,10 @@
 """polyamp: dynamic loss scaling and mixed precision over NumPy, CuPy and PyTorch arrays.
 
 Importing polyamp imports neither torch nor cupy; backends are found when a scaler is built.
+The gradient helpers, the trainer and ``Parameter`` load on first use (``benchmarks/import_time.py``).
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ._errors import (
     BackendError,
@@ -16,12 +19,14 @@ from ._registry import available_backends, get_backend, register_backend
 from .backend import Backend, BackendInfo
 from .config import LossScaleConfig
 from .engine import LossScaler, ScalerStateError, StepResult
-from .grads import GradBuffer, ScaledGradientsError, clip_grad_norm_, global_norm
 from .noop import NoOpLossScaler
 from .overflow import OverflowReport, TensorOverflow, explain_overflow
-from .parameter import Parameter
 from .policy import HostState, LossScaleState, next_host_state, next_state
-from .trainer import ArrayLossFn, ArrayModel, MixedPrecisionTrainer, StepMetrics
+
+if TYPE_CHECKING:  # loaded on first use by __getattr__ below; listed here for readers and tools
+    from .grads import GradBuffer, ScaledGradientsError, clip_grad_norm_, global_norm
+    from .parameter import Parameter
+    from .trainer import ArrayLossFn, ArrayModel, MixedPrecisionTrainer, StepMetrics
 
 __version__ = "0.1.0"
 
@@ -66,13 +71,29 @@ __all__ = [
 
 
 def make_scaler(
-    config: LossScaleConfig | None = None, backend: str | None = None, enabled: bool = True
+    config: LossScaleConfig | None = None, backend: str | None = None, enabled: bool = True, **fields: Any
 ) -> LossScaler | NoOpLossScaler:
-    """A :class:`LossScaler`, or the :class:`NoOpLossScaler` when ``enabled`` is False."""
-    return (LossScaler if enabled else NoOpLossScaler)(config, backend)
+    """A :class:`LossScaler`, or the :class:`NoOpLossScaler` when ``enabled`` is False.
+
+    ``fields`` are LossScaleConfig fields, instead of ``config`` (``make_scaler(init_scale=1024)``).
+    """
+    return (LossScaler if enabled else NoOpLossScaler)(config, backend, **fields)
 
 
-def __getattr__(name: str):  # lazy: the facade and polyamp.optim stay out of a bare import
+_LAZY = {
+    "GradBuffer": "grads", "ScaledGradientsError": "grads", "clip_grad_norm_": "grads",
+    "global_norm": "grads", "Parameter": "parameter", "ArrayLossFn": "trainer", "ArrayModel": "trainer",
+    "MixedPrecisionTrainer": "trainer", "StepMetrics": "trainer",
+}
+
+
+def __getattr__(name: str):  # lazy: the facade, polyamp.optim and the helpers stay out of a bare import
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"polyamp.{_LAZY[name]}"), name)
+        globals()[name] = value  # later reads skip __getattr__
+        return value
     if name == "GradScaler":
         from polyamp.compat.torch import GradScaler
 

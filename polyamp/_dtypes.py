@@ -10,7 +10,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._errors import ConfigError
+from ._errors import ConfigError, install_hint
 
 COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
 _NAMES = COMPUTE_DTYPES + ("float64",)
@@ -54,7 +54,7 @@ def resolve(xp: Any, name: str) -> Any:
             import ml_dtypes
         except ImportError as exc:
             raise ImportError(
-                "bfloat16 on NumPy needs ml_dtypes: pip install 'polyamp[bfloat16]'"
+                f"bfloat16 on NumPy needs ml_dtypes: {install_hint('bfloat16')}"
             ) from exc
         return ml_dtypes.bfloat16
     raise ConfigError(

@@ -11,10 +11,16 @@ Hierarchy::
     ├── ScalerStateError(RuntimeError) a scaler method called out of order
     └── StateDictError(ValueError)    a state_dict or checkpoint that cannot be loaded
 
-Every message names the parameter, the value received and what to do instead.
+Every message names the parameter, the value received and what to do instead; an optional part
+that is missing is named with :func:`install_hint`, the one way messages say how to install it.
 """
 
 from __future__ import annotations
+
+
+def install_hint(extra: str) -> str:
+    """``pip install 'polyamp[extra]'``: how every message says to install an optional part."""
+    return f"pip install 'polyamp[{extra}]'"
 
 
 class PolyampError(Exception):

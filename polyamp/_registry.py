@@ -1,5 +1,8 @@
 """Backend discovery and choice: pluggy plugins from the ``polyamp`` entry-point group.
 
+pluggy and ``importlib.metadata`` are imported when the plugins are first needed (a scaler meets
+its first array, or a backend is named), not by ``import polyamp``.
+
 Choice, first that applies: the ``backend=`` argument; ``POLYAMP_BACKEND`` (read when a
 scaler is built; empty means unset); the library of the arrays; ``numpy``. Nothing here
 imports torch or cupy: plugins look arrays up in ``sys.modules``.
@@ -11,12 +14,13 @@ import functools
 import os
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import _hookspecs
 from ._errors import BackendNotFoundError, BackendUnavailableError, ForeignArrayError
-from ._plugins import PluginSet
 from .backend import Backend, BackendInfo
+
+if TYPE_CHECKING:
+    from ._plugins import PluginSet
 
 ENV_VAR = "POLYAMP_BACKEND"
 DEFAULT_BACKEND = "numpy"
@@ -24,22 +28,20 @@ GENERIC_BACKEND = "array_api"
 _lock = threading.Lock()
 
 
-class _Plugins(PluginSet):
-    """The backend plugin manager plus the entry points that failed to load (and why)."""
-
-    def __init__(self) -> None:
-        super().__init__(_hookspecs, _hookspecs.PROJECT, _hookspecs.REQUIRED_HOOKS, "backend",
-                         broken_prefix="plugin failed to load: ")
-
-    def names(self) -> list[str]:
-        """Registered backend names, the generic array-API backend last."""
-        names = [n for n, _ in self.manager.list_name_plugin()]
-        return sorted(names, key=lambda n: n == GENERIC_BACKEND)
-
-
 @functools.cache
-def _plugins() -> _Plugins:
-    return _Plugins()
+def _plugins() -> PluginSet:
+    """The backend plugin manager plus the entry points that failed to load (and why)."""
+    from . import _hookspecs
+    from ._plugins import PluginSet
+
+    class _Plugins(PluginSet):
+        def names(self) -> list[str]:
+            """Registered backend names, the generic array-API backend last."""
+            names = [n for n, _ in self.manager.list_name_plugin()]
+            return sorted(names, key=lambda n: n == GENERIC_BACKEND)
+
+    return _Plugins(_hookspecs, _hookspecs.PROJECT, _hookspecs.REQUIRED_HOOKS, "backend",
+                    broken_prefix="plugin failed to load: ")
 
 
 def register_backend(module: Any, name: str) -> None:
@@ -67,10 +69,19 @@ def _info(name: str) -> BackendInfo:
 
 
 def _summary() -> str:
-    parts = []
-    for info in available_backends():
-        parts.append(info.name if info.available else f"{info.name} (unavailable: {info.reason})")
-    return ", ".join(parts) or "none (is polyamp installed? run: pip install -e .)"
+    """The installed backends by name, those that cannot run here apart (their reasons, each with
+    its own install hint, are in ``polyamp info``: one message repeats none of them)."""
+    infos = available_backends()
+    if not infos:
+        return "none (is polyamp installed? run: pip install -e .)"
+    usable = ", ".join(i.name for i in infos if i.available) or "none"
+    other = [i.name for i in infos if not i.available]
+    return f"{usable} (unavailable here: {', '.join(other)}; `polyamp info` says why)" if other else usable
+
+
+def _usable() -> str:
+    """The names of the backends that can run here."""
+    return ", ".join(i.name for i in available_backends() if i.available) or "none"
 
 
 def get_backend(name: str, source: str = "backend=") -> Backend:
@@ -96,9 +107,11 @@ def _bound(name: str, source: str) -> Backend:
     if not info.available:
         raise BackendUnavailableError(
             f"backend {name!r} (asked for by {source}) is unavailable: {info.reason}. "
-            f"Installed backends: {_summary()}. Fix: choose an available backend with "
-            f"backend=... or {ENV_VAR}=..., or make {name!r} available."
+            f"{'Or' if 'Fix:' in info.reason else 'Fix:'} choose a backend available here ({_usable()}) "
+            f"with backend=... or {ENV_VAR}=..."
         )
+    from . import _hookspecs
+
     module = _plugins().manager.get_plugin(name)
     generic = _plugins().manager.get_plugin(GENERIC_BACKEND)
     hooks = {}

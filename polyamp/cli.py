@@ -1,8 +1,9 @@
 """The ``polyamp`` command: ``polyamp info`` (backends and POLYAMP_BACKEND in effect) and
 ``polyamp demo`` (float32 vs float16 with and without loss scaling, with a plot).
 
-Help text is plain (no markup); a closed pipe (``polyamp info | head -1``) ends the command
-quietly, as Python's documentation recommends for SIGPIPE.
+Help text is plain (no markup). A reader that leaves early (``polyamp demo | head -1``) costs
+nothing: the rest of the output is dropped, the command runs to its end (the demo still writes
+its plot) and exits with its own status.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, TextIO
 
 from . import __version__
 from ._registry import ENV_VAR, available_backends
@@ -99,18 +101,50 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+class _ReaderMayLeave:
+    """``sys.stdout`` while a command runs: once the reader has gone (``| head -1``), what is
+    written is dropped, and stdout points at devnull so no later flush raises (Python docs,
+    "Note on SIGPIPE"). The command itself goes on: the demo still trains and writes its plot."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream, self.reader_left = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.reader_left:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.reader_left:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self.reader_left = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script and of ``python -m polyamp``."""
     args = build_parser().parse_args(argv)
+    stdout = sys.stdout
+    if stdout is not None:  # None when started with stdout closed: print() then writes nothing
+        sys.stdout = _ReaderMayLeave(stdout)  # type: ignore[assignment]
     try:
         status = args.func(args)
-        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
-    except BrokenPipeError:
-        # the reader went away (e.g. `| head -1`): stop quietly; point stdout at devnull so
-        # the interpreter's final flush does not raise again (Python docs, "Note on SIGPIPE")
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        sys.stdout.flush()  # a reader that left shows here at the latest
+    finally:
+        sys.stdout = stdout
     return status
 
 

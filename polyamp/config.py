@@ -93,6 +93,29 @@ class LossScaleConfig:
         return cls(**data)
 
 
+def config_from(config: LossScaleConfig | None, fields_given: dict[str, Any], caller: str) -> LossScaleConfig:
+    """The config of ``caller(config=None, **fields)``: ``config``, or one built from the fields.
+
+    Lets people type ``LossScaler(init_scale=1024)``; an unknown keyword (TypeError) names itself
+    and the valid ones, and a config together with fields is refused (which would win is unclear).
+    """
+    if not fields_given:
+        return LossScaleConfig() if config is None else config
+    known = [f.name for f in fields(LossScaleConfig)]
+    unknown = [name for name in fields_given if name not in known]
+    if unknown:
+        raise TypeError(
+            f"{caller}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; valid "
+            f"keywords: config= or the LossScaleConfig fields {', '.join(known)}"
+        )
+    if config is not None:
+        raise TypeError(
+            f"{caller}() got both config= and the config field(s) {', '.join(fields_given)}. Fix: "
+            f"pass one of them, e.g. config=config.replace({', '.join(f'{k}=...' for k in fields_given)})"
+        )
+    return LossScaleConfig(**fields_given)
+
+
 def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a real number, got {name}={value!r}")

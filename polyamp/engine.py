@@ -18,8 +18,9 @@ from . import _inputs, _registry, checkpoint, overflow
 from ._agreement import LOOP as _LOOP
 from ._agreement import Agreeing, Agreement
 from ._errors import ScalerStateError
+from ._skip_log import SkipLog
 from .backend import Backend
-from .config import SCALE_FLOOR, LossScaleConfig
+from .config import SCALE_FLOOR, LossScaleConfig, config_from
 from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
@@ -68,6 +69,9 @@ class LossScaler(Agreeing):
     Copies (``copy.deepcopy``, ``pickle``, taken between ``update()`` and the next step) are
     independent and keep the state; the copy recreates its device arrays on first use.
 
+    ``config`` or its fields as keywords: ``LossScaler(init_scale=1024, growth_interval=100,
+    backend="numpy")`` (not both).
+
     ``reducer`` (a torch process group, ``"torch"``, an mpi4py communicator, ``"mpi"``, ...: see
     ``polyamp.distributed.reducer``) makes every rank agree on each step's overflow before the
     skip decision: ONE SUM all-reduce per step of a fixed-size message (the non-finite count, and
@@ -93,9 +97,9 @@ class LossScaler(Agreeing):
     def __init__(
         self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None,
         diagnose: bool = False,
+        **fields: Any,
     ) -> None:
-        if config is None:
-            config = LossScaleConfig()
+        config = config_from(config, fields, type(self).__name__)
         if not isinstance(config, LossScaleConfig):
             raise TypeError(
                 f"config must be a polyamp.LossScaleConfig, got config={config!r}; "
@@ -106,6 +110,7 @@ class LossScaler(Agreeing):
         self._backend: Backend | None = _registry.get_backend(name, source) if name else None
         self._diagnose = overflow.check_diagnose(diagnose)
         self._agreement = None if reducer is None else Agreement(reducer)
+        self._skip_log = SkipLog()  # the first skips one INFO line each, then a summary per window
         self._state: LossScaleState | None = None
         self._host = HostState(float(config.init_scale), 0, 0)
         self._end_iteration()
@@ -199,7 +204,7 @@ class LossScaler(Agreeing):
             return outputs
         backend = self.bind(first)
         scale = self._state.scale  # type: ignore[union-attr]
-        return _map_tree(outputs, lambda a: backend.scale_array(a, scale))
+        return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
 
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
         """Divide ``grads`` in place by the scale; return this call's device overflow flag.
@@ -300,9 +305,10 @@ class LossScaler(Agreeing):
 
         ``found_inf`` is a flag array of the bound backend, or a host bool: put on the state's
         device, or applied to the host state when no array has been seen yet (no backend is
-        chosen by it). After a skipped step it logs the scale change at INFO, after a growth at
-        DEBUG (reading the scale only when that level is on). With a reducer and no ``step`` this
-        iteration, the pending check is summed over the ranks first; ``found_inf`` is used as given.
+        chosen by it). After a skipped step it logs the scale change (the first few at INFO, then a
+        summary per 1000 steps: ``_skip_log``), after a growth at DEBUG, reading the scale only
+        when a line is due. With a reducer and no ``step`` this iteration, the pending check is
+        summed over the ranks first; ``found_inf`` is used as given.
         """
         if found_inf is not None:
             found_inf = _inputs.flag_value(found_inf, self._backend)
@@ -323,10 +329,8 @@ class LossScaler(Agreeing):
         if self._diagnose and self._skipped is None:  # an update without step(): one read of the flag
             skips = flag if isinstance(flag, bool) else self._ready_backend().read_flag(flag)
             self._last_overflow = self._explain_skip() if skips else None
-        log = self._skipped is not None and logger.isEnabledFor(
-            logging.INFO if self._skipped else logging.DEBUG
-        )
-        before = self.get_scale() if log else None
+        skipped = self._skipped
+        before = self.get_scale() if skipped is not None and self._skip_log.wants_scale(skipped) else None
         if isinstance(flag, bool) and self._state is None:
             self._host = next_host_state(self._host, flag, self._config)
         else:
@@ -334,8 +338,9 @@ class LossScaler(Agreeing):
             if isinstance(flag, bool):
                 flag = backend.full(float(flag), "float32", self._state.scale)  # type: ignore[union-attr]
             self._state = backend.update_scale(self._state, flag, self._config)
-        if log:
-            self._log_change(before, bool(self._skipped))  # type: ignore[arg-type]
+        if skipped is not None:
+            self._skip_log.after_update(skipped, before, self.get_scale, self._describe_change,
+                                        overflow.log_summary(self._last_overflow))
         self.warn_if_at_floor(bool(self._skipped))
         self._end_iteration()
         if self._agreement is not None:
@@ -396,20 +401,16 @@ class LossScaler(Agreeing):
                 "that diverged.%s", overflow.floor_note(self._last_overflow if report is None else report),
             )
 
-    def _log_change(self, old: float, skipped: bool) -> None:
-        new = self.get_scale()
-        if not skipped:
-            if new != old:
-                logger.debug("loss scale grew %g -> %g", old, new)
-        elif new != old:
-            logger.info("overflow in gradients: step skipped, loss scale backed off %g -> %g%s", old, new,
-                        overflow.log_summary(self._last_overflow))
-        else:
-            logger.info(
-                "overflow in gradients: step skipped, loss scale kept at %g "
-                "(absorbed by backoff_interval=%d)%s", old, self._config.backoff_interval,
-                overflow.log_summary(self._last_overflow),
-            )
+    def _describe_change(self, skipped: bool, old: float, new: float) -> str | None:
+        """The log line of one update's scale change (``_skip_log`` picks its level)."""
+        if not skipped:  # or not read on the host: the torch facade with a fused optimizer
+            if new < old:
+                return f"overflow in gradients: loss scale backed off {old:g} -> {new:g}"
+            return f"loss scale grew {old:g} -> {new:g}" if new > old else None
+        if new != old:
+            return f"overflow in gradients: step skipped, loss scale backed off {old:g} -> {new:g}"
+        return (f"overflow in gradients: step skipped, loss scale kept at {old:g} "
+                f"(absorbed by backoff_interval={self._config.backoff_interval})")
 
     # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -481,3 +482,10 @@ def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_map_tree(t, fn) for t in tree)
     return fn(tree)
+
+
+def _scale_leaf(backend: Backend, leaf: Any, scale: Any) -> Any:
+    """``leaf * scale``; a Python number gives a Python float (not a NumPy scalar), as it came in."""
+    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+        return float(backend.scale_array(float(leaf), scale))
+    return backend.scale_array(leaf, scale)

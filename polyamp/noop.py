@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .config import LossScaleConfig
+from .config import LossScaleConfig, config_from
 from .engine import ScalerStateError, StepResult
 
 
@@ -23,8 +23,10 @@ class NoOpLossScaler:
     skipped_steps = 0
     has_pending_check = False
 
-    def __init__(self, config: LossScaleConfig | None = None, backend: str | None = None) -> None:
-        self.config = config or LossScaleConfig()
+    def __init__(
+        self, config: LossScaleConfig | None = None, backend: str | None = None, **fields: Any
+    ) -> None:
+        self.config = config_from(config, fields, type(self).__name__)
         self._unscaled = self._stepped = False
 
     def scale(self, outputs: Any) -> Any:

@@ -56,6 +56,25 @@ def test_readme_test_command_is_what_ci_runs():
     assert 'pip install -q -c .ci/constraints.txt -e ".[test]"' in ci and "\npython -m pytest\n" in ci
 
 
+def test_readme_says_how_to_keep_a_cpu_install_small():
+    """The CPU build of torch first, then the test command: the extras' torch range keeps it."""
+    from packaging.requirements import Requirement
+
+    text = README.read_text()
+    cpu = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    test = 'pip install -e ".[test]" && python -m pytest'
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if cpu in b]
+    assert block.index(cpu) < block.index(test)
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    for extra in ("test", "torch"):
+        (torch_req,) = [Requirement(r) for r in project["optional-dependencies"][extra]
+                        if Requirement(r).name == "torch"]
+        # any torch 2.x build, CPU ones (2.13.0+cpu) included, satisfies it: pip keeps it
+        assert torch_req.specifier.contains("2.13.0+cpu") and not torch_req.url, torch_req
+        assert all(s.operator == ">=" for s in torch_req.specifier), torch_req
+
+
 def test_readme_says_how_ci_pins_versions():
     text = " ".join(README.read_text().split())
     assert "pins `torch==2.13.0`" not in text

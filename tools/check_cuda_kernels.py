@@ -1,21 +1,29 @@
-"""Compile the cupy backend's CUDA kernels with nvcc: a kernel that does not compile cannot land.
+"""Compile the cupy backend's CUDA kernels: a kernel that does not compile cannot land.
 
 Needs no GPU and no cupy: the sources are plain strings in ``polyamp.backends._cupy_kernels``
 (cupy compiles the same strings with NVRTC at run time). For each NVRTC module it checks:
 
 * it includes only headers NVRTC can find (``cuda_fp16.h``, ``cuda_bf16.h``);
-* ``nvcc --cubin`` succeeds for every ``--arch`` (ptxas included; warnings are errors) and no
-  kernel spills registers to local memory;
+* a cubin builds for every ``--arch`` (ptxas included; warnings are errors) and no kernel
+  spills registers to local memory;
 * the PTX defines every kernel the Python side launches, and each unscale kernel moves its
   data with 16-byte vector loads and stores (what the bandwidth target relies on).
 
-Exit status: 0 all passed, 1 a check failed, 2 nvcc not found.
-Run: ``python tools/check_cuda_kernels.py [--nvcc PATH] [--arch sm_80 ...] [--keep DIR]``
+Two compilers, the first found unless ``--compiler`` picks one: a CUDA toolkit's ``nvcc``
+(``--nvcc``, PATH, $CUDA_HOME, $CUDA_PATH), else NVIDIA's PyPI wheels, which CI installs pinned
+(.ci/run), so that no machine needs a toolkit: NVRTC (``nvidia-cuda-nvrtc-cu12``, cupy's own
+run-time compiler) writes the PTX, with the headers of ``nvidia-cuda-runtime-cu12``, and the
+``ptxas`` of ``nvidia-cuda-nvcc-cu12`` assembles it for each arch; else /usr/local/cuda's nvcc.
+
+Exit status: 0 all passed, 1 a check failed, 2 no compiler found.
+Run: ``python tools/check_cuda_kernels.py [--compiler auto|nvcc|wheels] [--nvcc PATH]
+[--arch sm_80 ...] [--keep DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import os
 import re
@@ -48,17 +56,139 @@ def load_kernels() -> ModuleType:
     return _cupy_kernels
 
 
-def find_nvcc(explicit: str | None) -> str | None:
+def find_nvcc(explicit: str | None, default_root: bool = True) -> str | None:
     """The nvcc to use: ``--nvcc``, PATH, $CUDA_HOME / $CUDA_PATH, then /usr/local/cuda."""
     if explicit:
         return explicit if Path(explicit).is_file() else shutil.which(explicit)
     found = shutil.which("nvcc")
     if found:
         return found
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    roots = (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), default_root and "/usr/local/cuda")
+    for root in roots:
         if root and (Path(root) / "bin" / "nvcc").is_file():
             return str(Path(root) / "bin" / "nvcc")
     return None
+
+
+class Nvcc:
+    """A CUDA toolkit's nvcc: ``ptx`` and ``cubin`` (ptxas -v output in its stderr)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.path
+
+    def archs(self, wanted: list[str]) -> list[str]:
+        return supported_archs(self.path, wanted)
+
+    def ptx(self, src: Path, arch: str, out: Path) -> tuple[bool, str]:
+        proc = subprocess.run([self.path, "--ptx", f"-arch={arch}", "-std=c++17", "-o", str(out), str(src)],
+                              capture_output=True, text=True)
+        return proc.returncode == 0, proc.stderr.strip()
+
+    def cubin(self, src: Path, arch: str, out: Path) -> tuple[bool, str]:
+        cmd = [self.path, "--cubin", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
+               "-Xptxas", "-v", "-o", str(out), str(src)]
+        return _run(cmd)
+
+
+def _run(cmd: list[str]) -> tuple[bool, str]:
+    """(ok, stderr): the ptxas -v report when it worked, the command and its errors when not."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return (True, proc.stderr) if proc.returncode == 0 else (False, f"{' '.join(cmd)}\n{proc.stderr.strip()}")
+
+
+def _wheel_dir(package: str) -> Path | None:
+    """The folder of an ``nvidia.*`` wheel package (found without importing it), or None."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except ModuleNotFoundError:
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+class WheelCompiler:
+    """NVRTC and ptxas from NVIDIA's PyPI wheels (no toolkit, no host compiler): NVRTC writes the
+    PTX for the arch's virtual architecture, ptxas assembles it (``-v``, warnings as errors)."""
+
+    PACKAGES = ("nvidia.cuda_nvrtc", "nvidia.cuda_runtime", "nvidia.cuda_nvcc")
+
+    def __init__(self, nvrtc: Path, include: Path, ptxas: Path) -> None:
+        self.nvrtc, self.include, self.ptxas = nvrtc, include, ptxas
+        self._lib = ctypes.CDLL(str(nvrtc))
+
+    @classmethod
+    def find(cls) -> WheelCompiler | None:
+        """The wheels' compiler when all three are installed, else None."""
+        dirs = [_wheel_dir(p) for p in cls.PACKAGES]
+        if None in dirs:
+            return None
+        nvrtc_dir, runtime_dir, nvcc_dir = dirs
+        libs = sorted((nvrtc_dir / "lib").glob("libnvrtc.so.*"))
+        ptxas = nvcc_dir / "bin" / "ptxas"
+        if not libs or not ptxas.is_file() or not (runtime_dir / "include" / "cuda_fp16.h").is_file():
+            return None
+        return cls(libs[0], runtime_dir / "include", ptxas)
+
+    def __str__(self) -> str:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        return f"NVRTC {major.value}.{minor.value} ({self.nvrtc}) + {self.ptxas} (PyPI wheels)"
+
+    def archs(self, wanted: list[str]) -> list[str]:
+        count = ctypes.c_int()
+        self._lib.nvrtcGetNumSupportedArchs(ctypes.byref(count))
+        known = (ctypes.c_int * count.value)()
+        self._lib.nvrtcGetSupportedArchs(known)
+        return [a for a in wanted if int(a.removeprefix("sm_")) in set(known)]
+
+    def ptx(self, src: Path, arch: str, out: Path) -> tuple[bool, str]:
+        lib, prog = self._lib, ctypes.c_void_p()
+        lib.nvrtcCreateProgram(ctypes.byref(prog), src.read_bytes(), src.name.encode(), 0, None, None)
+        try:
+            options = [f"-arch={arch.replace('sm_', 'compute_')}", "-std=c++17", f"-I{self.include}"]
+            status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(
+                *(o.encode() for o in options)))
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            text = log.value.decode().strip()
+            if status or "warning" in text:  # nvcc's -Werror all-warnings
+                return False, f"NVRTC {' '.join(options)} {src.name}\n{text}"
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            ptx = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, ptx)
+            out.write_bytes(ptx.value)
+            return True, text
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+    def cubin(self, src: Path, arch: str, out: Path) -> tuple[bool, str]:
+        ptx = out.with_suffix(".ptx")
+        ok, log = self.ptx(src, arch, ptx)
+        if not ok:
+            return False, log
+        cmd = [str(self.ptxas), f"-arch={arch}", "-v", "--warning-as-error", "-o", str(out), str(ptx)]
+        return _run(cmd)
+
+
+def find_compiler(choice: str = "auto", explicit_nvcc: str | None = None) -> Nvcc | WheelCompiler | None:
+    """``--compiler``: nvcc (``--nvcc``, PATH, $CUDA_HOME, $CUDA_PATH), else the PyPI wheels, else
+    /usr/local/cuda's nvcc; ``nvcc`` or ``wheels`` only that one. None when there is none."""
+    if choice == "wheels":
+        return WheelCompiler.find()
+    nvcc = find_nvcc(explicit_nvcc, default_root=choice == "nvcc")
+    if nvcc is not None or choice == "nvcc":
+        return Nvcc(nvcc) if nvcc else None
+    wheels = WheelCompiler.find()
+    if wheels is not None:
+        return wheels
+    nvcc = find_nvcc(None)
+    return Nvcc(nvcc) if nvcc else None
 
 
 def supported_archs(nvcc: str, wanted: list[str]) -> list[str]:
@@ -75,32 +205,32 @@ def check_includes(name: str, source: str) -> list[str]:
             if h not in NVRTC_HEADERS]
 
 
-def compile_cubin(nvcc: str, src: Path, arch: str) -> tuple[str, list[str]]:
-    """nvcc --cubin for one arch: (log line, errors)."""
-    out = src.with_suffix(f".{arch}.cubin")
-    cmd = [nvcc, "--cubin", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
-           "-Xptxas", "-v", "-o", str(out), str(src)]
+def _compiler(compiler: Nvcc | WheelCompiler | str) -> Nvcc | WheelCompiler:
+    return Nvcc(compiler) if isinstance(compiler, str) else compiler
+
+
+def compile_cubin(compiler: Nvcc | WheelCompiler | str, src: Path, arch: str) -> tuple[str, list[str]]:
+    """A cubin for one arch, ptxas -v read for spills: (log line, errors)."""
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    ok, log = _compiler(compiler).cubin(src, arch, src.with_suffix(f".{arch}.cubin"))
     took = time.perf_counter() - start
-    if proc.returncode:
-        return f"FAIL {src.stem:<9} {arch} cubin", [f"{' '.join(cmd)}\n{proc.stderr.strip()}"]
+    if not ok:
+        return f"FAIL {src.stem:<9} {arch} cubin", [log]
     spills = re.findall(r"Function properties for (\w+)\n\s*\d+ bytes stack frame, "
-                        r"(\d+) bytes spill stores", proc.stderr)
+                        r"(\d+) bytes spill stores", log)
     errors = [f"{src.stem} {arch}: kernel {k} spills {n} bytes" for k, n in spills if int(n)]
     regs = ", ".join(f"{k}={r}" for k, r in re.findall(
-        r"entry function '(\w+)' for.*?Used (\d+) registers", proc.stderr, re.S))
+        r"entry function '(\w+)' for.*?Used (\d+) registers", log, re.S))
     return f"ok   {src.stem:<9} {arch} cubin ({took:.1f} s; registers {regs})", errors
 
 
-def check_ptx(nvcc: str, src: Path, arch: str, kernels: tuple[str, ...],
+def check_ptx(compiler: Nvcc | WheelCompiler | str, src: Path, arch: str, kernels: tuple[str, ...],
               unscale: set[str]) -> tuple[str, list[str]]:
-    """nvcc --ptx: every expected kernel is an entry; unscale kernels use 16-byte vectors."""
+    """The PTX: every expected kernel is an entry; unscale kernels use 16-byte vectors."""
     out = src.with_suffix(f".{arch}.ptx")
-    proc = subprocess.run([nvcc, "--ptx", f"-arch={arch}", "-std=c++17", "-o", str(out),
-                           str(src)], capture_output=True, text=True)
-    if proc.returncode:
-        return f"FAIL {src.stem:<9} {arch} ptx", [proc.stderr.strip()]
+    ok, log = _compiler(compiler).ptx(src, arch, out)
+    if not ok:
+        return f"FAIL {src.stem:<9} {arch} ptx", [log]
     bodies = dict(re.findall(r"\.entry\s+(\w+)\((.*?)(?=\.entry|\Z)", out.read_text(), re.S))
     errors = [f"{src.stem}: kernel {k} missing from the PTX" for k in kernels if k not in bodies]
     vector = re.compile(r"\b(ld|st)(\.global)?\.v[24]\.(f32|f64|u32|b32)")
@@ -113,24 +243,28 @@ def check_ptx(nvcc: str, src: Path, arch: str, kernels: tuple[str, ...],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compiler", choices=("auto", "nvcc", "wheels"), default="auto",
+                        help="nvcc, or NVRTC + ptxas from the PyPI wheels (default: auto, the first found)")
     parser.add_argument("--nvcc", help="path to nvcc (default: PATH, $CUDA_HOME, /usr/local/cuda)")
     parser.add_argument("--arch", action="append", help=f"sm_XX (default: {DEFAULT_ARCHS})")
     parser.add_argument("--keep", help="write sources and outputs here instead of a temp dir")
     args = parser.parse_args(argv)
-    nvcc = find_nvcc(args.nvcc)
-    if nvcc is None:
-        print("check_cuda_kernels: nvcc not found (set --nvcc, PATH or CUDA_HOME)", file=sys.stderr)
+    compiler = find_compiler(args.compiler, args.nvcc)
+    if compiler is None:
+        print("check_cuda_kernels: no CUDA compiler found: no nvcc (set --nvcc, PATH or CUDA_HOME) and no "
+              "NVRTC/ptxas wheels. Fix: pip install -c .ci/constraints.txt nvidia-cuda-nvrtc-cu12 "
+              "nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12", file=sys.stderr)
         return 2
     kern = load_kernels()
-    archs = supported_archs(nvcc, args.arch or list(DEFAULT_ARCHS))
+    archs = compiler.archs(args.arch or list(DEFAULT_ARCHS))
     if not archs:
-        print(f"check_cuda_kernels: {nvcc} supports none of {args.arch}", file=sys.stderr)
+        print(f"check_cuda_kernels: {compiler} supports none of {args.arch}", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        lines, errors = run_checks(kern, nvcc, archs, work)
-    print(f"nvcc: {nvcc}")
+        lines, errors = run_checks(kern, compiler, archs, work)
+    print(f"compiler: {compiler}")
     print("\n".join(lines))
     for error in errors:
         print(f"ERROR {error}", file=sys.stderr)
@@ -139,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if errors else 0
 
 
-def run_checks(kern: ModuleType, nvcc: str, archs: list[str], work: Path) -> tuple[list, list]:
-    """Every check on every module, nvcc runs in parallel; (log lines, errors)."""
+def run_checks(kern: ModuleType, compiler: Nvcc | WheelCompiler | str, archs: list[str],
+               work: Path) -> tuple[list, list]:
+    """Every check on every module, compiler runs in parallel; (log lines, errors)."""
+    nvcc = _compiler(compiler)
     unscale = set(kern.UNSCALE_KERNELS.values())
     lines: list[str] = []
     errors: list[str] = []

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from polyamp import _dtypes, _registry
-from polyamp._errors import BackendNotFoundError, BackendUnavailableError, ConfigError
+from polyamp._errors import BackendNotFoundError, BackendUnavailableError, ConfigError, install_hint
 
 from .mlp import MLP, softmax_cross_entropy
 
@@ -120,8 +120,8 @@ def get(name: str) -> Kit:
     if reason is not None:
         usable = [n for n in NAMES if n != name and _why_unavailable(n) is None]
         raise BackendUnavailableError(
-            f"demo backend {name!r} is not available here: {reason}. Available demo backends: "
-            f"{', '.join(usable)}. Fix: install {name} where it can run, or pass --backend numpy."
+            f"demo backend {name!r} is not available here: {reason}. Fix: {install_hint(name)} "
+            f"(where it can run), or pass --backend with one available here: {', '.join(usable)}."
         )
     if name == "torch":
         return _torch_kit()

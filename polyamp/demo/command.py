@@ -26,19 +26,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: POLYAMP_BACKEND when set, else numpy)")
     parser.add_argument("--dtype", default=DEFAULTS.dtype, choices=("float16", "bfloat16"),
                         help="low-precision compute dtype compared with float32 (default: float16)")
-    parser.add_argument("--steps", type=int, default=DEFAULTS.steps, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=DEFAULTS.steps,
+                        help="training steps per run (default: %(default)s)")
     parser.add_argument("--output", default="polyamp-demo.png", metavar="PATH",
                         help="where to write the plot; its suffix picks the format (.png, .pdf, .svg, "
                              "...; none means .png) (default: polyamp-demo.png)")
-    parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="data and weight seed")
-    parser.add_argument("--batch", type=int, default=DEFAULTS.batch, help="samples computed per step")
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed,
+                        help="data and weight seed (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=DEFAULTS.batch,
+                        help="samples computed per step (default: %(default)s)")
     parser.add_argument("--global-batch", type=int, default=DEFAULTS.global_batch,
                         help="samples the loss is averaged over (default: 2**24, which makes "
                              "per-sample float16 gradients underflow); use --batch's value for none")
     parser.add_argument("--distributed", default=None, choices=world.CHOICES,
                         help="train data parallel, the batch split over the ranks of `mpirun -n N polyamp "
-                             "demo --distributed mpi` or of `torchrun --nproc-per-node N -m polyamp demo "
-                             "--distributed torch`; rank 0 prints (default: one process)")
+                             "demo --distributed mpi` (as root, in containers or CI: `mpirun "
+                             "--allow-run-as-root -n N ...`, or set OMPI_ALLOW_RUN_AS_ROOT=1 and "
+                             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1) or of `torchrun --nproc-per-node N -m "
+                             "polyamp demo --distributed torch`; rank 0 prints (default: one process)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
 

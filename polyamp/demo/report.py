@@ -9,11 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from polyamp._errors import ConfigError
+from polyamp._errors import ConfigError, install_hint
 
 from .run import RunResult
 
-INSTALL_HINT = "pip install 'polyamp[demo]'"
+INSTALL_HINT = install_hint("demo")
 
 
 Tick = Callable[[float], None]
@@ -72,6 +72,9 @@ def plot_path(path: str, option: str = "--output") -> Path:
     matplotlib writes (not checked without matplotlib, which writes no plot). The folder
     must exist and be writable. Raises ConfigError naming ``option``, the value and the fix.
     """
+    if not path.strip():  # abspath('') is the current folder, which is not what was meant
+        raise ConfigError(f"{option} {path!r} is empty. Fix: give a file name, e.g. {option} "
+                          "polyamp-demo.png (or --no-plot for no plot)")
     target = Path(os.path.abspath(os.path.expanduser(path)))
     if target.is_dir():
         raise ConfigError(f"{option} {path!r} is a folder. Fix: give a file name, e.g. {target / 'demo.png'}")

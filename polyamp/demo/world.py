@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from polyamp._errors import ConfigError
+from polyamp._errors import ConfigError, install_hint
 
 CHOICES = ("mpi", "torch")
 #: Seconds a collective may wait for a lagging rank before the demo gives up with an error.
@@ -80,7 +80,7 @@ def _torch_group() -> tuple[Any, bool]:
         import torch.distributed as dist
     except ImportError as exc:
         raise ConfigError(
-            f"--distributed torch needs torch.distributed ({exc}). Fix: pip install 'polyamp[torch]'"
+            f"--distributed torch needs torch.distributed ({exc}). Fix: {install_hint('torch')}"
         ) from exc
     if dist.is_initialized():
         return dist.group.WORLD, False
@@ -88,8 +88,9 @@ def _torch_group() -> tuple[Any, bool]:
     if missing:
         raise ConfigError(
             f"--distributed torch needs torchrun's environment, but {', '.join(missing)} "
-            "is not set. Fix: start it as `torchrun --nproc-per-node 2 -m polyamp demo "
-            "--distributed torch` (or use `mpirun -n 2 polyamp demo --distributed mpi`)."
+            f"{'is' if len(missing) == 1 else 'are'} not set. Fix: start it as `torchrun "
+            "--nproc-per-node 2 -m polyamp demo --distributed torch` (or use `mpirun -n 2 polyamp "
+            "demo --distributed mpi`, adding --allow-run-as-root after mpirun when you are root)."
         )
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT))
     return dist.group.WORLD, True

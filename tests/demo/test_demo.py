@@ -156,8 +156,11 @@ def test_short_demo_polyamp_matches_float32_and_plain_float16_does_not(backend):
 
 def test_short_bfloat16_demo_needs_no_scaling():
     pytest.importorskip("ml_dtypes")
-    reference, unscaled, scaled = run_demo(SHORT.replace(dtype="bfloat16", steps=40))
+    results = run_demo(SHORT.replace(dtype="bfloat16", steps=40))
+    reference, unscaled, scaled = results
     assert within_tolerance(unscaled, reference) and within_tolerance(scaled, reference)
+    # the output says why: bfloat16 has float32's range
+    assert summary(results).splitlines()[-1].startswith("bfloat16 has float32's exponent range (8 bits)")
 
 
 def test_table_summary_and_plot(tmp_path):
@@ -201,7 +204,7 @@ def test_unavailable_backend_names_itself_the_reason_and_the_alternatives():
     with pytest.raises(polyamp.BackendUnavailableError) as info:
         run_demo(SHORT.replace(backend="cupy"))
     message = str(info.value)
-    assert "'cupy' is not available" in message and "Available demo backends: numpy" in message
+    assert "'cupy' is not available" in message and "one available here: numpy" in message
     assert backends._why_unavailable("cupy") in message
 
 

@@ -129,6 +129,19 @@ def test_torch_without_torchruns_environment_is_refused_before_training():
                          capture_output=True, text=True, env=env, timeout=TIMEOUT)
     assert out.returncode == 2 and out.stdout == ""
     assert "needs torchrun's environment" in out.stderr and "torchrun --nproc-per-node 2" in out.stderr
+    assert "but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set" in out.stderr
+
+
+def test_only_the_missing_torchrun_variables_are_named():
+    env = {k: v for k, v in _env(RANK="0", WORLD_SIZE="1").items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "polyamp", *ARGS, "--distributed", "torch"],
+                         capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "but MASTER_ADDR, MASTER_PORT are not set" in out.stderr
+    env["MASTER_ADDR"] = "127.0.0.1"
+    out = subprocess.run([sys.executable, "-m", "polyamp", *ARGS, "--distributed", "torch"],
+                         capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert "but MASTER_PORT is not set" in out.stderr
 
 
 def test_a_batch_that_does_not_split_evenly_is_refused():
