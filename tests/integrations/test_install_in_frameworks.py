@@ -80,6 +80,23 @@ def test_lightning_fsdp_precision_builds_polyamp_sharded_scaler(need, installed)
     assert isinstance(plugin.scaler, installed.ShardedGradScaler)
 
 
+def test_lightning_fsdp_precision_refuses_a_scaler_argument(need):
+    """docs/integrations.md says so: FSDPPrecision(scaler=...) refuses torch's and polyamp's alike,
+    and the plugin's attribute is the way in (if Lightning fixes this, the page must change)."""
+    need("lightning")
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not built")
+    from lightning.fabric.plugins import FSDPPrecision as FabricFSDPPrecision
+    from lightning.pytorch.plugins import FSDPPrecision
+    from polyamp.compat.torch import ShardedGradScaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+
+    for plugin_class in (FSDPPrecision, FabricFSDPPrecision):
+        for scaler in (TorchSharded("cpu"), ShardedGradScaler("cpu")):
+            with pytest.raises(ValueError, match="does not use a scaler"):
+                plugin_class("16-mixed", scaler=scaler)
+
+
 def test_timm_native_scaler_under_install(need, installed):
     need("timm")
     from timm.utils.cuda import NativeScaler
