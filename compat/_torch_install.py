@@ -140,7 +140,14 @@ class Installation:
 
 def _torch_targets() -> list[tuple[Any, str, str]]:
     """The torch modules and names to patch (FSDP's only where torch.distributed is built)."""
-    import torch
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(
+            f"polyamp.compat.torch.install() swaps torch's GradScaler classes, but torch does not "
+            f"import here ({exc}). Fix: pip install 'polyamp[torch]', or use polyamp's scalers "
+            "directly without install()"
+        ) from exc
 
     out = []
     for mod_name, name, kind in TORCH_NAMES:
@@ -157,7 +164,10 @@ def _rebind(replacement: Any, skip_torch: bool) -> None:
     for mod_name, mod in list(sys.modules.items()):
         if skip_torch and (mod_name == "torch" or mod_name.startswith("torch.")):
             continue  # torch's own names are the explicit list (TORCH_NAMES)
-        namespace = getattr(mod, "__dict__", None)
+        try:
+            namespace = getattr(mod, "__dict__", None)
+        except Exception:  # noqa: BLE001 - a lazy module proxy may fail on any attribute
+            continue
         if not isinstance(namespace, dict):
             continue
         for name, value in list(namespace.items()):

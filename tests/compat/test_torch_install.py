@@ -53,6 +53,24 @@ def test_importing_polyamp_installs_nothing():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_install_without_torch_says_so_and_installs_nothing():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torch"] = None  # torch does not import
+        import polyamp.compat.torch as pt
+        try:
+            pt.install()
+        except ImportError as exc:
+            assert "pip install 'polyamp[torch]'" in str(exc), exc
+        else:
+            raise AssertionError("install() without torch did not raise")
+        assert not pt._INSTALLER.installed
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_install_patches_every_name_and_uninstall_restores_exactly(clean):
     before = clean
     with pt.install() as installation:
