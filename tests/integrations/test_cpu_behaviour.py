@@ -50,3 +50,19 @@ def test_transformers_fp16_on_cpu_builds_no_scaler_and_defaults_to_fused_adamw(n
                       train_dataset=[{"x": torch.ones(2), "labels": torch.ones(1)}])
     assert trainer.accelerator.scaler is None and trainer.accelerator.native_amp is False
     assert args.optim == "adamw_torch_fused"
+
+
+def test_accelerate_scaler_set_after_prepare_is_not_seen_by_the_optimizer(need):
+    """docs/integrations.md: set after prepare(), the loss is scaled but never unscaled."""
+    need("accelerate")
+    from accelerate import Accelerator
+    from polyamp.compat.torch import GradScaler
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.scaler, accelerator.native_amp = GradScaler("cpu", init_scale=1024.0), True
+    accelerator.backward(model(torch.ones(1, 2)).sum())
+    optimizer.step()
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 1024.0))  # still scaled
+    assert accelerator.scaler.skipped_steps == 0 and accelerator.scaler.last_step_skipped is None
