@@ -32,6 +32,19 @@ def need():
     return require
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide AcceleratorState: an Accelerator(mixed_precision=...) after
+    another with a different one raises. Reset it around each test (as accelerate's own tests do)."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture
 def installed():
     """polyamp.compat.torch.install() for one test, uninstalled even when the test fails."""
