@@ -25,11 +25,13 @@ from ._torch_accessors import ScalerAccessors
 from ._torch_disabled import DisabledMethods, cuda_missing
 from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
 from ._torch_grads import collect_grads
+from ._torch_install import Installation, Installer
+from ._torch_private import TorchPrivateMembers
 from ._torch_sharded import DisabledShardedInit, ShardedMethods
 from ._torch_state import TorchConfigError, check_new_scale, is_array, torch_config
 
-__all__ = ["ForwardRecord", "ForwardWatch", "GradScaler", "OptState", "ShardedGradScaler",
-           "TorchConfigError", "watch_forward"]
+__all__ = ["ForwardRecord", "ForwardWatch", "GradScaler", "Installation", "OptState", "ShardedGradScaler",
+           "TorchConfigError", "install", "uninstall", "watch_forward"]
 
 
 _NOT_SCALED = (
@@ -55,7 +57,7 @@ def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
     return "grad_scaler" in inspect.signature(step_fn).parameters
 
 
-class GradScaler(ScalerAccessors):
+class GradScaler(TorchPrivateMembers, ScalerAccessors):
     """Drop-in ``torch.amp.GradScaler`` that also scales NumPy, CuPy and array-API arrays.
 
     Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``, and
@@ -374,3 +376,22 @@ def _restore(cls: type, state: dict[str, Any]) -> Any:
     obj = object.__new__(cls)
     obj.__setstate__(state)
     return obj
+
+
+_INSTALLER = Installer(GradScaler, ShardedGradScaler)
+
+
+def install() -> Installation:
+    """Make ``torch.amp.GradScaler``, ``torch.cuda.amp.GradScaler`` and FSDP's ``ShardedGradScaler``
+    build polyamp's scalers, until :func:`uninstall` (opt-in; imports torch).
+
+    Also usable as ``with polyamp.compat.torch.install(): ...``. Names bound by modules
+    imported earlier (``from torch.amp import GradScaler``) are patched too; see
+    :mod:`polyamp.compat._torch_install`.
+    """
+    return _INSTALLER.install()
+
+
+def uninstall() -> None:
+    """Put torch's scaler classes back everywhere :func:`install` put polyamp's (no-op if not installed)."""
+    _INSTALLER.uninstall()

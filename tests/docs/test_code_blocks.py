@@ -4,11 +4,15 @@ The blocks of one page run in order in one namespace, as a reader pasting them i
 run them, in a temporary folder. A block preceded by ``<!-- test: gpu -->`` needs a CUDA device:
 it runs on its own (so it must be self-contained) and skips with the reason where there is none.
 ``<!-- test: processes=N -->`` runs the block in N processes on torch.distributed (gloo,
-127.0.0.1), as its page says to launch it.
+127.0.0.1), as its page says to launch it. ``<!-- test: needs=lightning,timm -->`` marks a block
+that needs trainer frameworks (the ``integrations`` extra): where one is absent the block is
+skipped and the page's test reports it skipped, with the reason, after running the others.
+Marks combine, space-separated: ``<!-- test: processes=2 needs=lightning -->``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -100,6 +104,17 @@ def _run_in_processes(block: Block, n: int, tmp_path: Path) -> None:
         assert proc.returncode == 0, f"{block.page.name}:{block.line} failed on rank {rank}:\n{out}"
 
 
+def _frameworks():
+    """tests/integrations/frameworks.py, loaded by path (tests are not a package)."""
+    name = "polyamp_tests_frameworks"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tests/integrations/frameworks.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def _free_port() -> int:
     import socket
 
@@ -112,15 +127,31 @@ def _free_port() -> int:
 def test_page_blocks_run(page: Path, tmp_path, monkeypatch, capsys, registry_restored):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
+    skipped = []
     for block in blocks_of(page):
-        if block.mark == "gpu":
+        marks = _marks(block)
+        if "gpu" in marks:
             continue  # test_gpu_block runs it
-        if block.mark.startswith("processes="):
+        if "needs" in marks:
+            reason = _frameworks().require(*marks["needs"].split(","))
+            if reason:
+                skipped.append(f"{page.name}:{block.line}: {reason}")
+                continue
+        if "processes" in marks:
             pytest.importorskip("torch.distributed")
-            _run_in_processes(block, int(block.mark.split("=", 1)[1]), tmp_path)
+            _run_in_processes(block, int(marks["processes"]), tmp_path)
             continue
-        assert block.mark == "", f"{page.name}:{block.line}: unknown test mark {block.mark!r}"
         _exec(block, namespace)
+    if skipped:
+        pytest.skip("; ".join(skipped))
+
+
+def _marks(block: Block) -> dict[str, str]:
+    """A block's test marks, e.g. ``processes=2 needs=lightning`` -> {"processes": "2", ...}."""
+    marks = dict(t.partition("=")[::2] for t in block.mark.split())
+    unknown = set(marks) - {"gpu", "processes", "needs"}
+    assert not unknown, f"{block.page.name}:{block.line}: unknown test mark {block.mark!r}"
+    return marks
 
 
 def _exec(block: Block, namespace: dict) -> None:
@@ -130,13 +161,13 @@ def _exec(block: Block, namespace: dict) -> None:
         raise AssertionError(f"the block at {block.page.name}:{block.line} failed: {exc!r}") from exc
 
 
-GPU_BLOCKS = [b for p in PAGES for b in blocks_of(p) if b.mark == "gpu"]
+GPU_BLOCKS = [b for p in PAGES for b in blocks_of(p) if "gpu" in _marks(b)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", GPU_BLOCKS, ids=lambda b: f"{b.page.relative_to(ROOT)}:{b.line}")
 def test_gpu_block(block: Block, tmp_path, monkeypatch):
-    reason = _cuda_reason()
+    reason = _cuda_reason() or _frameworks().require(*filter(None, _marks(block).get("needs", "").split(",")))
     if reason:
         pytest.skip(reason)
     monkeypatch.chdir(tmp_path)
