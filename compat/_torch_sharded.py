@@ -77,11 +77,12 @@ class ShardedMethods:
         backoff_interval: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        diagnose: bool = False,
     ) -> None:
         super().__init__(  # type: ignore[call-arg]  # GradScaler's order: growth_factor first
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
             backend=backend, backoff_interval=backoff_interval, min_scale=min_scale,
-            max_scale=max_scale,
+            max_scale=max_scale, diagnose=diagnose,
         )
         self.process_group = process_group
 

@@ -329,28 +329,6 @@ class ShardedGradScaler(ShardedMethods, GradScaler):
     ``diagnose=True`` a rank whose own gradients are finite reports that another rank overflowed.
     """
 
-    def __init__(
-        self,
-        device: str = "cuda",
-        init_scale: float = 2.0**16,
-        backoff_factor: float = 0.5,
-        growth_factor: float = 2.0,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        process_group: Any = None,
-        *,
-        backend: str | None = None,
-        backoff_interval: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        diagnose: bool = False,
-    ) -> None:
-        diagnose = check_diagnose(diagnose)
-        super().__init__(device, init_scale, backoff_factor, growth_factor, growth_interval, enabled,
-                         process_group, backend=backend, backoff_interval=backoff_interval,
-                         min_scale=min_scale, max_scale=max_scale)
-        self._diagnose = diagnose
-
 
 class DisabledShardedGradScaler(DisabledShardedInit, DisabledGradScaler, ShardedGradScaler):
     """What ``ShardedGradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
