@@ -6,7 +6,9 @@ optimizer. The timed part is ``scaler.step(optimizer)`` for every optimizer plus
 ``scaler.update()``. Sides run round-robin within each repetition (order alternating); the
 table shows rank 0's median over repetitions of the mean time per iteration, the ratio
 polyamp / torch, the all-reduces each side issued per step (``dist.all_reduce`` plus the
-functional all-reduce DTensor uses) and whether both ended bitwise equal. Run:
+functional all-reduce DTensor uses) and whether both ended bitwise equal. Last, the bare latency
+of one all-reduce of torch's flag (1 value) against polyamp's agreement message (the flag and
+the fingerprint that finds misaligned ranks), which is most of the difference on gloo. Run:
 
     python benchmarks/distributed_step.py [--reps 15]
 """
@@ -14,6 +16,7 @@ functional all-reduce DTensor uses) and whether both ended bitwise equal. Run:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -133,6 +136,22 @@ def bench(rank: int, case: tuple[int, int, int], reps: int, counter: Count) -> t
     return t_us, p_us, sides[0].calls // steps, sides[1].calls // steps, same
 
 
+def allreduce_latency(reps: int) -> tuple[float, float]:
+    """The best us of one bare ``dist.all_reduce`` of torch's flag (1 float32) and of polyamp's
+    agreement message (MESSAGE float64 values), taken in turn in the same run."""
+    from polyamp.distributed._fingerprint import MESSAGE
+
+    buffers = [torch.zeros(1), torch.zeros(MESSAGE, dtype=torch.float64)]
+    best = [math.inf, math.inf]
+    for _ in range(reps):
+        for i, buffer in enumerate(buffers):
+            start = time.perf_counter_ns()
+            for _ in range(100):
+                dist.all_reduce(buffer)
+            best[i] = min(best[i], (time.perf_counter_ns() - start) / 100 / 1e3)
+    return best[0], best[1]
+
+
 def worker(rank: int, size: int, port: int, reps: int) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Found a non-scalar tensor")  # torch's (1,)-shaped flag
@@ -148,6 +167,12 @@ def worker(rank: int, size: int, port: int, reps: int) -> None:
         if rank == 0:
             calls = f"{t_calls:>8} vs {p_calls:<6}"
             print(f"{name:>28} {t_us:>9.1f} {p_us:>9.1f} {p_us / t_us:>6.3f}x {calls}  {same}")
+    flag_us, message_us = allreduce_latency(reps)
+    if rank == 0:
+        from polyamp.distributed._fingerprint import MESSAGE
+
+        print(f"one bare all-reduce, best of {reps} x 100: torch's flag (1 float32) {flag_us:.1f} us, "
+              f"polyamp's message ({MESSAGE} float64) {message_us:.1f} us")
     dist.barrier()
     os._exit(0)  # skip the process group's teardown
 
