@@ -20,7 +20,8 @@ def test_reducer_specs_are_staticmethods() -> None:
         assert getattr(raw.__func__, f"{_hookspecs.PROJECT}_spec", None) is not None, name
 
 
-@pytest.mark.parametrize("make", [_discovery._Plugins, _registry._plugins.__wrapped__], ids=["reducers", "backends"])
+@pytest.mark.parametrize("make", [_discovery._Plugins, _registry._plugins.__wrapped__],
+                         ids=["reducers", "backends"])
 def test_plugin_sets_load_with_warnings_as_errors(make) -> None:
     """Under ``-W error`` (pluggy 1.7 warned for every ReducerSpec spec) the plugin sets still load."""
     with warnings.catch_warnings():
