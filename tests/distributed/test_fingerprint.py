@@ -107,7 +107,7 @@ class Recorder(Reducer):
         return array
 
     def _allreduce(self, buffer, op):
-        self.messages.append(np.array(buffer, copy=True))
+        self.messages.append(np.array(buffer.numpy() if hasattr(buffer, "numpy") else buffer, copy=True))
 
     def _barrier(self):
         pass
@@ -225,3 +225,52 @@ def test_state_values_of_a_host_state_are_fingerprinted_too():
     device = fp.DeviceEncoder(np, "cpu")
     on_host = device([1, 2, 3, 4, 5, fp.scale_bits(1.0), 0, 0])
     np.testing.assert_array_equal(on_host, device([1, 2, 3, 4, 5], *state))
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS, ids=["bytes", "bits"])
+def test_the_device_encoding_runs_on_torch_tensors(encoding):
+    """The GPU path's operations on torch tensors (here on the CPU): equal to the host encoding."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(torch.zeros(()))
+    device = fp.DeviceEncoder(xp, torch.device("cpu"), encoding)
+    state = (torch.tensor(0.3, dtype=torch.float32), torch.tensor(17, dtype=torch.int32),
+             torch.tensor(2, dtype=torch.int32))
+    host = [4, 3, 2, 1, 0]
+    got = device(host, *state)
+    want = fp.encode(fp.Fingerprint(*host, fp.scale_bits(np.float32(0.3)), 17, 2), encoding)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert not bool(device.misaligned(got * 2, 2)) and bool(device.misaligned(got * 2 + 1, 2))
+
+
+class TorchPairedWith(PairedWith):
+    """PairedWith for torch buffers: the peer's recorded message is added as a tensor."""
+
+    def _allreduce(self, buffer, op):
+        import torch
+
+        buffer += torch.from_numpy(np.asarray(self.peer.messages[self.collectives - 1])).to(buffer.dtype)
+
+
+def test_the_device_path_on_torch_tensors_raises_before_applying(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import polyamp._agreement as agreement
+
+    monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
+    grads = [torch.full((3,), 2.0)]
+    peer = Recorder()
+    twin = LossScaler(LossScaleConfig(init_scale=8.0), reducer=peer)
+    twin.step([g.clone() for g in grads], lambda: None)
+    twin.update()
+    twin.step([g.clone() for g in grads], lambda: None)
+    twin.update()
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=TorchPairedWith(peer))
+    applied: list[int] = []
+    assert scaler.step([g.clone() for g in grads], lambda: applied.append(0))
+    scaler.update()
+    scaler.set_scale(2.0)  # this rank alone
+    with pytest.raises(RankMismatchError, match="scale 2\\*\\*1 on this rank, scale 2\\*\\*3 on the other"):
+        scaler.step([g.clone() for g in grads], lambda: applied.append(1))
+    assert applied == [0]
