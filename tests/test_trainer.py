@@ -345,3 +345,23 @@ def test_reducer_is_checked_when_the_trainer_is_built():
     model = Linear(4, 2)
     with pytest.raises(TypeError, match="cannot build a reducer from"):
         MixedPrecisionTrainer(model, SGD(model.parameters()), reducer=[1, 2])
+
+
+def test_the_device_side_fingerprint_path_trains_the_same(monkeypatch):
+    """The trainer's GPU-side path (the fingerprint built and checked on the device, forced here on
+    NumPy arrays) takes the same steps as the host path."""
+    import polyamp._agreement as agreement
+
+    x, y = _data()
+    runs = []
+    for device_side in (False, True):
+        if device_side:
+            monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
+        model = Linear(4, 2)
+        trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16",
+                                        LossScaleConfig(init_scale=2.0**10), max_grad_norm=1.0,
+                                        reducer=TwinRanks(4))
+        losses = [trainer.train_step(x, y, mse()).loss for _ in range(4)]
+        runs.append((losses, model.w.data.copy(), trainer.skipped_steps))
+    assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2] == 0
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
