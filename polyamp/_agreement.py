@@ -59,7 +59,7 @@ class Agreement:
         self.reducer: Reducer = reducer(group)
         self.iteration = 0  # iterations ended (update() calls) since this agreement was made
         self.collective = 0  # agreements so far in this iteration
-        self._sent: list[tuple[Any, Any]] = []  # this iteration's (device message, fingerprint)
+        self._sent: list[tuple[Any, ...]] = []  # this iteration's (device sums, host fields, state, encoding)
         self._encoders: dict[Any, Any] = {}  # (device, encoding) -> DeviceEncoder
         self._config: tuple[LossScaleConfig, int] | None = None
         self._message = np.zeros(_message_size(), np.float64)  # the host path's buffer, reused
@@ -198,9 +198,10 @@ class Agreement:
         """After a skip decision said skip: RankMismatchError if this iteration's messages show
         ranks that differ (reads them: a host sync, only on skipped steps)."""
         from .distributed import _fingerprint as fp
+        from .distributed._agree import _to_host
 
         for sums, host, state, encoding in self._sent:
-            self._check_now(_to_numpy(sums), fp.Fingerprint(*host, *_host_state(state)), encoding)
+            self._check_now(_to_host(sums), fp.Fingerprint(*host, *_host_state(state)), encoding)
 
     def _check_now(self, sums: Any, mine: Any, encoding: Any) -> None:
         from .distributed import RankMismatchError
@@ -275,12 +276,12 @@ def _host_view(array: Any) -> np.ndarray | None:
         return array
     if isinstance(array, np.generic):
         return np.asarray(array)
-    try:
-        if array.__dlpack_device__()[0] == _CPU:
-            return np.from_dlpack(array)
-    except Exception:  # no DLPack, or a device this NumPy cannot view
+    if not _is_host(array):
         return None
-    return None
+    try:
+        return np.from_dlpack(array)
+    except Exception:  # a dtype or layout this NumPy cannot view
+        return None
 
 
 def _host(array: Any) -> Any:
@@ -293,12 +294,13 @@ def _host(array: Any) -> Any:
 def _host_state(state: Any) -> tuple[int, int, int]:
     """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
     from .distributed import _fingerprint as fp
+    from .distributed._agree import _to_host
 
     if isinstance(state, HostState):
         return fp.scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
     scale, growth, backoff = state
     if not _is_host(scale):
-        scale, growth, backoff = (_to_numpy(a) for a in state)
+        scale, growth, backoff = (_to_host(a) for a in state)
     return fp.scale_bits(float(scale)), int(growth), int(backoff)
 
 
@@ -326,15 +328,6 @@ def _new_like(like: Any, values: Any, shape_of: Any) -> Any:
     return xp.asarray(host, dtype=shape_of.dtype, device=device)
 
 
-def _to_numpy(array: Any) -> np.ndarray:
-    view = _host_view(array)
-    if view is not None:
-        return view
-    if hasattr(array, "get"):  # cupy
-        return array.get()
-    return np.asarray(array.cpu() if hasattr(array, "cpu") else array)
-
-
 _CPU = 1  # kDLCPU in DLPack's device enumeration
 
 
@@ -347,6 +340,7 @@ class Agreeing:
 
     _agreement: Agreement | None
     _pending: Any
+    _local_found: Any
     _agreed: bool
     _skipped: bool | None
     _config: LossScaleConfig
@@ -387,7 +381,7 @@ class Agreeing:
         if self._agreement is None:
             return Agreed(self._pending, extra)
         agreed = self._agreement.flag_and_extra(self._pending, extra, self._config, self._state)
-        self._pending, self._agreed = agreed.found_inf, True
+        self._local_found, self._pending, self._agreed = self._pending, agreed.found_inf, True
         return agreed
 
     def agree_flag(self, found_inf: Any) -> Any:
@@ -417,16 +411,6 @@ class Agreeing:
     def _agree_pending(self) -> None:
         """With a reducer, sum the pending check over the ranks unless agree_() already did."""
         if self._agreement is not None and not self._agreed and self._pending is not None:
+            self._local_found = self._pending  # this rank's own check, for the overflow report
             self._pending = self._agreement.flag(self._pending, self._config, self._state)
             self._agreed = True
-
-
-def _copy(array: Any) -> Any:
-    """A new array equal to ``array`` (0-d stays 0-d), in its library, on its device."""
-    if isinstance(array, (np.ndarray, np.generic)):
-        return np.array(array, copy=True)  # an ndarray even for a NumPy scalar
-    clone = getattr(array, "clone", None)  # torch, paddle
-    if callable(clone):
-        return clone()
-    return array_api_compat.array_namespace(array).asarray(array, copy=True)
-

@@ -123,7 +123,7 @@ class LossScaler(Agreeing):
         self._unscaled = False  # unscale_ (or step) divided this iteration's gradients
         self._skipped: bool | None = None  # step()'s host decision, until update()
         self._agreed = False  # _pending is already summed over the ranks (agree_ ran)
-        self._local_found = None  # this rank's own _pending, before any agreement summed it
+        self._local_found = None  # this rank's own _pending, kept when an agreement replaces it
         self._checked = [] if self._diagnose else None  # (name, gradient) unscaled this iteration
 
     # -- properties -------------------------------------------------------------------
@@ -253,7 +253,7 @@ class LossScaler(Agreeing):
         if grads:
             by = backend.full(1.0, "float32", scale) if check_only else scale
             backend.unscale_and_check(grads, by, found)
-        self._pending = self._local_found = found if self._pending is None else self._pending + found
+        self._pending = found if self._pending is None else self._pending + found
         self._unscaled = True
         if self._diagnose:
             self._checked.extend(overflow.name_gradients(given, names, len(self._checked)))  # type: ignore[union-attr]
@@ -264,7 +264,7 @@ class LossScaler(Agreeing):
         iteration's pending check, so the coming skip decision counts it. No host synchronisation.
         """
         self._refuse_after_agreement("record_found_inf()")
-        self._pending = self._local_found = flag if self._pending is None else self._pending + flag
+        self._pending = flag if self._pending is None else self._pending + flag
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
@@ -322,13 +322,13 @@ class LossScaler(Agreeing):
                 "update() found no inf checks recorded this iteration. Fix: call "
                 "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
             )
-        agreement = self._agreement
-        if found_inf is None and self._skipped is None and agreement is not None and agreement.unverified:
-            if self._backend.read_flag(flag):  # type: ignore[union-attr]  # checked on the device only
-                agreement.verify()  # ranks that differ: RankMismatchError before the scale moves
-        if self._diagnose and self._skipped is None:  # an update without step(): one read of the flag
+        unverified = found_inf is None and self._agreement is not None and self._agreement.unverified
+        if self._skipped is None and (self._diagnose or unverified):  # update() without step(): one read
             skips = flag if isinstance(flag, bool) else self._ready_backend().read_flag(flag)
-            self._last_overflow = self._explain_skip() if skips else None
+            if skips and unverified:
+                self.verify_agreement()  # ranks that differ: RankMismatchError before the scale moves
+            if self._diagnose:
+                self._last_overflow = self._explain_skip() if skips else None
         skipped = self._skipped
         before = self.get_scale() if skipped is not None and self._skip_log.wants_scale(skipped) else None
         if isinstance(flag, bool) and self._state is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,26 @@ def registry_restored():
     if _registry._plugins().names() != before:
         _registry._plugins.cache_clear()  # rebuilt from the entry points on next use
         _registry._bound.cache_clear()
+
+
+@pytest.fixture
+def counting_host_reads(monkeypatch):
+    """``with counting_host_reads() as counts:`` counts torch's host reads inside the block:
+    ``.item()``, ``bool(tensor)``, ``.tolist()``, ``.cpu()`` (skips without torch)."""
+    torch = pytest.importorskip("torch")
+
+    @contextlib.contextmanager
+    def count():
+        counts = {"item": 0, "__bool__": 0, "tolist": 0, "cpu": 0}
+        for name in counts:
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *args, _original=original, _name=name, **kwargs):
+                counts[_name] += 1
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        yield counts
+        monkeypatch.undo()
+
+    return count

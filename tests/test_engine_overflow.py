@@ -3,7 +3,6 @@ gradients, the log lines, and no extra host read on an applied step (counted on 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
@@ -134,37 +133,20 @@ def test_info_line_unchanged_without_diagnose(caplog):
     assert line == "overflow in gradients: step skipped, loss scale backed off 65536 -> 32768"
 
 
-@contextlib.contextmanager
-def counting_host_reads(monkeypatch):
-    """Count torch's host reads: ``.item()``, ``bool(tensor)``, ``.tolist()``, ``.cpu()``."""
-    torch = pytest.importorskip("torch")
-    counts = {"item": 0, "__bool__": 0, "tolist": 0, "cpu": 0}
-    for name in counts:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            counts[_name] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    yield counts
-    monkeypatch.undo()
-
-
-def _applied_step_reads(monkeypatch, diagnose: bool) -> dict[str, int]:
+def _applied_step_reads(counting_host_reads, diagnose: bool) -> dict[str, int]:
     torch = pytest.importorskip("torch")
     scaler = LossScaler(diagnose=diagnose)
     grads = {"w": torch.ones(4), "b": torch.ones(2, dtype=torch.float16)}
     scaler.step(grads, lambda: None)  # first step: state made, backend bound
     scaler.update()
-    with counting_host_reads(monkeypatch) as counts:
+    with counting_host_reads() as counts:
         assert not scaler.step(grads, lambda: None).skipped
         scaler.update()
     return counts
 
 
-def test_an_applied_step_reads_nothing_more_with_diagnose(monkeypatch):
-    without = _applied_step_reads(monkeypatch, diagnose=False)
-    with_diagnose = _applied_step_reads(monkeypatch, diagnose=True)
+def test_an_applied_step_reads_nothing_more_with_diagnose(counting_host_reads):
+    without = _applied_step_reads(counting_host_reads, diagnose=False)
+    with_diagnose = _applied_step_reads(counting_host_reads, diagnose=True)
     assert sum(without.values()) == 1  # the skip decision, and only it
     assert with_diagnose == without

@@ -13,11 +13,12 @@ with 2 ranks).
 
 from __future__ import annotations
 
-import math
 import struct
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from .._skip_log import scale_text
 
 #: The fields of a fingerprint, in message order (32 bits each).
 FIELDS = ("config", "iteration", "collective", "sequence", "payload", "scale", "growth_tracker",
@@ -170,7 +171,7 @@ def _position(mine: Fingerprint, other: dict[str, int | None]) -> str:
 def _field(name: str, mine: int, other: int | None) -> str:
     def show(v: int) -> str:
         if name == "scale":
-            return f"scale {format_scale(_from_bits(v))}"
+            return f"scale {scale_text(_from_bits(v))}"
         label = "config fingerprint" if name == "config" else name
         return f"{v} values summed" if name == "payload" else f"{label} {v}"
 
@@ -181,9 +182,3 @@ def _field(name: str, mine: int, other: int | None) -> str:
 
 def _from_bits(pattern: int) -> float:
     return float(np.array(pattern, np.uint32).view(np.float32))
-
-
-def format_scale(value: float) -> str:
-    """A scale as a person reads it: 2**k for powers of two, else the float32 value."""
-    mantissa, exponent = math.frexp(value)
-    return f"2**{exponent - 1}" if mantissa == 0.5 else f"{value:g}"

@@ -3,7 +3,6 @@ name_parameters, last_overflow, the log line, watch_forward, and no extra host r
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 
@@ -110,22 +109,7 @@ def test_pickled_copy_keeps_diagnose_not_the_names():
     assert twin._diagnose is True and twin._param_names == {}
 
 
-@contextlib.contextmanager
-def counting_host_reads(monkeypatch):
-    counts = {"item": 0, "__bool__": 0, "tolist": 0, "cpu": 0}
-    for name in counts:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            counts[_name] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    yield counts
-    monkeypatch.undo()
-
-
-def _applied_reads(monkeypatch, diagnose: bool) -> dict[str, int]:
+def _applied_reads(counting_host_reads, diagnose: bool) -> dict[str, int]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu", diagnose=diagnose)
@@ -134,16 +118,16 @@ def _applied_reads(monkeypatch, diagnose: bool) -> dict[str, int]:
     scaler.step(opt)
     scaler.update()
     backward(model, scaler)
-    with counting_host_reads(monkeypatch) as counts:
+    with counting_host_reads() as counts:
         scaler.step(opt)
         scaler.update()
     return counts
 
 
-def test_applied_step_reads_nothing_more_with_diagnose(monkeypatch):
-    without = _applied_reads(monkeypatch, False)
+def test_applied_step_reads_nothing_more_with_diagnose(counting_host_reads):
+    without = _applied_reads(counting_host_reads, False)
     assert sum(without.values()) == 1  # the skip decision
-    assert _applied_reads(monkeypatch, True) == without
+    assert _applied_reads(counting_host_reads, True) == without
 
 
 # -- watch_forward ----------------------------------------------------------------------
