@@ -25,7 +25,7 @@ def facade_state(scaler: Any) -> dict[str, Any]:
     engine, flag = scaler._engine, scaler._found_inf
     backend = engine.backend
     state["_engine"] = {"backend": backend.name if backend else None, "state_dict": engine.state_dict(),
-                        "reducer": engine.reducer}
+                        "reducer": engine.reducer, "last_overflow": engine.last_overflow}
     if flag is not None and not isinstance(flag, bool):
         flag = bool(backend.read_flag(flag)) if scaler._stages else None  # stale once stages clear
     state["_found_inf"] = flag
@@ -36,8 +36,10 @@ def restore_facade(scaler: Any, state: dict[str, Any]) -> None:
     """Fill a bare ``scaler`` from :func:`facade_state`'s output, with an engine of its own."""
     state = dict(state)
     saved = state.pop("_engine")
-    engine = LossScaler(backend=saved["backend"], reducer=saved.get("reducer"))
+    engine = LossScaler(backend=saved["backend"], reducer=saved.get("reducer"),
+                        diagnose=bool(state.get("_diagnose", False)) and state.get("_enable", True))
     engine.load_state_dict(saved["state_dict"])
+    engine.iteration.last_overflow = saved.get("last_overflow", state.pop("_last_overflow", None))
     scaler.__dict__.update(state, _engine=engine)
 
 

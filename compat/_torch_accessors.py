@@ -140,14 +140,17 @@ class ScalerAccessors:
             )
         extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL}
         return {"device": self._device, "backend": self._backend_name, "extra": extra,
-                "engine": self._engine.state_dict(), "skipped": self.skipped_steps}
+                "engine": self._engine.state_dict(), "skipped": self.skipped_steps,
+                "last_overflow": self._engine.last_overflow}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state.get("extra", {}))  # a subclass's own attributes
         self._device, self._backend_name = state["device"], state["backend"]
         self._enabled = True
-        self._engine = LossScaler(backend=self._backend_name)
+        self._engine = LossScaler(backend=self._backend_name, diagnose=getattr(self, "_diagnose", False))
         self._engine.load_state_dict(state["engine"])
+        last = state.get("last_overflow", self.__dict__.pop("_last_overflow", None))  # older copies: extra
+        self._engine.iteration.last_overflow = last
         self._stages, self._found, self._skip_seen = {}, {}, False
         self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
 

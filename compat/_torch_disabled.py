@@ -115,6 +115,11 @@ class DisabledMethods:
         return None
 
     @property
+    def last_overflow(self) -> None:
+        """None: a disabled scaler skips nothing, so it has nothing to report."""
+        return None
+
+    @property
     def engine(self) -> Any:
         """None: there is no engine behind a disabled scaler."""
         return None

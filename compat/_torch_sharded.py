@@ -94,7 +94,7 @@ class ShardedMethods:
     @process_group.setter
     def process_group(self, group: Any) -> None:
         """An explicit group is checked now; the next step checks the config across it again."""
-        self._agreement = None if group is None else Agreement(build_reducer(group))
+        self._engine.iteration.agreement = None if group is None else Agreement(build_reducer(group))
         self._group = group
         self._meshes: dict[Any, bool] = {}  # DeviceMesh -> do the group's ranks cover it
 
@@ -105,9 +105,10 @@ class ShardedMethods:
 
     def _agreed(self) -> Agreement:
         """The agreement over the reducer (the default group is resolved at first use)."""
-        if self._agreement is None:
-            self._agreement = Agreement(build_reducer(self._group))
-        return self._agreement
+        iteration = self._engine.iteration
+        if iteration.agreement is None:
+            iteration.agreement = Agreement(build_reducer(self._group))
+        return iteration.agreement
 
     def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
         """Unscale (or check) ``grads`` and return the flag summed over the group.
@@ -115,31 +116,17 @@ class ShardedMethods:
         Every rank issues the same collective, also one with no gradients (its flag is 0).
         The same collective finds ranks whose config, state or collectives differ (RankMismatchError).
         """
-        agreement, engine = self._agreed(), self._engine  # resolved before anything changes
+        agreement, iteration = self._agreed(), self._engine.iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
-        found = engine.unscale_group_(grads, check_only=check_only)  # 0 without grads
-        return agreement.flag(found, engine.config, engine.state)
-
-    def _read_skip(self, found: Any) -> bool:
-        """The skip decision; when it says skip, RankMismatchError if the ranks differ (found on
-        a GPU: a read of this iteration's messages, on skipped steps only)."""
-        skipped = super()._read_skip(found)  # type: ignore[misc]
-        if skipped:
-            self._agreed().verify()
-        return skipped
+        return iteration.agree_flag(iteration.unscale(grads, check_only=check_only))  # 0 without grads
 
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag
         (one sync) so that misaligned ranks raise here; they skip on the device regardless."""
-        agreement = self._agreement
-        if agreement is not None and agreement.unverified:
-            self._read_skip(found)
-
-    def update(self, new_scale: Any = None) -> None:
-        """torch's update; the next agreement is the first of a new iteration."""
-        super().update(new_scale)  # type: ignore[misc]
-        if self._agreement is not None:
-            self._agreement.end_iteration()
+        iteration = self._engine.iteration
+        agreement = iteration.agreement
+        if agreement is not None and agreement.unverified and iteration.backend.read_flag(found):
+            iteration.verify()
 
     def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:
         """DTensor gradients replaced by their local shards (same memory) where ``red``'s group

@@ -44,7 +44,7 @@ from typing import Any
 
 from polyamp import schedule
 from polyamp.engine import LossScaler
-from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow, log_summary
+from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
 from ._explain import paddle_named_grads
 from ._paddle_copy import facade_state, restore, restore_facade
@@ -77,7 +77,6 @@ class AmpScaler:
 
     _enable = True
     _diagnose = False  # class defaults: scalers copied before diagnose= existed load as off
-    _last_overflow: OverflowReport | None = None
 
     def __new__(cls, enable: bool = True, *args: Any, **kwargs: Any) -> AmpScaler:
         return object.__new__(cls if enable else disabled_type(cls, issubclass(cls, GradScaler)))
@@ -105,7 +104,8 @@ class AmpScaler:
         )
         self._init_loss_scaling = init_loss_scaling if self._enable else 1.0
         enabled = self._enable  # a disabled scaler steps on every rank: nothing to agree
-        self._engine = LossScaler(config, backend if enabled else None, reducer=reducer if enabled else None)
+        self._engine = LossScaler(config, backend if enabled else None, reducer=reducer if enabled else None,
+                                  diagnose=self._diagnose and enabled)
         self._stages: dict[int, OptimizerState] = {}
         self._found_inf: Any = None  # the last unscale's device flag, whichever optimizer
         self._cache_found_inf: bool | None = None  # the last step's decision
@@ -152,7 +152,7 @@ class AmpScaler:
             raise RuntimeError("unscale_() is being called after step().")
         grads = [grad for _, grad in param_grad_pairs(optimizer)]
         engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
-        self._found_inf = engine.unscale_group_(grads) if grads or engine.state is not None else None
+        self._found_inf = engine.iteration.unscale(grads) if grads or engine.state is not None else None
         self._stages[id(optimizer)] = OptimizerState.UNSCALED
 
     def _run(self, optimizer: Any, call: Callable[[], Any]) -> tuple[bool, Any]:
@@ -160,25 +160,21 @@ class AmpScaler:
         take the flag as their ``found_inf`` auxiliary variable and decide themselves, as in paddle.
         """
         flag = local = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
-        if self._engine.reducer is not None:
+        iteration = self._engine.iteration
+        if iteration.agreement is not None:
             flag = self._agreed(flag)
+        named = lambda: paddle_named_grads(optimizer)  # noqa: E731  # only for a report
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
             ran, result = True, call()  # a misaligned rank's flag is non-zero: the optimizer skips
-            found = bool(optimizer._get_auxiliary_var("found_inf"))
-            if found:
-                self._engine.verify_agreement()
-        else:
-            found = flag if isinstance(flag, bool) else (
-                flag is not None and self._engine.backend.read_flag(flag))  # type: ignore[union-attr]
-            if found:
-                self._engine.verify_agreement()  # ranks that differ: RankMismatchError, nothing applied
+            skipped = bool(optimizer._get_auxiliary_var("found_inf"))
+            found = iteration.decide(skipped, named=named, local=local)
+        else:  # the one host read; ranks that differ: RankMismatchError, nothing applied
+            found = iteration.decide(False if flag is None else flag, named=named, local=local)
             ran = not found
             result = call() if ran else None
         self._cache_found_inf = self.last_step_skipped = found
         self.skipped_steps += found
-        if self._diagnose:  # the report only on a skipped step: an applied one reads nothing more
-            self._last_overflow = self._skip_report(optimizer, local) if found else None
         return ran, result
 
     # -- overflow forensics -----------------------------------------------------------
@@ -186,7 +182,7 @@ class AmpScaler:
     def last_overflow(self) -> OverflowReport | None:
         """With ``diagnose=True``, the report on the last skipped step's gradients; None after an
         applied step (and always with ``diagnose=False``)."""
-        return self._last_overflow
+        return self._engine.last_overflow
 
     def explain(self, obj: Any, *, names: Any = None, loss: Any = None) -> OverflowReport:
         """:func:`polyamp.explain_overflow` on a Layer's, an optimizer's (names from
@@ -195,15 +191,6 @@ class AmpScaler:
         if names is not None:
             return explain_overflow(obj, names=names, loss=loss, scale=scale)
         return build_report(paddle_named_grads(obj), loss=loss, scale=scale)
-
-    def _skip_report(self, optimizer: Any, local: Any) -> OverflowReport:
-        """The report after a skipped step; with a reducer, this rank's own flag says whether
-        another rank overflowed (one read of it)."""
-        agreed = self._engine.reducer is not None
-        if agreed and local is not None and not isinstance(local, bool):
-            local = bool(self._engine.backend.read_flag(local))  # type: ignore[union-attr]
-        return build_report(paddle_named_grads(optimizer), scale=self._engine.get_scale(), skipped=True,
-                            agreed=agreed, local_flag=None if local is None else bool(local))
 
     def _agreed(self, flag: Any) -> Any:
         """The flag summed over the ranks (one collective). A rank without gradients sends 0 and
@@ -216,13 +203,8 @@ class AmpScaler:
     def _update(self) -> None:
         """One step of paddle's rule with the last step's flag; reads the scale only to log it
         (``polyamp._skip_log``: the first few overflows at INFO, then a summary; growth at DEBUG)."""
-        found, engine = bool(self._cache_found_inf), self._engine
-        log = engine._skip_log
-        before = engine.host_state() if log.wants_scale(found) else None
-        engine.update(found_inf=found)
-        log.after_update(found, before, engine.host_state, self._describe_change,
-                         log_summary(self._last_overflow))
-        engine.warn_if_at_floor(found, self._last_overflow)
+        found = bool(self._cache_found_inf)
+        self._engine.iteration.finish(found, skipped=found, describe=self._describe_change)
 
     def _describe_change(self, found: bool, before: Any, after: Any) -> str | None:
         """The log line of one update, in paddle's words (None: the scale did not move)."""

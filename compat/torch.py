@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Any
 
 from polyamp.engine import LossScaler
-from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow, log_summary
+from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
 from ._explain import torch_named_grads
 from ._torch_accessors import ScalerAccessors
@@ -66,7 +66,6 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
     """
 
     _diagnose = False  # class defaults: scalers pickled before diagnose= existed load as off
-    _last_overflow: OverflowReport | None = None
     _param_names: dict[int, str] = {}  # id(parameter) -> name; replaced, never mutated
     _allow_fp16 = False  # torch's GradScaler refuses to unscale FP16 gradients
     _flags_are_sums = False  # an optimizer's flag is 0 or 1 (sharded: summed over ranks)
@@ -105,7 +104,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
         self._device = device
         self._enabled = True
         self._backend_name = backend
-        self._engine = LossScaler(config, backend)
+        self._engine = LossScaler(config, backend, diagnose=self._diagnose)
         self._reset_iteration()
         self._skipped_host = 0
         self._unread: list[Any] = []
@@ -161,7 +160,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
 
         Unscales ``grads`` in place unless ``check_only``. ShardedGradScaler agrees here.
         """
-        return self._engine.unscale_group_(grads, check_only=check_only) if grads else None
+        return self._engine.iteration.unscale(grads, check_only=check_only) if grads else None
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
@@ -198,19 +197,14 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
         found = self._found[key]
         if found is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        skipped = self._read_skip(found)
-        if self._diagnose and (skipped or not self._skip_seen):  # a report only when skipped
-            self._last_overflow = self._skip_report(optimizer) if skipped else None
+        skipped = self._engine.iteration.decide(  # the one host read; a report only when skipped
+            found, named=lambda: torch_named_grads(optimizer, self._param_names), keep_report=self._skip_seen)
         retval = None if skipped else optimizer.step(*args, **kwargs)
         self._stages[key] = STEPPED
         self._last_skipped = skipped
         self._skipped_host += skipped
         self._skip_seen |= skipped
         return retval
-
-    def _read_skip(self, found: Any) -> bool:
-        """The skip decision: the one host read of a step (ShardedGradScaler checks the ranks too)."""
-        return self._engine.backend.read_flag(found)
 
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: nothing here (ShardedGradScaler checks the ranks)."""
@@ -268,29 +262,16 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
             flags = [f for f in self._found.values() if f is not None]
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            self._advance(flags[0] if len(flags) == 1 else sum(flags[1:], flags[0]))
-            self._engine.warn_if_at_floor(self._skip_seen, self._last_overflow)
+            found = flags[0] if len(flags) == 1 else sum(flags[1:], flags[0])
+            self._engine.iteration.finish(found, skipped=self._skip_seen)  # logged; skips as step() read
         self._reset_iteration()
-
-    def _advance(self, found_inf: Any) -> None:
-        """The engine's update, logged as the engine logs (``polyamp._skip_log``): skipped steps
-        (the first few at INFO, then a summary per window) and, when DEBUG is on, growth.
-
-        Reads the scale (a sync each) only when a line is due; skips are those step() read.
-        """
-        engine, skipped = self._engine, self._skip_seen
-        log = engine._skip_log
-        before = engine.get_scale() if log.wants_scale(skipped) else None
-        engine.update(found_inf)
-        log.after_update(skipped, before, engine.get_scale, engine._describe_change,
-                         log_summary(self._last_overflow))
 
     # -- overflow forensics -----------------------------------------------------------
     @property
     def last_overflow(self) -> OverflowReport | None:
         """With ``diagnose=True``, the report on the last skipped step's gradients; None after an
         applied step (and always with ``diagnose=False``, or for optimizers that skip themselves)."""
-        return self._last_overflow
+        return self._engine.last_overflow
 
     def name_parameters(self, module: Any) -> None:
         """Name an optimizer's gradients in reports after ``module.named_parameters()``."""
@@ -303,11 +284,6 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
             return explain_overflow(obj, names=names, loss=loss, scale=self.get_scale())
         named = torch_named_grads(obj, self._param_names)
         return build_report(named, loss=loss, scale=self.get_scale())
-
-    def _skip_report(self, optimizer: Any) -> OverflowReport:
-        """The report after ``optimizer``'s step was skipped (sharded: agreed over the ranks)."""
-        named = torch_named_grads(optimizer, self._param_names)
-        return build_report(named, scale=self.get_scale(), skipped=True, agreed=self._flags_are_sums)
 
 
 class DisabledGradScaler(DisabledMethods, GradScaler):

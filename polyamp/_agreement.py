@@ -10,20 +10,17 @@ collective, also at the first step. ``polyamp.distributed`` is imported only whe
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_compat
 import numpy as np
 
-from ._errors import ConfigError, ScalerStateError
+from ._errors import ConfigError
 from .config import LossScaleConfig
 from .policy import HostState
 
 if TYPE_CHECKING:  # the annotation only: importing polyamp must not import polyamp.distributed
-    from .backend import Backend
     from .distributed import Reducer
-    from .policy import LossScaleState
 
 #: The loop every scaler message points to.
 LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
@@ -329,88 +326,3 @@ def _new_like(like: Any, values: Any, shape_of: Any) -> Any:
 
 
 _CPU = 1  # kDLCPU in DLPack's device enumeration
-
-
-class Agreeing:
-    """LossScaler's methods for a scaler built with ``reducer=`` (its ``_agreement``).
-
-    The engine keeps the iteration's state (``_pending`` flag, ``_agreed``, ``_skipped``);
-    these methods sum it over the ranks, at most once per iteration.
-    """
-
-    _agreement: Agreement | None
-    _pending: Any
-    _local_found: Any
-    _agreed: bool
-    _skipped: bool | None
-    _config: LossScaleConfig
-    _state: LossScaleState | None
-    _ready_backend: Callable[[], Backend]  # the engine's: its backend, state made if none
-
-    @property
-    def reducer(self) -> Any:
-        """The ``polyamp.distributed.Reducer`` that agrees each step across ranks, or None."""
-        return None if self._agreement is None else self._agreement.reducer
-
-    def _refuse_after_agreement(self, what: str) -> None:
-        if self._agreed:
-            raise ScalerStateError(
-                f"{what} was called after agree_() in the same iteration: the overflow flag is "
-                "already summed over the ranks, and a flag added now would be this rank's alone. "
-                "Fix: unscale and record every flag before agree_() (a non-finite global norm "
-                "needs no flag: the agreed count already has its non-finite gradients)."
-            )
-
-    def agree_(self, extra: Any = None) -> Agreed:
-        """Sum this iteration's overflow check over the ranks now, with ``extra`` in the same collective.
-
-        ONE SUM all-reduce of ``[non-finite count, *extra]`` (in ``extra``'s dtype, on its device;
-        ``extra`` e.g. a local sum of squares, as ``polyamp.grads`` clipping sends). ``step`` then
-        reads the agreed flag and issues no collective of its own. Returns ``Agreed(found_inf,
-        extra)``, both summed over ranks; without a reducer the local values, and nothing is sent.
-        After ``unscale_``, before ``step``, once per iteration. No host synchronisation.
-        """
-        when = ("after step()" if self._skipped is not None else
-                "before any unscale_()" if self._pending is None else "twice" if self._agreed else None)
-        if when is not None:
-            raise ScalerStateError(
-                f"agree_() was called {when} in this iteration (global_norm and clip_grad_norm_ with a "
-                "distributed scaler= call it). Fix: call it once, after unscale_(grads) and before "
-                f"step() (the loop is `{LOOP}`)."
-            )
-        if self._agreement is None:
-            return Agreed(self._pending, extra)
-        agreed = self._agreement.flag_and_extra(self._pending, extra, self._config, self._state)
-        self._local_found, self._pending, self._agreed = self._pending, agreed.found_inf, True
-        return agreed
-
-    def agree_flag(self, found_inf: Any) -> Any:
-        """``found_inf`` summed over the ranks, as a new device array (``found_inf`` is kept).
-
-        For facades that keep their own per-optimizer flags (paddle's ``step`` uses the last
-        ``unscale_``'s): one collective (with the fingerprint that finds misaligned ranks).
-        None (a rank without gradients) sends 0, a host bool (a copy's) 0 or 1. Without a
-        reducer: ``found_inf`` as it is.
-        """
-        if self._agreement is None:
-            return found_inf
-        backend = self._ready_backend()
-        if found_inf is None or isinstance(found_inf, bool):
-            found_inf = backend.full(float(bool(found_inf)), "float32", self._state.scale)  # type: ignore[union-attr]
-        return self._agreement.flag(found_inf, self._config, self._state)
-
-    def verify_agreement(self) -> None:
-        """After a skip decision read a non-zero agreed flag: RankMismatchError if the ranks differ.
-
-        Free where the message lived on the host (it was checked as it arrived); on a GPU one
-        read of this iteration's messages, on skipped steps only. Without a reducer: nothing.
-        """
-        if self._agreement is not None:
-            self._agreement.verify()
-
-    def _agree_pending(self) -> None:
-        """With a reducer, sum the pending check over the ranks unless agree_() already did."""
-        if self._agreement is not None and not self._agreed and self._pending is not None:
-            self._local_found = self._pending  # this rank's own check, for the overflow report
-            self._pending = self._agreement.flag(self._pending, self._config, self._state)
-            self._agreed = True

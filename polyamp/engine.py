@@ -4,24 +4,26 @@ Device work goes through the bound backend; the only host read of a step is the 
 decision in :meth:`LossScaler.step`. State lives in three 0-d arrays on the gradients'
 device, created on first use (as torch does), plus host counters. With ``reducer=`` the
 flag is summed over the ranks before that decision: one collective per step (``_agreement``).
+The iteration's work (unscale, agree, decide, report, update, log) is :mod:`polyamp._iteration`'s;
+this class keeps the loop's contract (its order and errors), checkpoints and copies.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
 from . import _inputs, _registry, checkpoint, overflow
 from ._agreement import LOOP as _LOOP
-from ._agreement import Agreeing, Agreement
+from ._agreement import Agreed, Agreement
 from ._errors import ScalerStateError
-from ._skip_log import SkipLog
+from ._iteration import Iteration
 from .backend import Backend
-from .config import SCALE_FLOOR, LossScaleConfig, config_from
-from .policy import HostState, LossScaleState, next_host_state
+from .config import LossScaleConfig, config_from
+from .policy import HostState, LossScaleState
 
 logger = logging.getLogger("polyamp")
 
@@ -56,7 +58,7 @@ class StepResult:
         )
 
 
-class LossScaler(Agreeing):
+class LossScaler:
     """Dynamic loss scaling over any backend: torch's and paddle's rule in one engine.
 
     The loop is ``stepped = scaler.step(grads, step_fn); scaler.update()``: step unscales
@@ -74,8 +76,8 @@ class LossScaler(Agreeing):
 
     ``reducer`` (a torch process group, ``"torch"``, an mpi4py communicator, ``"mpi"``, ...: see
     ``polyamp.distributed.reducer``) makes every rank agree on each step's overflow before the
-    skip decision: ONE SUM all-reduce per step of a fixed-size message (the non-finite count, and
-    a fingerprint of the config, the iteration, the collective's place and the scale state),
+    skip decision: ONE all-reduce per step of a fixed-size message (the overflow flag, and a
+    digest of the config, the iteration, the collective's place and the scale state),
     issued by every rank in the same order (a rank without gradients sends 0). A rank that
     differs makes every rank raise ``polyamp.distributed.RankMismatchError`` before anything is
     applied. Every rank must call ``step`` (or ``update``) each iteration. A deep copy shares the
@@ -88,11 +90,6 @@ class LossScaler(Agreeing):
     """
 
     enabled = True
-    _floor_warned = False  # set per instance by warn_if_at_floor; a class default survives copies
-    _diagnose = False  # class defaults: copies pickled before diagnose= existed load as off
-    _last_overflow: overflow.OverflowReport | None = None
-    _checked: list[tuple[str, Any]] | None = None
-    _local_found: Any = None
 
     def __init__(
         self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None,
@@ -105,48 +102,54 @@ class LossScaler(Agreeing):
                 f"config must be a polyamp.LossScaleConfig, got config={config!r}; "
                 "build one with polyamp.LossScaleConfig(init_scale=..., ...)"
             )
-        self._config = config
         name, source = _registry.requested_backend(backend)
-        self._backend: Backend | None = _registry.get_backend(name, source) if name else None
-        self._diagnose = overflow.check_diagnose(diagnose)
-        self._agreement = None if reducer is None else Agreement(reducer)
-        self._skip_log = SkipLog()  # the first skips one INFO line each, then a summary per window
-        self._state: LossScaleState | None = None
-        self._host = HostState(float(config.init_scale), 0, 0)
-        self._end_iteration()
-        self.steps = 0
-        self.skipped_steps = 0
-
-    def _end_iteration(self) -> None:
-        """Forget this iteration's checks: what update() (or set_scale) does last."""
-        self._pending: Any = None  # the summed device overflow flags of this iteration
-        self._unscaled = False  # unscale_ (or step) divided this iteration's gradients
-        self._skipped: bool | None = None  # step()'s host decision, until update()
-        self._agreed = False  # _pending is already summed over the ranks (agree_ ran)
-        self._local_found = None  # this rank's own _pending, kept when an agreement replaces it
-        self._checked = [] if self._diagnose else None  # (name, gradient) unscaled this iteration
+        chosen = _registry.get_backend(name, source) if name else None
+        diagnose = overflow.check_diagnose(diagnose)
+        agreement = None if reducer is None else Agreement(reducer)
+        self._iteration = Iteration(config, chosen, agreement=agreement, diagnose=diagnose)
 
     # -- properties -------------------------------------------------------------------
     @property
+    def iteration(self) -> Iteration:
+        """The :class:`polyamp._iteration.Iteration` this scaler is a shell over (the facades' too)."""
+        return self._iteration
+
+    @property
     def config(self) -> LossScaleConfig:
         """The immutable config in force; change it with :meth:`reconfigure`."""
-        return self._config
+        return self._iteration.config
 
     @property
     def backend(self) -> Backend | None:
         """The bound backend, or None until the first arrays decide it."""
-        return self._backend
+        return self._iteration.backend
 
     @property
     def state(self) -> LossScaleState | None:
         """The device state arrays, or None before the first array is seen."""
-        return self._state
+        return self._iteration.state
+
+    @property
+    def steps(self) -> int:
+        """Steps taken (applied or skipped) through :meth:`step`."""
+        return self._iteration.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps :meth:`step` skipped."""
+        return self._iteration.skipped_steps
+
+    @property
+    def reducer(self) -> Any:
+        """The ``polyamp.distributed.Reducer`` that agrees each step across ranks, or None."""
+        agreement = self._iteration.agreement
+        return None if agreement is None else agreement.reducer
 
     @property
     def last_overflow(self) -> overflow.OverflowReport | None:
         """The report on the last skipped step's gradients (``diagnose=True``); None after an
         applied step, and always None with ``diagnose=False``."""
-        return self._last_overflow
+        return self._iteration.last_overflow
 
     def explain(self, grads: Any, *, names: Any = None, loss: Any = None) -> overflow.OverflowReport:
         """:func:`polyamp.explain_overflow` with this scaler's scale (one read of it).
@@ -158,42 +161,17 @@ class LossScaler(Agreeing):
     @property
     def has_pending_check(self) -> bool:
         """Whether an inf check was recorded since the last update()."""
-        return self._pending is not None
+        return self._iteration.checks.found is not None
 
     def reconfigure(self, **changes: Any) -> LossScaleConfig:
         """Replace some config fields (validated first: a bad value changes nothing)."""
-        self._config = self._config.replace(**changes)
-        return self._config
+        self._iteration.config = self._iteration.config.replace(**changes)
+        return self._iteration.config
 
     # -- state set-up -----------------------------------------------------------------
     def bind(self, array: Any) -> Backend:
         """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
-        if self._state is None:
-            _inputs.check_array_device(array, "the scaler")  # before a backend or state is chosen by it
-        backend = self._backend
-        if backend is None:
-            backend = self._backend = _registry.backend_for_array(array)
-        elif self._state is None:
-            _registry.check_owned(backend, array, "the array given to the scaler")
-        if self._state is None:
-            self._make_state(backend, array)
-        return backend
-
-    def _ready_backend(self) -> Backend:
-        """The backend and state, defaulting to numpy when no array has been seen yet."""
-        if self._backend is None:
-            self._backend = _registry.get_backend(_registry.DEFAULT_BACKEND, "default")
-        if self._state is None:
-            self._make_state(self._backend, None)
-        return self._backend
-
-    def _make_state(self, backend: Backend, like: Any) -> None:
-        scale, growth, backoff = self._host
-        self._state = LossScaleState(
-            backend.full(scale, "float32", like),
-            backend.full(growth, "int32", like),
-            backend.full(backoff, "int32", like),
-        )
+        return self._iteration.bind(array)
 
     # -- the four verbs ---------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -203,7 +181,7 @@ class LossScaler(Agreeing):
         if first is None:
             return outputs
         backend = self.bind(first)
-        scale = self._state.scale  # type: ignore[union-attr]
+        scale = self._iteration.ready()[1].scale
         return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
 
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
@@ -213,18 +191,19 @@ class LossScaler(Agreeing):
         is added to the iteration's check that :meth:`update` uses. ``check_only=True`` checks
         without dividing (for optimizers that unscale themselves). No host synchronisation.
         """
-        if self._skipped is not None:
+        checks = self._iteration.checks
+        if checks.skipped is not None:
             raise ScalerStateError(
                 "unscale_() was called after step() in the same iteration; step() already "
                 f"unscaled. Fix: call update() after step() (the loop is `{_LOOP}`)."
             )
-        if self._unscaled:
+        if checks.unscaled:
             raise ScalerStateError(
                 "unscale_() was already called in this iteration (since the last update()); a "
                 "second call would divide the gradients by the scale twice. Fix: remove the second "
                 "scaler.unscale_(...) call; step() does not unscale again after unscale_()."
             )
-        return self._unscale(grads, check_only, "unscale_()")
+        return self._iteration.unscale(grads, check_only=check_only, where="unscale_()")
 
     def unscale_group_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
         """Unscale one group of this iteration's gradients (one optimizer's); return its flag.
@@ -232,39 +211,55 @@ class LossScaler(Agreeing):
         For facades that keep their own per-optimizer stages: may be called once per group in
         an iteration, and the flags are summed into the pending check. No host synchronisation.
         """
-        if self._skipped is not None:
+        if self._iteration.checks.skipped is not None:
             raise ScalerStateError(
                 f"unscale_group_() was called after step(). Fix: call update() after step() (`{_LOOP}`)."
             )
-        return self._unscale(grads, check_only, "unscale_group_()")
-
-    def _unscale(self, grads: Iterable[Any], check_only: bool, where: str) -> Any:
-        self._refuse_after_agreement("unscale_()")
-        given, names = (list(grads.values()), list(map(str, grads))) if isinstance(grads, Mapping) else (
-            grads, None)
-        if self._diagnose:
-            given = list(given)  # read twice: checked here, named for the report below
-        grads = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
-        backend = self.bind(grads[0]) if grads else self._ready_backend()
-        if grads:
-            _inputs.check_owned(grads, backend, where)
-        scale = self._state.scale  # type: ignore[union-attr]
-        found = backend.full(0.0, "float32", scale)
-        if grads:
-            by = backend.full(1.0, "float32", scale) if check_only else scale
-            backend.unscale_and_check(grads, by, found)
-        self._pending = found if self._pending is None else self._pending + found
-        self._unscaled = True
-        if self._diagnose:
-            self._checked.extend(overflow.name_gradients(given, names, len(self._checked)))  # type: ignore[union-attr]
-        return found
+        return self._iteration.unscale(grads, check_only=check_only, where="unscale_group_()")
 
     def record_found_inf(self, flag: Any) -> None:
         """Add a device flag (non-zero = bad step, e.g. a non-finite gradient norm) to the
         iteration's pending check, so the coming skip decision counts it. No host synchronisation.
         """
-        self._refuse_after_agreement("record_found_inf()")
-        self._pending = flag if self._pending is None else self._pending + flag
+        self._iteration.record(flag)
+
+    def agree_(self, extra: Any = None) -> Agreed:
+        """Sum this iteration's overflow check over the ranks now, with ``extra`` in the same collective.
+
+        ONE all-reduce of the flag and ``extra`` (in ``extra``'s dtype, on its device; ``extra``
+        e.g. a local sum of squares, as ``polyamp.grads`` clipping sends). ``step`` then reads
+        the agreed flag and issues no collective of its own. Returns ``Agreed(found_inf, extra)``,
+        both summed over ranks; without a reducer the local values, and nothing is sent.
+        After ``unscale_``, before ``step``, once per iteration. No host synchronisation.
+        """
+        checks = self._iteration.checks
+        when = ("after step()" if checks.skipped is not None else
+                "before any unscale_()" if checks.found is None else
+                "twice" if checks.agreed is not None else None)
+        if when is not None:
+            raise ScalerStateError(
+                f"agree_() was called {when} in this iteration (global_norm and clip_grad_norm_ with a "
+                "distributed scaler= call it). Fix: call it once, after unscale_(grads) and before "
+                f"step() (the loop is `{_LOOP}`)."
+            )
+        return self._iteration.agree(extra)
+
+    def agree_flag(self, found_inf: Any) -> Any:
+        """``found_inf`` summed over the ranks, as a new device array (``found_inf`` is kept).
+
+        For facades that keep their own per-optimizer flags: one collective (with the digest
+        that finds misaligned ranks). None (a rank without gradients) sends 0, a host bool (a
+        copy's) 0 or 1. Without a reducer: ``found_inf`` as it is.
+        """
+        return self._iteration.agree_flag(found_inf)
+
+    def verify_agreement(self) -> None:
+        """After a skip decision read a non-zero agreed flag: RankMismatchError if the ranks differ.
+
+        Free where the message lived on the host (it was checked as it arrived); on a GPU one
+        read of this iteration's messages, on skipped steps only. Without a reducer: nothing.
+        """
+        self._iteration.verify()
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
@@ -273,7 +268,8 @@ class LossScaler(Agreeing):
         is not changed here: ``update()`` after every step does that. With a reducer the flag is
         first summed over the ranks (one collective, unless ``agree_`` did it).
         """
-        if self._skipped is not None:
+        iteration = self._iteration
+        if iteration.checks.skipped is not None:
             raise ScalerStateError(
                 "step() was already called in this iteration. Fix: call update() after step() "
                 f"(the loop is `{_LOOP}`)."
@@ -283,21 +279,13 @@ class LossScaler(Agreeing):
                 f"step() needs step_fn to be a callable that applies the optimizer step, got step_fn="
                 f"{_inputs.short_repr(step_fn)}. Fix: pass e.g. optimizer.step (not optimizer.step())."
             )
-        if not self._unscaled:
-            self._unscale(grads, False, "step()")
-        self._agree_pending()
-        backend = self._backend
-        skipped = bool(backend.read_flag(self._pending))  # type: ignore[union-attr]
-        if skipped:
-            self.verify_agreement()  # ranks that differ: RankMismatchError before anything applies
-        before = self._state.scale + 0  # a copy: update() may change the scale in place
-        if self._diagnose:  # the report only on a skipped step: an applied one reads nothing more
-            self._last_overflow = self._explain_skip() if skipped else None
+        if not iteration.checks.unscaled:
+            iteration.unscale(grads, where="step()")
+        skipped = iteration.decide()
+        before = iteration.state.scale + 0  # type: ignore[union-attr]  # a copy: update() may change it in place
         if not skipped:
             step_fn()
-        self._skipped = skipped
-        self.steps += 1
-        self.skipped_steps += skipped
+        iteration.count(skipped)
         return StepResult(skipped, before)
 
     def update(self, found_inf: Any = None) -> None:
@@ -310,41 +298,12 @@ class LossScaler(Agreeing):
         when a line is due. With a reducer and no ``step`` this iteration, the pending check is
         summed over the ranks first; ``found_inf`` is used as given.
         """
+        iteration = self._iteration
         if found_inf is not None:
-            found_inf = _inputs.flag_value(found_inf, self._backend)
+            found_inf = _inputs.flag_value(found_inf, iteration.backend)
             if not isinstance(found_inf, bool):
                 self.bind(found_inf)  # picks the backend if none; the state goes to the flag's device
-        if found_inf is None:
-            self._agree_pending()
-        flag = self._pending if found_inf is None else found_inf
-        if flag is None:
-            raise ScalerStateError(
-                "update() found no inf checks recorded this iteration. Fix: call "
-                "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
-            )
-        unverified = found_inf is None and self._agreement is not None and self._agreement.unverified
-        if self._skipped is None and (self._diagnose or unverified):  # update() without step(): one read
-            skips = flag if isinstance(flag, bool) else self._ready_backend().read_flag(flag)
-            if skips and unverified:
-                self.verify_agreement()  # ranks that differ: RankMismatchError before the scale moves
-            if self._diagnose:
-                self._last_overflow = self._explain_skip() if skips else None
-        skipped = self._skipped
-        before = self.get_scale() if skipped is not None and self._skip_log.wants_scale(skipped) else None
-        if isinstance(flag, bool) and self._state is None:
-            self._host = next_host_state(self._host, flag, self._config)
-        else:
-            backend = self._ready_backend()
-            if isinstance(flag, bool):
-                flag = backend.full(float(flag), "float32", self._state.scale)  # type: ignore[union-attr]
-            self._state = backend.update_scale(self._state, flag, self._config)
-        if skipped is not None:
-            self._skip_log.after_update(skipped, before, self.get_scale, self._describe_change,
-                                        overflow.log_summary(self._last_overflow))
-        self.warn_if_at_floor(bool(self._skipped))
-        self._end_iteration()
-        if self._agreement is not None:
-            self._agreement.end_iteration()
+        iteration.finish(found_inf, skipped=iteration.checks.skipped)
 
     def set_scale(self, value: Any) -> None:
         """Set the scale (a number, or a 1-element array read once to check it); trackers kept.
@@ -352,65 +311,16 @@ class LossScaler(Agreeing):
         Like torch's ``update(new_scale)`` it ends the iteration. The value must be a
         positive normal float32 (ConfigError otherwise, nothing changed).
         """
-        number = _inputs.scale_value(value)
-        state = self._state
-        if state is not None:
-            new = self._backend.full(number, "float32", state.scale)  # type: ignore[union-attr]
-            self._state = state._replace(scale=new)
-        else:
-            self._host = self._host._replace(scale=number)
-        self._end_iteration()
-
-    def _explain_skip(self) -> overflow.OverflowReport:
-        """The report on this iteration's gradients after a skip (reads the scale, and with a
-        reducer this rank's own flag, to tell whether another rank overflowed)."""
-        local = None
-        if self._agreement is not None and self._local_found is not None:
-            local = bool(self._backend.read_flag(self._local_found))  # type: ignore[union-attr]
-        return overflow.build_report(self._checked or [], scale=self.get_scale(), skipped=True,
-                                     agreed=self._agreement is not None, local_flag=local)
+        self._iteration.set_scale(_inputs.scale_value(value))
 
     # -- reading back (host syncs) ----------------------------------------------------
     def host_state(self) -> HostState:
         """The state as Python numbers: a device sync when the state lives on a GPU."""
-        if self._state is None:
-            return self._host
-        to_host = self._backend.to_host  # type: ignore[union-attr]
-        scale, growth, backoff = self._state
-        return HostState(float(to_host(scale)), int(to_host(growth)), int(to_host(backoff)))
+        return self._iteration.host_state()
 
     def get_scale(self) -> float:
         """The current scale as a float (a device sync)."""
-        return self.host_state().scale
-
-    def warn_if_at_floor(self, skipped: bool, report: overflow.OverflowReport | None = None) -> None:
-        """After a skipped step's update: warn once per scaler if the scale sits at SCALE_FLOOR.
-
-        Reads the scale (a device sync) only on skipped steps and only until the warning is given,
-        so the per-step hot path is untouched. Facades call it with their host-read skip flag
-        (and their last report: the warning quotes its diagnosis, else :attr:`last_overflow`'s).
-        """
-        if not skipped or self._floor_warned or not self._config.dynamic:
-            return
-        if self.get_scale() <= SCALE_FLOOR:
-            self._floor_warned = True
-            logger.warning(
-                "loss scale hit its floor 2**-126 (float32's smallest normal) after repeated "
-                "overflows; it stays there instead of decaying to 0. Usual causes: a NaN or inf "
-                "loss or forward pass, gradients not zeroed between steps, or a learning rate "
-                "that diverged.%s", overflow.floor_note(self._last_overflow if report is None else report),
-            )
-
-    def _describe_change(self, skipped: bool, old: float, new: float) -> str | None:
-        """The log line of one update's scale change (``_skip_log`` picks its level)."""
-        if not skipped:  # or not read on the host: the torch facade with a fused optimizer
-            if new < old:
-                return f"overflow in gradients: loss scale backed off {old:g} -> {new:g}"
-            return f"loss scale grew {old:g} -> {new:g}" if new > old else None
-        if new != old:
-            return f"overflow in gradients: step skipped, loss scale backed off {old:g} -> {new:g}"
-        return (f"overflow in gradients: step skipped, loss scale kept at {old:g} "
-                f"(absorbed by backoff_interval={self._config.backoff_interval})")
+        return self._iteration.host_state().scale
 
     # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -419,14 +329,15 @@ class LossScaler(Agreeing):
         Refused between ``step()`` and ``update()``: the step is counted there but its scale change
         is not made yet, so the checkpoint would resume with the old scale (copies refuse it too).
         """
-        if self._skipped is not None:
+        iteration = self._iteration
+        if iteration.checks.skipped is not None:
             raise ScalerStateError(
                 "state_dict()/save() was called between step() and update(): the step is counted but "
                 "the scale it leads to is not computed yet, so a checkpoint now would resume with the "
                 f"old scale. Fix: call update() first, and save after it (the loop is `{_LOOP}`)."
             )
-        host = self.host_state()
-        return checkpoint.to_state_dict(self._config, host, self.steps, self.skipped_steps)
+        return checkpoint.to_state_dict(iteration.config, iteration.host_state(), iteration.steps,
+                                        iteration.skipped_steps)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; validated whole before anything changes."""
@@ -434,17 +345,9 @@ class LossScaler(Agreeing):
 
     def _apply(self, parts: tuple[LossScaleConfig, HostState, int, int]) -> None:
         config, host, steps, skipped = parts
-        new_state = None
-        if self._state is not None:
-            like, full = self._state.scale, self._backend.full  # type: ignore[union-attr]
-            new_state = LossScaleState(
-                full(host.scale, "float32", like),
-                full(host.growth_tracker, "int32", like),
-                full(host.backoff_tracker, "int32", like),
-            )
-        self._config, self._host, self._state = config, host, new_state
-        self.steps, self.skipped_steps = steps, skipped
-        self._end_iteration()
+        iteration = self._iteration
+        iteration.config, iteration.steps, iteration.skipped_steps = config, steps, skipped
+        iteration.load(host)
 
     def save(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Write :meth:`state_dict` to a path (atomically; gzip when it ends in .gz) or a binary file."""
@@ -455,26 +358,31 @@ class LossScaler(Agreeing):
         self._apply(checkpoint.load(f))
 
     def __getstate__(self) -> dict[str, Any]:
-        """The backend by name and the state as host values (one sync); device arrays are rebuilt."""
-        if self._pending is not None or self._skipped is not None:
-            raise ScalerStateError(
-                "a LossScaler can be copied or pickled only between update() and the next "
-                "unscale_()/step(): this iteration's overflow checks live on the device. "
-                "Fix: call update() first."
-            )
-        state = self.__dict__.copy()
-        state.update(_backend=self._backend.name if self._backend else None, _state=None,
-                     _host=self.host_state())
-        return state
+        """The iteration's state as plain data (the backend by name, the state as host values: one
+        sync); refused inside an iteration, whose checks live on the device."""
+        return {"iteration": self._iteration.__getstate__()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        name = state["_backend"]
-        backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
-        self.__dict__.update(state, _backend=backend)
+        iteration = object.__new__(Iteration)
+        iteration.__setstate__(state["iteration"] if "iteration" in state else _from_attributes(state))
+        self._iteration = iteration
 
     def __repr__(self) -> str:
-        name = self._backend.name if self._backend else "undecided"
-        return f"LossScaler(backend={name!r}, config={self._config!r})"
+        backend = self._iteration.backend
+        name = backend.name if backend else "undecided"
+        return f"LossScaler(backend={name!r}, config={self._iteration.config!r})"
+
+
+def _from_attributes(old: dict[str, Any]) -> dict[str, Any]:
+    """An Iteration's state from a LossScaler pickled before the iteration had its own class."""
+    fresh = Iteration(old["_config"], None)
+    state = {**fresh.__dict__, "backend": old.get("_backend"), "host": old["_host"],
+             "steps": old.get("steps", 0), "skipped_steps": old.get("skipped_steps", 0)}
+    for new, name in (("agreement", "_agreement"), ("diagnose", "_diagnose"), ("log", "_skip_log"),
+                      ("floor_warned", "_floor_warned"), ("last_overflow", "_last_overflow")):
+        if name in old:
+            state[new] = old[name]
+    return state
 
 
 def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:

@@ -1,0 +1,352 @@
+"""One iteration of a loss scaler, written once: unscale, check, agree, decide, report, update.
+
+Every scaler is a shell over :class:`Iteration`: :class:`polyamp.LossScaler` (one group of
+gradients per step), the torch facade (one group per optimizer, torch's stages), the paddle facade
+(``minimize``, ``step``/``update``) and the trainer (through the engine). The shells keep their own
+order rules and messages; the work is here, once::
+
+    unscale(grads) / record(flag)   -> Checks.found     (device flags, no sync)
+    agree() / agree_flag(flag)      -> Checks.agreed    (one collective with a reducer)
+    decide(flag)                    -> bool             (the one host read; a report when skipped)
+    finish(found_inf, skipped)      -> the scale update, its log line, the floor warning
+
+What one iteration has checked so far is one frozen value, :class:`Checks`, replaced as the
+iteration moves on and reset by :meth:`Iteration.finish`. The persistent part (config, backend,
+the device state, counters, the skip log) lives beside it on the :class:`Iteration`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from . import _inputs, _registry, overflow
+from ._agreement import Agreed, Agreement
+from ._errors import ScalerStateError
+from ._skip_log import SkipLog
+from .backend import Backend
+from .config import SCALE_FLOOR, LossScaleConfig
+from .policy import HostState, LossScaleState, next_host_state
+
+logger = logging.getLogger("polyamp")
+
+#: How a shell words one update's scale change: ``describe(skipped, before, after)`` on host states.
+Describe = Callable[[bool, HostState, HostState], "str | None"]
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What one iteration has checked so far; replaced (never mutated) as it moves on.
+
+    ``found``: this rank's device flags of the iteration, summed (None before the first check).
+    ``agreed``: ``found`` summed over the ranks (None until agreed). ``unscaled``: the shell's
+    single unscale ran. ``skipped``: the host skip decision of the step (None before it).
+    ``checked``: (name, gradient) pairs for a report (``diagnose=True`` only).
+    """
+
+    found: Any = None
+    agreed: Any = None
+    unscaled: bool = False
+    skipped: bool | None = None
+    checked: tuple[tuple[str, Any], ...] = field(default=(), repr=False)
+
+    @property
+    def flag(self) -> Any:
+        """The flag the decision and the update use: the agreed one once there is one."""
+        return self.found if self.agreed is None else self.agreed
+
+
+class Iteration:
+    """A scaler's state and the steps of its iteration (see the module docstring).
+
+    ``agreement`` (a :class:`polyamp._agreement.Agreement`, or None) agrees flags across ranks;
+    a shell may set it later (the sharded facade resolves its default group at first use).
+    """
+
+    def __init__(
+        self, config: LossScaleConfig, backend: Backend | None, *, agreement: Agreement | None = None,
+        diagnose: bool = False,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.state: LossScaleState | None = None  # device arrays, made on the first array seen
+        self.host = HostState(float(config.init_scale), 0, 0)  # the state until then
+        self.agreement = agreement
+        self.diagnose = diagnose
+        self.log = SkipLog()  # the first skips one INFO line each, then a summary per window
+        self.floor_warned = False
+        self.last_overflow: overflow.OverflowReport | None = None
+        self.checks = Checks()
+        self.steps = 0
+        self.skipped_steps = 0
+
+    # -- the state and its backend ------------------------------------------------------
+    def bind(self, array: Any) -> Backend:
+        """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
+        if self.state is None:
+            _inputs.check_array_device(array, "the scaler")  # before a backend or state is chosen by it
+        backend = self.backend
+        if backend is None:
+            backend = self.backend = _registry.backend_for_array(array)
+        elif self.state is None:
+            _registry.check_owned(backend, array, "the array given to the scaler")
+        if self.state is None:
+            self.state = self._make_state(backend, self.host, array)
+        return backend
+
+    def ready(self) -> tuple[Backend, LossScaleState]:
+        """The backend and state, defaulting to numpy when no array has been seen yet."""
+        if self.backend is None:
+            self.backend = _registry.get_backend(_registry.DEFAULT_BACKEND, "default")
+        if self.state is None:
+            self.state = self._make_state(self.backend, self.host, None)
+        return self.backend, self.state
+
+    @staticmethod
+    def _make_state(backend: Backend, host: HostState, like: Any) -> LossScaleState:
+        return LossScaleState(
+            backend.full(host.scale, "float32", like),
+            backend.full(host.growth_tracker, "int32", like),
+            backend.full(host.backoff_tracker, "int32", like),
+        )
+
+    def host_state(self) -> HostState:
+        """The state as Python numbers: a device sync when the state lives on a GPU."""
+        if self.state is None or self.backend is None:
+            return self.host
+        to_host = self.backend.to_host
+        scale, growth, backoff = self.state
+        return HostState(float(to_host(scale)), int(to_host(growth)), int(to_host(backoff)))
+
+    def load(self, host: HostState) -> None:
+        """Replace the state (arrays on their device where they exist) and end the iteration."""
+        if self.state is not None and self.backend is not None:
+            self.state = self._make_state(self.backend, host, self.state.scale)
+        self.host = host
+        self.end()
+
+    def set_scale(self, scale: float) -> None:
+        """Replace the scale (trackers kept) and end the iteration."""
+        if self.state is not None and self.backend is not None:
+            self.state = self.state._replace(scale=self.backend.full(scale, "float32", self.state.scale))
+        else:
+            self.host = self.host._replace(scale=scale)
+        self.end()
+
+    # -- checking -------------------------------------------------------------------------
+    def unscale(self, grads: Iterable[Any], *, check_only: bool = False, where: str = "unscale_()") -> Any:
+        """Divide one group of gradients by the scale in place (``check_only``: only check them);
+        return the group's device flag, added to :attr:`checks`. No host synchronisation.
+
+        ``grads`` may be a mapping name -> gradient (names in reports).
+        """
+        self._refuse_after_agreement("unscale_()")
+        given, names = (list(grads.values()), list(map(str, grads))) if isinstance(grads, Mapping) else (
+            grads, None)
+        if self.diagnose:
+            given = list(given)  # read twice: checked here, named for the report below
+        arrays = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
+        if arrays:
+            backend = self.bind(arrays[0])
+            _inputs.check_owned(arrays, backend, where)
+            state = self.state
+        else:
+            backend, state = self.ready()
+        found = backend.full(0.0, "float32", state.scale)
+        if arrays:
+            by = backend.full(1.0, "float32", state.scale) if check_only else state.scale
+            backend.unscale_and_check(arrays, by, found)
+        checks = self.checks
+        checked = checks.checked
+        if self.diagnose:
+            checked += tuple(overflow.name_gradients(given, names, len(checked)))
+        self.checks = replace(checks, found=_plus(checks.found, found), unscaled=True, checked=checked)
+        return found
+
+    def record(self, flag: Any) -> None:
+        """Add a device flag (non-zero: a bad step) to the iteration's check. No sync."""
+        self._refuse_after_agreement("record_found_inf()")
+        self.checks = replace(self.checks, found=_plus(self.checks.found, flag))
+
+    def _refuse_after_agreement(self, what: str) -> None:
+        if self.checks.agreed is not None:
+            raise ScalerStateError(
+                f"{what} was called after agree_() in the same iteration: the overflow flag is "
+                "already summed over the ranks, and a flag added now would be this rank's alone. "
+                "Fix: unscale and record every flag before agree_() (a non-finite global norm "
+                "needs no flag: the agreed count already has its non-finite gradients)."
+            )
+
+    # -- agreeing across ranks ------------------------------------------------------------
+    def agree(self, extra: Any = None) -> Agreed:
+        """The iteration's flag (and ``extra``) summed over the ranks in ONE collective; without
+        an agreement the local values and nothing is sent. Once per iteration, after the checks."""
+        found = self.checks.found
+        if self.agreement is None:
+            return Agreed(found, extra)
+        agreed = self.agreement.flag_and_extra(found, extra, self.config, self.state)
+        self.checks = replace(self.checks, agreed=agreed.found_inf)
+        return agreed
+
+    def agree_found(self) -> None:
+        """Agree the iteration's flag unless done or there is no agreement (before a decision)."""
+        if self.agreement is not None and self.checks.agreed is None and self.checks.found is not None:
+            self.agree()
+
+    def agree_flag(self, found_inf: Any) -> Any:
+        """One group's flag summed over the ranks, as a new device array (one collective);
+        None (a rank without gradients) sends 0 and a host bool 0 or 1. Without an agreement:
+        ``found_inf`` as it is. The iteration's own checks are not touched."""
+        if self.agreement is None:
+            return found_inf
+        backend, state = self.ready()
+        if found_inf is None or isinstance(found_inf, bool):
+            found_inf = backend.full(float(bool(found_inf)), "float32", state.scale)
+        return self.agreement.flag(found_inf, self.config, state)
+
+    def verify(self) -> None:
+        """After a decision read a non-zero agreed flag: RankMismatchError if the ranks differ."""
+        if self.agreement is not None:
+            self.agreement.verify()
+
+    # -- the decision -----------------------------------------------------------------------
+    def decide(
+        self, flag: Any = None, *, named: Callable[[], list[tuple[str, Any]]] | None = None,
+        local: Any = None, keep_report: bool = False,
+    ) -> bool:
+        """The skip decision: ``flag`` (default: the iteration's, agreed first) read on the host,
+        the one sync of a step. When it says skip, misaligned ranks raise first, and with
+        ``diagnose=True`` the report is made (on ``named()``'s gradients, else the checked ones;
+        ``local``: this rank's own flag before the agreement, to tell whether another rank
+        overflowed). ``keep_report``: an applied step keeps an earlier report of this iteration.
+        """
+        if flag is None:
+            self.agree_found()
+            flag = self.checks.flag
+        skipped = flag if isinstance(flag, bool) else bool(self.backend.read_flag(flag))  # type: ignore[union-attr]
+        if skipped:
+            self.verify()  # ranks that differ: RankMismatchError before anything applies
+        if self.diagnose and (skipped or not keep_report):
+            self.last_overflow = self.report(named, local) if skipped else None
+        return skipped
+
+    def count(self, skipped: bool) -> None:
+        """Record a step's decision (the engine's step: counters and the pending update)."""
+        self.checks = replace(self.checks, skipped=skipped)
+        self.steps += 1
+        self.skipped_steps += skipped
+
+    def report(self, named: Callable[[], list[tuple[str, Any]]] | None = None, local: Any = None
+               ) -> overflow.OverflowReport:
+        """The report on this iteration's gradients after a skip (reads the scale, and with an
+        agreement this rank's own flag, to tell whether another rank overflowed)."""
+        agreed = self.agreement is not None
+        if agreed and local is None and self.checks.agreed is not None:
+            local = self.checks.found
+        if agreed and local is not None and not isinstance(local, bool):
+            local = bool(self.backend.read_flag(local))  # type: ignore[union-attr]
+        grads = named() if named is not None else list(self.checks.checked)
+        return overflow.build_report(grads, scale=self.host_state().scale, skipped=True, agreed=agreed,
+                                     local_flag=None if not agreed or local is None else bool(local))
+
+    # -- the update -----------------------------------------------------------------------
+    def finish(self, found_inf: Any = None, *, skipped: bool | None = None,
+               describe: Describe | None = None) -> None:
+        """Advance the scale with ``found_inf`` (default: the iteration's flag, agreed first), log
+        the change (``describe``, default :meth:`describe_change`; the first skips at INFO, then a
+        summary per window: :mod:`polyamp._skip_log`), warn once at the floor, end the iteration.
+
+        ``skipped``: the host decision of the step(s), None when none was taken (an update
+        without a step: with ``diagnose=True`` or a device-checked agreement the flag is read once).
+        Reads the scale only when a line is due.
+        """
+        if found_inf is None:
+            self.agree_found()
+        flag = self.checks.flag if found_inf is None else found_inf
+        if flag is None:
+            raise ScalerStateError(
+                "update() found no inf checks recorded this iteration. Fix: call "
+                "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
+            )
+        unverified = found_inf is None and self.agreement is not None and self.agreement.unverified
+        if skipped is None and (self.diagnose or unverified):  # update() without step(): one read
+            skips = flag if isinstance(flag, bool) else self.ready()[0].read_flag(flag)
+            if skips and unverified:
+                self.verify()  # ranks that differ: RankMismatchError before the scale moves
+            if self.diagnose:
+                self.last_overflow = self.report() if skips else None
+        log = self.log
+        before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
+        self._advance(flag)
+        if skipped is not None:
+            log.after_update(skipped, before, self.host_state, describe or self.describe_change,
+                             overflow.log_summary(self.last_overflow))
+        self.warn_if_at_floor(bool(skipped))
+        self.end()
+
+    def _advance(self, flag: Any) -> None:
+        """One step of the rule: on the device (no sync), or on the host before any array exists."""
+        if isinstance(flag, bool) and self.state is None:
+            self.host = next_host_state(self.host, flag, self.config)
+            return
+        backend, state = self.ready()
+        if isinstance(flag, bool):
+            flag = backend.full(float(flag), "float32", state.scale)
+        self.state = backend.update_scale(state, flag, self.config)
+
+    def end(self) -> None:
+        """Forget this iteration's checks; the agreement's next collective opens a new iteration."""
+        self.checks = Checks()
+        if self.agreement is not None:
+            self.agreement.end_iteration()
+
+    def warn_if_at_floor(self, skipped: bool) -> None:
+        """After a skipped step's update: warn once if the scale sits at SCALE_FLOOR (reads the
+        scale only on skipped steps until the warning is given)."""
+        if not skipped or self.floor_warned or not self.config.dynamic:
+            return
+        if self.host_state().scale <= SCALE_FLOOR:
+            self.floor_warned = True
+            logger.warning(
+                "loss scale hit its floor 2**-126 (float32's smallest normal) after repeated "
+                "overflows; it stays there instead of decaying to 0. Usual causes: a NaN or inf "
+                "loss or forward pass, gradients not zeroed between steps, or a learning rate "
+                "that diverged.%s", overflow.floor_note(self.last_overflow),
+            )
+
+    def describe_change(self, skipped: bool, before: HostState, after: HostState) -> str | None:
+        """The log line of one update's scale change (``_skip_log`` picks its level)."""
+        old, new = before.scale, after.scale
+        if not skipped:  # or not read on the host: the torch facade with a fused optimizer
+            if new < old:
+                return f"overflow in gradients: loss scale backed off {old:g} -> {new:g}"
+            return f"loss scale grew {old:g} -> {new:g}" if new > old else None
+        if new != old:
+            return f"overflow in gradients: step skipped, loss scale backed off {old:g} -> {new:g}"
+        return (f"overflow in gradients: step skipped, loss scale kept at {old:g} "
+                f"(absorbed by backoff_interval={self.config.backoff_interval})")
+
+    # -- copies -----------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The backend by name and the state as host values (one sync); device arrays are rebuilt."""
+        if self.checks.found is not None or self.checks.skipped is not None:
+            raise ScalerStateError(
+                "a LossScaler can be copied or pickled only between update() and the next "
+                "unscale_()/step(): this iteration's overflow checks live on the device. "
+                "Fix: call update() first."
+            )
+        state = self.__dict__.copy()
+        state.update(backend=self.backend.name if self.backend else None, state=None,
+                     host=self.host_state())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        name = state["backend"]
+        backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
+        self.__dict__.update(state, backend=backend)
+
+
+def _plus(total: Any, flag: Any) -> Any:
+    return flag if total is None else total + flag
