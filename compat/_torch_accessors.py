@@ -12,7 +12,7 @@ from polyamp import schedule
 from polyamp._errors import ConfigError
 from polyamp.engine import LossScaler
 
-from ._torch_state import check_interval, load_torch_state, to_torch_state
+from ._torch_state import check_interval, load_torch_state, refuse_empty, to_torch_state
 
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_stages", "_found",
@@ -125,11 +125,7 @@ class ScalerAccessors:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's (or polyamp's) GradScaler state dict; validated before anything changes."""
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
-            )
+        refuse_empty(state_dict, "source")
         load_torch_state(self._engine, state_dict)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -169,6 +169,16 @@ def check_interval(name: str, value: Any, error: type[Exception]) -> Any:
     return value
 
 
+def refuse_empty(state_dict: Mapping[str, Any], which: str) -> None:
+    """torch's and paddle's RuntimeError for an empty state dict (a disabled scaler's), worded as
+    each library words it: ``which`` is "source" (torch) or "input" (paddle)."""
+    if len(state_dict) == 0:
+        raise RuntimeError(
+            f"The {which} state dict is empty, possibly because it was saved "
+            "from a disabled instance of GradScaler."
+        )
+
+
 def is_array(value: Any) -> bool:
     """An array/tensor leaf (not a list, tuple or other container)."""
     return (

@@ -64,7 +64,8 @@ from ._paddle_state import (
     to_torch_state_dict,
 )
 from ._paddle_steps import OptimizerState, apply_optimizer, describe_change, param_grad_pairs
-from ._torch_state import is_array
+from ._stages import check_step, check_unscale
+from ._torch_state import is_array, refuse_empty
 
 __all__ = [
     "AmpScaler", "GradScaler", "OptimizerState", "PaddleConfigError", "PaddleStateDictError",
@@ -121,7 +122,7 @@ class AmpScaler:
                 f"numpy, torch, cupy), but received {type(var)}. Fix: scale the loss tensor."
             )
         backend = self._engine.bind(var)
-        return backend.scale_array(var, self._engine.state.scale)  # type: ignore[union-attr]
+        return backend.scale_array(var, self._engine.iteration.ready()[1].scale)
 
     def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless unscale_ ran), ``optimizer.minimize(...)`` unless inf/nan, update the scale.
@@ -143,13 +144,7 @@ class AmpScaler:
 
     def _unscale(self, optimizer: Any) -> None:
         """Divide ``optimizer``'s gradients by the scale in place; keep this call's flag (no sync)."""
-        stage = self._stage(optimizer)
-        if stage is OptimizerState.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
-            )
-        if stage is OptimizerState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+        check_unscale(self._stage(optimizer))
         grads = [grad for _, grad in param_grad_pairs(optimizer)]
         engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
         self._found_inf = engine.iteration.unscale(grads) if grads or engine.state is not None else None
@@ -197,7 +192,7 @@ class AmpScaler:
         a copy its host bool; having no device flag of their own, they get a host bool (one read)."""
         agreed = self._engine.agree_flag(flag)
         if flag is None or isinstance(flag, bool):
-            return bool(self._engine.backend.read_flag(agreed))  # type: ignore[union-attr]
+            return bool(self._engine.iteration.ready()[0].read_flag(agreed))
         return agreed
 
     def _update(self) -> None:
@@ -284,11 +279,7 @@ class AmpScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load paddle's (or torch's) GradScaler state dict; validated before anything changes."""
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The input state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
-            )
+        refuse_empty(state_dict, "input")
         names = None
         if is_torch_format(state_dict):
             state_dict, names = from_torch_state_dict(state_dict), TORCH_NAMES
@@ -339,8 +330,7 @@ class GradScaler(AmpScaler):
     def step(self, optimizer: Any) -> None:
         """Unscale (unless unscale_ ran), then ``optimizer.step()`` unless inf/nan; one host read."""
         stage = self._stage(optimizer)
-        if stage is OptimizerState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+        check_step(stage)
         if stage is OptimizerState.INIT:
             self._unscale(optimizer)
         self._run(optimizer, optimizer.step)

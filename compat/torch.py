@@ -21,6 +21,7 @@ from polyamp.engine import LossScaler
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
 from ._explain import torch_named_grads
+from ._stages import check_step, check_unscale
 from ._torch_accessors import ScalerAccessors
 from ._torch_disabled import DisabledMethods, cuda_missing
 from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
@@ -144,13 +145,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
         """Divide the optimizer's gradients by the scale in place and record overflow (no sync)."""
         self._check_initialized("unscale_")
         key = id(optimizer)
-        stage = self._stages.setdefault(key, READY)
-        if stage is UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
-            )
-        if stage is STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+        check_unscale(self._stages.setdefault(key, READY))
         grads = collect_grads(optimizer, allow_fp16=self._allow_fp16, backend=self._engine.backend)
         self._found[key] = self._check_grads(grads, check_only=False)
         self._stages[key] = UNSCALED
@@ -188,8 +183,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
         self._check_initialized("step")
         key = id(optimizer)
         stage = self._stages.setdefault(key, READY)
-        if stage is STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+        check_step(stage)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._self_scaling_step(optimizer, stage, args, kwargs)
         if stage is READY:
@@ -258,6 +252,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
             if not isinstance(new_scale, float):
                 check_new_scale(new_scale, self._device)
             self._engine.set_scale(new_scale)
+            self._engine.iteration.end()  # torch's update(new_scale) ends the iteration, across ranks too
         else:
             flags = [f for f in self._found.values() if f is not None]
             if not flags:

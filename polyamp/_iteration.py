@@ -43,11 +43,14 @@ class Checks:
     ``found``: this rank's device flags of the iteration, summed (None before the first check).
     ``agreed``: ``found`` summed over the ranks (None until agreed). ``unscaled``: the shell's
     single unscale ran. ``skipped``: the host skip decision of the step (None before it).
-    ``checked``: (name, gradient) pairs for a report (``diagnose=True`` only).
+    ``checked``: (name, gradient) pairs for a report (``diagnose=True`` only). ``summed``: the
+    gradients themselves were summed over the ranks (:meth:`Iteration.sum_payload`), so every
+    flag checked after it is the same on every rank and needs no agreement of its own.
     """
 
     found: Any = None
     agreed: Any = None
+    summed: bool = False
     unscaled: bool = False
     skipped: bool | None = None
     checked: tuple[tuple[str, Any], ...] = field(default=(), repr=False)
@@ -121,19 +124,22 @@ class Iteration:
         return HostState(float(to_host(scale)), int(to_host(growth)), int(to_host(backoff)))
 
     def load(self, host: HostState) -> None:
-        """Replace the state (arrays on their device where they exist) and end the iteration."""
+        """Replace the state (arrays on their device where they exist); forget the checks.
+
+        The agreement's count of iterations is kept: a rank that loads alone is a rank whose
+        state differs, and the next agreement says so."""
         if self.state is not None and self.backend is not None:
             self.state = self._make_state(self.backend, host, self.state.scale)
         self.host = host
-        self.end()
+        self.checks = Checks()
 
     def set_scale(self, scale: float) -> None:
-        """Replace the scale (trackers kept) and end the iteration."""
+        """Replace the scale (trackers kept); forget the checks (the agreement's count is kept)."""
         if self.state is not None and self.backend is not None:
             self.state = self.state._replace(scale=self.backend.full(scale, "float32", self.state.scale))
         else:
             self.host = self.host._replace(scale=scale)
-        self.end()
+        self.checks = Checks()
 
     # -- checking -------------------------------------------------------------------------
     def unscale(self, grads: Iterable[Any], *, check_only: bool = False, where: str = "unscale_()") -> Any:
@@ -191,9 +197,41 @@ class Iteration:
         return agreed
 
     def agree_found(self) -> None:
-        """Agree the iteration's flag unless done or there is no agreement (before a decision)."""
-        if self.agreement is not None and self.checks.agreed is None and self.checks.found is not None:
+        """Agree the iteration's flag unless done, summed with the data, or there is no agreement."""
+        checks = self.checks
+        pending = checks.found is not None and checks.agreed is None and not checks.summed
+        if self.agreement is not None and pending:
             self.agree()
+
+    def check_payload(self, payload: int, like: Any) -> None:
+        """Check, in one fixed-size agreement, that every rank will sum ``payload`` values under
+        the same config and state (a rank whose model differs is named instead of breaking the
+        transport); one host read of the result on a GPU. ``like``: an array on the state's device."""
+        backend = self.backend if self.backend is not None else _registry.backend_for_array(like)
+        zero = backend.full(0.0, "float32", like)
+        agreement = self._needs_agreement("check_payload")
+        agreement.flag_and_extra(zero, None, self.config, self._fingerprinted(), payload=payload)
+        agreement.verify()
+
+    def sum_payload(self, storage: Any, payload: int) -> None:
+        """Sum ``storage`` (data-parallel gradients: ``payload`` values, the fingerprint after them)
+        over the ranks in place: ONE collective for the whole step. Flags checked after it are the
+        same on every rank, so the decision issues no other; ranks found to differ on the device
+        join the check (the decision names them)."""
+        agreement = self._needs_agreement("sum_payload")
+        off = agreement.sum_payload_(storage, payload, self.config, self._fingerprinted())
+        checks = self.checks
+        found = checks.found if off is None else _plus(checks.found, off)
+        self.checks = replace(checks, summed=True, found=found)
+
+    def _needs_agreement(self, what: str) -> Agreement:
+        if self.agreement is None:
+            raise ScalerStateError(f"{what}() needs a scaler built with reducer=. Fix: pass reducer=.")
+        return self.agreement
+
+    def _fingerprinted(self) -> Any:
+        """The state a fingerprint carries: the device arrays, or the host state before there are any."""
+        return self.host if self.state is None else self.state
 
     def agree_flag(self, found_inf: Any) -> Any:
         """One group's flag summed over the ranks, as a new device array (one collective);
@@ -225,7 +263,8 @@ class Iteration:
         if flag is None:
             self.agree_found()
             flag = self.checks.flag
-        skipped = flag if isinstance(flag, bool) else bool(self.backend.read_flag(flag))  # type: ignore[union-attr]
+        backend = self.backend if self.backend is not None or isinstance(flag, bool) else self.bind(flag)
+        skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
         if skipped:
             self.verify()  # ranks that differ: RankMismatchError before anything applies
         if self.diagnose and (skipped or not keep_report):
@@ -246,7 +285,7 @@ class Iteration:
         if agreed and local is None and self.checks.agreed is not None:
             local = self.checks.found
         if agreed and local is not None and not isinstance(local, bool):
-            local = bool(self.backend.read_flag(local))  # type: ignore[union-attr]
+            local = bool(self.ready()[0].read_flag(local))
         grads = named() if named is not None else list(self.checks.checked)
         return overflow.build_report(grads, scale=self.host_state().scale, skipped=True, agreed=agreed,
                                      local_flag=None if not agreed or local is None else bool(local))

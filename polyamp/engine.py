@@ -282,7 +282,7 @@ class LossScaler:
         if not iteration.checks.unscaled:
             iteration.unscale(grads, where="step()")
         skipped = iteration.decide()
-        before = iteration.state.scale + 0  # type: ignore[union-attr]  # a copy: update() may change it in place
+        before = iteration.ready()[1].scale + 0  # a copy: update() may change the scale in place
         if not skipped:
             step_fn()
         iteration.count(skipped)

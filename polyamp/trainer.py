@@ -31,6 +31,7 @@ import numpy as np
 from . import _dtypes, _step_inputs
 from ._agreement import Agreement
 from ._errors import ConfigError
+from ._iteration import Iteration
 from ._masters import check_masters
 from .adapters import iter_params
 from .config import LossScaleConfig
@@ -39,7 +40,6 @@ from .grads import GradBuffer, _check_max_norm
 from .noop import NoOpLossScaler
 from .overflow import OverflowReport, build_report, check_diagnose
 from .parameter import Parameter
-from .policy import HostState
 
 __all__ = ["ArrayLossFn", "ArrayModel", "MixedPrecisionTrainer", "StepMetrics"]
 
@@ -128,8 +128,13 @@ class MixedPrecisionTrainer:
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
-        self._scaler = (LossScaler if loss_scaling else NoOpLossScaler)(config, backend)
-        self._agreement = None if reducer is None else Agreement(reducer)
+        if loss_scaling:
+            self._scaler: Any = LossScaler(config, backend, reducer=reducer)
+            self._iteration = self._scaler.iteration  # the one iteration: gradients summed, decided, updated
+        else:  # no scaling: a fixed scale of 1 to fingerprint, and the decision on a non-finite norm
+            self._scaler = NoOpLossScaler(config, backend)
+            agreement = None if reducer is None else Agreement(reducer)
+            self._iteration = Iteration(_NO_SCALING, None, agreement=agreement)
         self._unscaled_skips = 0  # steps skipped for a non-finite norm without loss scaling
         if _is_torch_module(model):
             from ._trainer_torch import TorchSteps
@@ -139,7 +144,7 @@ class MixedPrecisionTrainer:
             self._steps = ArraySteps(model, self._dtype)
         _check_optimizer_holds(optimizer, self._steps.params)
         # with a reducer the fingerprint rides after the gradients: one collective per step
-        spare = 0 if self._agreement is None else self._agreement.payload_spare()
+        spare = 0 if reducer is None else Agreement.payload_spare()
         self._grads = GradBuffer.attach(self._steps.params, spare=spare)
         self._aligned_once = False  # the first step checks the ranks' sizes before summing
 
@@ -167,7 +172,8 @@ class MixedPrecisionTrainer:
     @property
     def reducer(self) -> Any:
         """The ``polyamp.distributed.Reducer`` that sums the gradients over the ranks, or None."""
-        return None if self._agreement is None else self._agreement.reducer
+        agreement = self._iteration.agreement
+        return None if agreement is None else agreement.reducer
 
     @property
     def grads(self) -> GradBuffer:
@@ -201,20 +207,18 @@ class MixedPrecisionTrainer:
         scaler, grads = self._scaler, self._grads
         grads.reattach()
         grads.zero_()
-        ranks = 1 if self._agreement is None else self._agreement.reducer.size
+        reducer = self.reducer
+        ranks = 1 if reducer is None else reducer.size
         loss = self._steps.forward_backward(input, target, loss_fn, scaler, ranks)
         if scaler.enabled:
             grads.mark_scaled()
-        off = None if self._agreement is None else self._sum_over_ranks(grads)
+        if reducer is not None:
+            self._sum_over_ranks(grads)
         grads.unscale_(scaler)
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
-        finite = self._check_norm(norm, off)
-        result = scaler.step([grads.flat], self._optimizer.step if finite else _no_step)
-        if result.skipped and off is not None:
-            self._agreement.verify()  # type: ignore[union-attr]  # misaligned ranks: raise, on every rank
+        finite = self._check_norm(norm)
+        result = scaler.step([grads.flat], self._optimizer.step if finite else _no_step)  # misaligned: raises
         scaler.update()
-        if self._agreement is not None:
-            self._agreement.end_iteration()
         skipped = bool(result.skipped) or not finite
         loss, scale = float(loss), float(result.scale_before)
         report = self._explain(loss, scale) if skipped and self._diagnose else None
@@ -229,49 +233,38 @@ class MixedPrecisionTrainer:
         return build_report([(n, g) for n, g in grads if g is not None], loss=loss, scale=scale,
                             skipped=True)
 
-    def _sum_over_ranks(self, grads: GradBuffer) -> Any:
+    def _sum_over_ranks(self, grads: GradBuffer) -> None:
         """Sum the gradients over the ranks in place (already divided by their number): ONE
-        collective, which also carries the fingerprint of the scaler's config and state.
+        collective, which also carries the fingerprint of the scaler's config and state
+        (:meth:`polyamp._iteration.Iteration.sum_payload`; no loss scaling: a fixed scale of 1).
 
         The first step first checks, in a message of fixed size, that every rank sums as many
-        values under the same config (no loss scaling counts as a fixed scale of 1). Returns None
-        (checked on the host) or a device flag that is 1 when the ranks differ.
+        values under the same config.
         """
-        agreement, scaler = self._agreement, self._scaler
-        config = scaler.config if scaler.enabled else _NO_SCALING
-        state = scaler.state if scaler.enabled and scaler.state is not None else _UNSCALED_STATE
         size = int(grads.flat.shape[0])
         if not self._aligned_once:
-            xp = array_api_compat.array_namespace(grads.flat)
-            zero = xp.zeros((), dtype=xp.float32, device=array_api_compat.device(grads.flat))
-            agreement.flag_and_extra(zero, None, config, state, payload=size)  # type: ignore[union-attr]
-            agreement.verify()  # type: ignore[union-attr]  # once: a host read on a GPU
+            self._iteration.check_payload(size, grads.flat)
             self._aligned_once = True
-        return agreement.sum_payload_(grads.storage, size, config, state)  # type: ignore[union-attr]
+        self._iteration.sum_payload(grads.storage, size)
 
-    def _check_norm(self, norm: Any, off: Any = None) -> bool:
+    def _check_norm(self, norm: Any) -> bool:
         """False when a non-finite norm must keep this step off the weights (loss scaling off).
 
         With loss scaling, ``~isfinite(norm)`` joins the scaler's overflow check on the device
-        (the scaler skips and counts the step); without, the norm is read here, as the metrics
-        read it anyway, and the trainer skips and counts the step. ``off`` (1 when the ranks
-        differ, found on the device) joins the check the same way.
+        (the scaler skips and counts the step); without, the iteration decides on it here (one
+        read, as the metrics read the norm anyway) and the trainer skips and counts the step.
         """
         xp = array_api_compat.array_namespace(norm)
-        bad = ~xp.isfinite(norm)
+        bad = xp.astype(~xp.isfinite(norm), xp.float32)
         if self._scaler.enabled:
-            self._scaler.record_found_inf(xp.astype(bad, xp.float32))
-            if off is not None:
-                self._scaler.record_found_inf(off)
+            self._scaler.record_found_inf(bad)
             return True
-        if off is not None:
-            bad = bad | (off > 0)
-        if bool(bad):
-            if off is not None:
-                self._agreement.verify()  # type: ignore[union-attr]
-            self._unscaled_skips += 1
-            return False
-        return True
+        iteration = self._iteration
+        iteration.record(bad)
+        skipped = iteration.decide()  # ranks found to differ on the device: raised here
+        iteration.end()
+        self._unscaled_skips += skipped
+        return not skipped
 
     def __repr__(self) -> str:
         return (
@@ -313,7 +306,6 @@ class ArraySteps:
 
 #: What the ranks' configs are compared as when loss scaling is off: a fixed scale of 1.
 _NO_SCALING = LossScaleConfig(init_scale=1.0, dynamic=False)
-_UNSCALED_STATE = HostState(1.0, 0, 0)
 
 
 def _no_step() -> None:
