@@ -134,9 +134,7 @@ class AmpScaler:
         if self._stage(optimizer) is OptimizerState.INIT:
             self._unscale(optimizer)
         ran, result = self._run(optimizer, lambda: apply_optimizer(optimizer, args, kwargs))
-        if self.is_use_dynamic_loss_scaling():
-            self._update()
-        self._stages.clear()
+        self._update()
         return result if ran else (None, None)
 
     def _stage(self, optimizer: Any) -> OptimizerState:
@@ -198,8 +196,15 @@ class AmpScaler:
     def _update(self) -> None:
         """One step of paddle's rule with the last step's flag; reads the scale only to log it
         (``polyamp._skip_log``: the first few overflows at INFO, then a summary; growth at DEBUG)."""
-        found = bool(self._cache_found_inf)
-        self._engine.iteration.finish(found, skipped=found, describe=self._describe_change)
+        iteration = self._engine.iteration
+        try:  # the scale moved: the iteration ends even if a log handler raises
+            if self.is_use_dynamic_loss_scaling():
+                found = bool(self._cache_found_inf)
+                iteration.finish(found, skipped=found, describe=self._describe_change)
+            else:  # a fixed scale: only the checks end
+                iteration.end()
+        finally:
+            self._stages.clear()
 
     def _describe_change(self, found: bool, before: Any, after: Any) -> str | None:
         """The log line of one update, in paddle's words (None: the scale did not move)."""
@@ -336,13 +341,12 @@ class GradScaler(AmpScaler):
         self._run(optimizer, optimizer.step)
         self._stages[id(optimizer)] = OptimizerState.STEPPED
         if not self.is_use_dynamic_loss_scaling():
-            self._stages.clear()
+            self._update()  # paddle's step ends the iteration when the scale is fixed
 
     def update(self) -> None:
         """Move the scale with the last step's flag (a no-op with use_dynamic_loss_scaling=False)."""
         if self.is_use_dynamic_loss_scaling():
             self._update()
-            self._stages.clear()
 
     def unscale_(self, optimizer: Any) -> None:
         """Divide ``optimizer``'s gradients by the scale in place (e.g. before clipping); no sync."""

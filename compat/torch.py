@@ -258,7 +258,11 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
             found = flags[0] if len(flags) == 1 else sum(flags[1:], flags[0])
-            self._engine.iteration.finish(found, skipped=self._skip_seen)  # logged; skips as step() read
+            try:  # the scale moved: the iteration ends even if a log handler raises
+                self._engine.iteration.finish(found, skipped=self._skip_seen)  # skips as step() read
+            finally:
+                self._reset_iteration()
+            return
         self._reset_iteration()
 
     # -- overflow forensics -----------------------------------------------------------

@@ -268,7 +268,7 @@ class Iteration:
         if skipped:
             self.verify()  # ranks that differ: RankMismatchError before anything applies
         if self.diagnose and (skipped or not keep_report):
-            self.last_overflow = self.report(named, local) if skipped else None
+            self.last_overflow = self._report_or_warn(named, local) if skipped else None
         return skipped
 
     def count(self, skipped: bool) -> None:
@@ -276,6 +276,18 @@ class Iteration:
         self.checks = replace(self.checks, skipped=skipped)
         self.steps += 1
         self.skipped_steps += skipped
+
+    def _report_or_warn(self, named: Callable[[], list[tuple[str, Any]]] | None = None, local: Any = None
+                        ) -> overflow.OverflowReport | None:
+        """:meth:`report`, or None and a WARNING when it cannot be built (e.g. gradients of a layout
+        the counts do not support): a diagnostic aid never leaves the iteration open."""
+        try:
+            return self.report(named, local)
+        except Exception as exc:  # noqa: BLE001 - any failure of the report, reported and survived
+            logger.warning("diagnose=True: the overflow report on this skipped step could not be built "
+                           "(%s: %s); the step was skipped as decided. Fix: call polyamp.explain_overflow "
+                           "on dense gradients to see them.", type(exc).__name__, exc)
+            return None
 
     def report(self, named: Callable[[], list[tuple[str, Any]]] | None = None, local: Any = None
                ) -> overflow.OverflowReport:
@@ -315,15 +327,17 @@ class Iteration:
             if skips and unverified:
                 self.verify()  # ranks that differ: RankMismatchError before the scale moves
             if self.diagnose:
-                self.last_overflow = self.report() if skips else None
+                self.last_overflow = self._report_or_warn() if skips else None
         log = self.log
         before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
         self._advance(flag)
-        if skipped is not None:
-            log.after_update(skipped, before, self.host_state, describe or self.describe_change,
-                             overflow.log_summary(self.last_overflow))
-        self.warn_if_at_floor(bool(skipped))
-        self.end()
+        try:  # the scale has moved: the iteration ends even if a log handler raises
+            if skipped is not None:
+                log.after_update(skipped, before, self.host_state, describe or self.describe_change,
+                                 overflow.log_summary(self.last_overflow))
+            self.warn_if_at_floor(bool(skipped))
+        finally:
+            self.end()
 
     def _advance(self, flag: Any) -> None:
         """One step of the rule: on the device (no sync), or on the host before any array exists."""

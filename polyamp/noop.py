@@ -7,6 +7,7 @@ from typing import Any
 
 from .config import LossScaleConfig, config_from
 from .engine import ScalerStateError, StepResult
+from .overflow import check_diagnose
 
 
 class NoOpLossScaler:
@@ -23,9 +24,15 @@ class NoOpLossScaler:
     skipped_steps = 0
     has_pending_check = False
 
+    last_overflow = None  # it never skips, so it has nothing to report
+
     def __init__(
-        self, config: LossScaleConfig | None = None, backend: str | None = None, **fields: Any
+        self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None,
+        diagnose: bool = False, **fields: Any,
     ) -> None:
+        """LossScaler's signature; ``reducer`` and ``diagnose`` are accepted (checked) and unused:
+        a disabled scaler applies every step on every rank and skips nothing to report."""
+        check_diagnose(diagnose)
         self.config = config_from(config, fields, type(self).__name__)
         self._unscaled = self._stepped = False
 
