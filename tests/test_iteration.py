@@ -59,7 +59,10 @@ def test_a_raising_log_handler_moves_the_scale_once_and_closes_the_iteration(rai
 def test_a_raising_log_handler_leaves_each_facade_usable(raising_handler, facade):
     param = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([param], lr=0.1)
-    scaler = TorchScaler("cpu", init_scale=64.0) if facade == "torch" else PaddleScaler(init_loss_scaling=64.0)
+    if facade == "torch":
+        scaler = TorchScaler("cpu", init_scale=64.0)
+    else:
+        scaler = PaddleScaler(init_loss_scaling=64.0)
     scaler.scale(torch.ones(()))
     param.grad = torch.tensor([math.inf, 1.0])
     scaler.step(opt)
