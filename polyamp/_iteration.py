@@ -10,7 +10,7 @@ order rules and messages; the work is here, once::
     decide(flag)                    -> bool             (the one host read; a report when skipped)
     finish(found_inf, skipped)      -> the scale update, its log line, the floor warning
 
-What one iteration has checked so far is one frozen value, :class:`Checks`, replaced as the
+What one iteration has checked so far is one immutable value, :class:`Checks`, replaced as the
 iteration moves on and reset by :meth:`Iteration.finish`. The persistent part (config, backend,
 the device state, counters, the skip log) lives beside it on the :class:`Iteration`.
 """
@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _inputs, _registry, overflow
 from ._agreement import Agreed, Agreement
@@ -36,8 +35,7 @@ logger = logging.getLogger("polyamp")
 Describe = Callable[[bool, HostState, HostState], "str | None"]
 
 
-@dataclass(frozen=True)
-class Checks:
+class Checks(NamedTuple):
     """What one iteration has checked so far; replaced (never mutated) as it moves on.
 
     ``found``: this rank's device flags of the iteration, summed (None before the first check).
@@ -53,7 +51,7 @@ class Checks:
     summed: bool = False
     unscaled: bool = False
     skipped: bool | None = None
-    checked: tuple[tuple[str, Any], ...] = field(default=(), repr=False)
+    checked: tuple[tuple[str, Any], ...] = ()
 
     @property
     def flag(self) -> Any:
@@ -168,13 +166,13 @@ class Iteration:
         checked = checks.checked
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
-        self.checks = replace(checks, found=_plus(checks.found, found), unscaled=True, checked=checked)
+        self.checks = checks._replace(found=_plus(checks.found, found), unscaled=True, checked=checked)
         return found
 
     def record(self, flag: Any) -> None:
         """Add a device flag (non-zero: a bad step) to the iteration's check. No sync."""
         self._refuse_after_agreement("record_found_inf()")
-        self.checks = replace(self.checks, found=_plus(self.checks.found, flag))
+        self.checks = self.checks._replace(found=_plus(self.checks.found, flag))
 
     def _refuse_after_agreement(self, what: str) -> None:
         if self.checks.agreed is not None:
@@ -193,7 +191,7 @@ class Iteration:
         if self.agreement is None:
             return Agreed(found, extra)
         agreed = self.agreement.flag_and_extra(found, extra, self.config, self.state)
-        self.checks = replace(self.checks, agreed=agreed.found_inf)
+        self.checks = self.checks._replace(agreed=agreed.found_inf)
         return agreed
 
     def agree_found(self) -> None:
@@ -222,7 +220,7 @@ class Iteration:
         off = agreement.sum_payload_(storage, payload, self.config, self._fingerprinted())
         checks = self.checks
         found = checks.found if off is None else _plus(checks.found, off)
-        self.checks = replace(checks, summed=True, found=found)
+        self.checks = checks._replace(summed=True, found=found)
 
     def _needs_agreement(self, what: str) -> Agreement:
         if self.agreement is None:
@@ -273,7 +271,7 @@ class Iteration:
 
     def count(self, skipped: bool) -> None:
         """Record a step's decision (the engine's step: counters and the pending update)."""
-        self.checks = replace(self.checks, skipped=skipped)
+        self.checks = self.checks._replace(skipped=skipped)
         self.steps += 1
         self.skipped_steps += skipped
 

@@ -106,7 +106,7 @@ def test_checks_are_one_frozen_value_replaced_as_the_iteration_moves_on():
     first = iteration.checks
     assert first.unscaled and first.found is not None and first.skipped is None
     with pytest.raises(AttributeError):
-        first.unscaled = False  # frozen
+        first.unscaled = False  # immutable
     scaler.step([], lambda: None)
     assert iteration.checks is not first and iteration.checks.skipped is False and first.skipped is None
     scaler.update()
