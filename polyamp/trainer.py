@@ -21,7 +21,6 @@ collective.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,6 +31,7 @@ from . import _dtypes, _step_inputs
 from ._agreement import Agreement
 from ._errors import ConfigError
 from ._masters import check_masters
+from ._registry import model_steps
 from .adapters import iter_params
 from .config import LossScaleConfig
 from .engine import LossScaler
@@ -84,11 +84,6 @@ class StepMetrics:
     overflow: OverflowReport | None = None
 
 
-def _is_torch_module(model: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(model, torch.nn.Module)
-
-
 class MixedPrecisionTrainer:
     """Train ``model`` with float32 master weights, ``compute_dtype`` compute, dynamic loss scaling.
 
@@ -131,12 +126,7 @@ class MixedPrecisionTrainer:
         self._scaler = (LossScaler if loss_scaling else NoOpLossScaler)(config, backend)
         self._agreement = None if reducer is None else Agreement(reducer)
         self._unscaled_skips = 0  # steps skipped for a non-finite norm without loss scaling
-        if _is_torch_module(model):
-            from ._trainer_torch import TorchSteps
-
-            self._steps: Any = TorchSteps(model, self._dtype)
-        else:
-            self._steps = ArraySteps(model, self._dtype)
+        self._steps: Any = model_steps(model, self._dtype) or ArraySteps(model, self._dtype)
         _check_optimizer_holds(optimizer, self._steps.params)
         # with a reducer the fingerprint rides after the gradients: one collective per step
         spare = 0 if self._agreement is None else self._agreement.payload_spare()
