@@ -56,7 +56,8 @@ def local_checks() -> dict:
     applied, scales = [], []
     for bad in (False, True, False, False, False):
         grads = [box([32.0, np.inf if bad else 16.0]), box([[8.0]])]
-        result = scaler.step(grads, lambda: applied.append(float(grads[0].data[0])))
+        first = grads[0]
+        result = scaler.step(grads, lambda: applied.append(float(first.data[0])))  # noqa: B023
         scaler.update()
         scales.append(scaler.get_scale())
         assert bool(result) is not bad

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import HostState, LossScaleState, next_host_state
 
