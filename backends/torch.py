@@ -197,6 +197,17 @@ def is_host(array: Any) -> bool:
 
 
 @hookimpl
+def host_view(array: Any) -> Any:
+    """``Tensor.numpy()`` of a CPU tensor (shares its memory; cheaper than DLPack), else None."""
+    if not array.is_cpu:
+        return None
+    try:
+        return array.numpy()
+    except (RuntimeError, TypeError):  # requires grad, bfloat16, conjugate or negative bits
+        return None
+
+
+@hookimpl
 def to_numpy(array: Any) -> Any:
     """A CPU tensor's memory as NumPy (no copy), else one device-to-host copy; bfloat16 as float32."""
     array = array.detach()
