@@ -7,10 +7,12 @@ not fast. In-place unscaling needs ``__setitem__``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import array_api_compat
+import numpy as np
 
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState, next_state
@@ -33,8 +35,6 @@ def owns_array(array: Any) -> bool:
 @hookimpl
 def full(value: Any, dtype: str, like: Any) -> Any:
     if like is None:
-        import numpy as np
-
         return np.full((), value, dtype=dtype)
     xp = _xp(like)
     return xp.full((), value, dtype=getattr(xp, dtype), device=array_api_compat.device(like))
@@ -69,8 +69,6 @@ def all_finite(arrays: Sequence[Any]) -> Any:
         ok = xp.all(xp.isfinite(array))
         result = ok if result is None else result & ok
     if result is None:
-        import numpy as np
-
         return np.asarray(True)
     return result
 
@@ -101,3 +99,85 @@ def read_flag(found_inf: Any) -> bool:
 def to_host(array: Any) -> float | int:
     xp = _xp(array)
     return int(array) if xp.isdtype(array.dtype, "integral") else float(array)
+
+
+# -- what the core needs beside the kernels: the defaults of the optional hooks ------------
+_DLPACK_CPU = 1  # kDLCPU in DLPack's device enumeration
+
+
+@hookimpl
+def is_host(array: Any) -> bool:
+    if isinstance(array, (np.ndarray, np.generic)):
+        return True
+    try:
+        return array.__dlpack_device__()[0] == _DLPACK_CPU
+    except Exception:  # no DLPack: treated as device memory
+        return False
+
+
+@hookimpl
+def host_view(array: Any) -> Any:
+    if isinstance(array, np.ndarray):
+        return array
+    if isinstance(array, np.generic):
+        return np.asarray(array)
+    if not is_host(array):
+        return None
+    try:
+        return np.from_dlpack(array)
+    except Exception:  # a dtype or layout this NumPy cannot view
+        return None
+
+
+@hookimpl
+def to_numpy(array: Any) -> Any:
+    view = host_view(array)
+    return np.asarray(array) if view is None else view
+
+
+@hookimpl
+def from_host(values: Any, like: Any, dtype: Any) -> Any:
+    xp = _xp(like)
+    kind = getattr(xp, np.asarray(values).dtype.name) if dtype is None else dtype
+    return xp.asarray(values, dtype=kind, device=array_api_compat.device(like), copy=True)
+
+
+def group_by_device(arrays: Sequence[Any], device: Any) -> dict[str, list[int]]:
+    """``{device: [index, ...]}`` of ``arrays`` in their order; ``device(array)`` names one."""
+    groups: dict[str, list[int]] = {}
+    for i, array in enumerate(arrays):
+        groups.setdefault(str(device(array)), []).append(i)
+    return groups
+
+
+def read_flags(arrays: Sequence[Any], device: Any, flags_of: Any, read: Any) -> list[bool]:
+    """Per array a bool: ``flags_of(arrays of one device)`` (a 1-D bool array), ``read`` once each."""
+    finite = [True] * len(arrays)
+    for indices in group_by_device(arrays, device).values():
+        for i, ok in zip(indices, read(flags_of([arrays[i] for i in indices])).tolist()):
+            finite[i] = bool(ok)
+    return finite
+
+
+def _stacked_flags(arrays: Sequence[Any]) -> Any:
+    xp = _xp(arrays[0])
+    return xp.stack([xp.all(xp.isfinite(a)) for a in arrays])
+
+
+@hookimpl
+def finite_flags(arrays: Sequence[Any]) -> list[bool]:
+    return read_flags(arrays, array_api_compat.device, _stacked_flags, to_numpy)
+
+
+@hookimpl
+def overflow_counts(array: Any) -> tuple[int, int, int, float]:
+    xp = _xp(array)
+    ok = xp.isfinite(array)
+    nan = xp.count_nonzero(xp.isnan(array))
+    posinf = xp.count_nonzero(array == math.inf)
+    neginf = xp.count_nonzero(array == -math.inf)
+    big = xp.max(xp.where(ok, xp.abs(array), xp.zeros_like(array)))
+    f64 = xp.float64
+    stats = xp.stack([xp.astype(v, f64) for v in (nan, posinf, neginf, big)])
+    n_nan, n_pos, n_neg, largest = to_numpy(stats).tolist()
+    return int(n_nan), int(n_pos), int(n_neg), float(largest)

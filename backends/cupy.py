@@ -31,6 +31,7 @@ from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState
 
 from . import _cupy_launch
+from ._scaling import scale_in_own_dtype
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -119,14 +120,8 @@ def scale_array(array: Any, scale: Any) -> Any:
 
         return array * array_api_compat.array_namespace(array).from_dlpack(scale)
     cupy = _cupy()
-    if array.dtype == cupy.float32 or array.dtype == cupy.float64:
-        return array * scale
-    if array.dtype == cupy.float16 or _cupy_launch.dtype_kind(array.dtype) == "bfloat16":
-        return cupy.multiply(array, scale, dtype=cupy.float32).astype(array.dtype)
-    raise TypeError(
-        f"scale() needs a floating-point array, got dtype={array.dtype}; "
-        "scale the loss, which is floating point"
-    )
+    return scale_in_own_dtype(array, scale, str(array.dtype),
+                              lambda a, s: cupy.multiply(a, s, dtype=cupy.float32))
 
 
 @hookimpl
@@ -188,3 +183,27 @@ def read_flag(found_inf: Any) -> bool:
 @hookimpl
 def to_host(array: Any) -> float | int:
     return array.item()
+
+
+# -- what the core needs beside the kernels: cupy arrays live in device memory --------------
+@hookimpl
+def is_host(array: Any) -> bool:
+    return False
+
+
+@hookimpl
+def host_view(array: Any) -> Any:
+    return None
+
+
+@hookimpl
+def to_numpy(array: Any) -> Any:
+    """One device-to-host copy (a sync)."""
+    return _cupy_launch.as_cupy(array).get()
+
+
+@hookimpl
+def from_host(values: Any, like: Any, dtype: Any) -> Any:
+    cupy = _cupy()
+    with cupy.cuda.Device(_device_of(like)):
+        return cupy.array(values, dtype=dtype)

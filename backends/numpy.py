@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 from polyamp.backends import _numpy_kernels
+from polyamp.backends._scaling import scale_in_own_dtype
 
-from polyamp._errors import install_hint
+from polyamp._dtypes import numpy_bfloat16
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import HostState, LossScaleState, next_host_state
 
@@ -43,14 +44,11 @@ def full(value: Any, dtype: str, like: Any) -> Any:
 @hookimpl
 def scale_array(array: Any, scale: Any) -> Any:
     array = np.asarray(array)
-    if array.dtype == np.float32 or array.dtype == np.float64:
-        return array * scale
-    if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
-        return np.multiply(array, scale, dtype=np.float32).astype(array.dtype)
-    raise TypeError(
-        f"scale() needs a floating-point array, got dtype={array.dtype}; "
-        "scale the loss, which is floating point"
-    )
+    return scale_in_own_dtype(array, scale, array.dtype.name, _multiply_f32)
+
+
+def _multiply_f32(array: Any, scale: Any) -> Any:
+    return np.multiply(array, scale, dtype=np.float32)
 
 
 @hookimpl
@@ -71,13 +69,7 @@ def cast(array: Any, dtype: str) -> Any:
 
 def _float_dtype(dtype: str) -> Any:
     if dtype == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError as exc:
-            raise ImportError(
-                f"bfloat16 on NumPy needs ml_dtypes: {install_hint('bfloat16')}"
-            ) from exc
-        return ml_dtypes.bfloat16
+        return numpy_bfloat16()
     if dtype not in ("float32", "float16", "float64"):
         raise ValueError(
             f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}"
@@ -103,3 +95,31 @@ def read_flag(found_inf: Any) -> bool:
 def to_host(array: Any) -> float | int:
     return np.asarray(array).item()
 
+
+
+# -- what the core needs beside the kernels: NumPy arrays are host memory -----------------
+@hookimpl
+def is_host(array: Any) -> bool:
+    return True
+
+
+@hookimpl
+def host_view(array: Any) -> Any:
+    return np.asarray(array)
+
+
+@hookimpl
+def to_numpy(array: Any) -> Any:
+    return np.asarray(array)
+
+
+@hookimpl
+def from_host(values: Any, like: Any, dtype: Any) -> Any:
+    return np.array(values, dtype=dtype)
+
+
+@hookimpl
+def finite_flags(arrays: Sequence[Any]) -> list[bool]:
+    """float32/64: max and min (no temporary array; nan propagates); else one isfinite pass."""
+    return [bool(np.isfinite(a.max()) & np.isfinite(a.min())) if a.dtype.itemsize >= 4
+            else bool(np.isfinite(a).all()) for a in map(np.asarray, arrays)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -185,3 +186,47 @@ def read_flag(found_inf: Any) -> bool:
 @hookimpl
 def to_host(array: Any) -> float | int:
     return array.item()
+
+
+# -- what the core needs beside the kernels (paddle tensors are no array-API arrays) --------
+@hookimpl
+def is_host(array: Any) -> bool:
+    return array.place.is_cpu_place()
+
+
+@hookimpl
+def to_numpy(array: Any) -> Any:
+    """One host read; bfloat16 as float32 (paddle's numpy() would give its raw uint16 bits)."""
+    if _dtype_name(array) == "bfloat16":
+        array = array.astype("float32")
+    return array.numpy()
+
+
+@hookimpl
+def from_host(values: Any, like: Any, dtype: Any) -> Any:
+    return _paddle().to_tensor(values, dtype=dtype, place=like.place)
+
+
+def _finite_stacked(tensors: list[Any]) -> Any:
+    paddle = _paddle()
+    return paddle.stack([paddle.isfinite(t).all() for t in tensors])
+
+
+@hookimpl
+def finite_flags(arrays: Sequence[Any]) -> list[bool]:
+    from polyamp.backends.array_api import read_flags
+
+    return read_flags(arrays, lambda t: t.place, _finite_stacked, to_numpy)
+
+
+@hookimpl
+def overflow_counts(array: Any) -> tuple[int, int, int, float]:
+    """Tensor ops in float32 for 16-bit dtypes (paddle's CPU abs has no 16-bit kernel)."""
+    paddle = _paddle()
+    wide = array.astype("float32") if _dtype_name(array).endswith("16") else array
+    ok = paddle.isfinite(array)
+    counts = [paddle.sum(m.astype("int64")) for m in (paddle.isnan(array), array == math.inf,
+                                                         array == -math.inf)]
+    big = paddle.max(paddle.where(ok, paddle.abs(wide), paddle.zeros_like(wide)))
+    n_nan, n_pos, n_neg, largest = paddle.stack([v.astype("float64") for v in (*counts, big)]).tolist()
+    return int(n_nan), int(n_pos), int(n_neg), float(largest)

@@ -188,3 +188,64 @@ def read_flag(found_inf: Any) -> bool:
 @hookimpl
 def to_host(array: Any) -> float | int:
     return array.item()
+
+
+# -- what the core needs beside the kernels ------------------------------------------------
+@hookimpl
+def is_host(array: Any) -> bool:
+    return array.is_cpu  # a plain attribute read
+
+
+@hookimpl
+def host_view(array: Any) -> Any:
+    """``Tensor.numpy()`` of a CPU tensor (shares its memory; cheaper than DLPack), else None."""
+    if not array.is_cpu:
+        return None
+    try:
+        return array.numpy()
+    except (RuntimeError, TypeError):  # requires grad, bfloat16, conjugate or negative bits
+        return None
+
+
+@hookimpl
+def to_numpy(array: Any) -> Any:
+    """A CPU tensor's memory as NumPy (no copy), else one device-to-host copy; bfloat16 as float32."""
+    array = array.detach()
+    if array.dtype is _torch().bfloat16:
+        array = array.float()
+    return array.cpu().numpy()
+
+
+@hookimpl
+def from_host(values: Any, like: Any, dtype: Any) -> Any:
+    torch = _torch()
+    if values.ndim == 0:  # a flag: from the Python number, the cheapest way torch makes one
+        kind = getattr(torch, values.dtype.name) if dtype is None else dtype
+        return torch.tensor(values.item(), dtype=kind, device=like.device)
+    return torch.tensor(values, dtype=dtype, device=like.device)
+
+
+def _finite_by_extremes(tensors: list[Any]) -> Any:
+    """One aminmax pass per tensor (nan propagates; many times faster than isfinite on CPU),
+    then one stack of all the extremes (promoted to a common dtype) and one isfinite."""
+    torch = _torch()
+    extremes = torch.stack([v for t in tensors for v in t.detach().aminmax()])
+    return torch.isfinite(extremes).view(-1, 2).all(1)
+
+
+@hookimpl
+def finite_flags(arrays: Sequence[Any]) -> list[bool]:
+    from polyamp.backends.array_api import read_flags
+
+    return read_flags(arrays, lambda t: t.device, _finite_by_extremes, lambda flags: flags.cpu())
+
+
+@hookimpl
+def model_steps(model: Any, dtype: str) -> Any:
+    """An ``nn.Module`` runs under ``torch.autocast`` (polyamp._trainer_torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(model, torch.nn.Module):
+        return None
+    from polyamp._trainer_torch import TorchSteps
+
+    return TorchSteps(model, dtype)

@@ -9,13 +9,13 @@ collective, also at the first step. ``polyamp.distributed`` is imported only whe
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_compat
 import numpy as np
 
 from ._errors import ConfigError
+from ._registry import backend_of
 from .config import LossScaleConfig
 from .policy import HostState
 
@@ -255,16 +255,10 @@ def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
 
 
 def _is_host(array: Any) -> bool:
-    """Whether ``array``'s memory is host memory (no copy, no sync)."""
+    """Whether ``array``'s memory is host memory (no copy, no sync): its backend's ``is_host``."""
     if isinstance(array, (np.ndarray, np.generic)):
         return True
-    is_cpu = getattr(array, "is_cpu", None)  # torch: a plain attribute read
-    if isinstance(is_cpu, bool):
-        return is_cpu
-    try:
-        return array.__dlpack_device__()[0] == _CPU
-    except Exception:  # no DLPack: treated as device memory (the generic path)
-        return False
+    return backend_of(array).is_host(array)
 
 
 def _host_view(array: Any) -> np.ndarray | None:
@@ -273,12 +267,7 @@ def _host_view(array: Any) -> np.ndarray | None:
         return array
     if isinstance(array, np.generic):
         return np.asarray(array)
-    if not _is_host(array):
-        return None
-    try:
-        return np.from_dlpack(array)
-    except Exception:  # a dtype or layout this NumPy cannot view
-        return None
+    return backend_of(array).host_view(array)
 
 
 def _host(array: Any) -> Any:
@@ -291,13 +280,11 @@ def _host(array: Any) -> Any:
 def _host_state(state: Any) -> tuple[int, int, int]:
     """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
     from .distributed import _fingerprint as fp
-    from .distributed._agree import _to_host
 
     if isinstance(state, HostState):
         return fp.scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
-    scale, growth, backoff = state
-    if not _is_host(scale):
-        scale, growth, backoff = (_to_host(a) for a in state)
+    to_host = backend_of(state[0]).to_host
+    scale, growth, backoff = (to_host(a) for a in state)
     return fp.scale_bits(float(scale)), int(growth), int(backoff)
 
 
@@ -305,24 +292,13 @@ def _new_flag(like: Any, value: float) -> Any:
     """A new 0-d float32 array holding ``value``, in ``like``'s library, in host memory."""
     if isinstance(like, (np.ndarray, np.generic, bool)):
         return np.asarray(value, np.float32)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(like, torch.Tensor):
-        return torch.tensor(value, dtype=torch.float32, device=like.device)
     return _new_like(like, value, None)
 
 
 def _new_like(like: Any, values: Any, shape_of: Any) -> Any:
     """A new array in ``like``'s library and device holding host ``values``: 0-d float32 for a
-    flag (``shape_of`` None), else with ``shape_of``'s shape and dtype."""
-    if shape_of is None and not array_api_compat.is_array_api_obj(like) and hasattr(like, "place"):
-        paddle = sys.modules["paddle"]  # paddle tensors are no array-API arrays
-        return paddle.to_tensor(np.float32(values), place=like.place)
-    xp = array_api_compat.array_namespace(like)
-    device = array_api_compat.device(like)
+    flag (``shape_of`` None), else with ``shape_of``'s shape and dtype (its backend's ``from_host``)."""
     if shape_of is None:
-        return xp.asarray(float(values), dtype=xp.float32, device=device)
+        return backend_of(like).from_host(np.asarray(values, np.float32), like, None)
     host = np.asarray(values).reshape(tuple(shape_of.shape))
-    return xp.asarray(host, dtype=shape_of.dtype, device=device)
-
-
-_CPU = 1  # kDLCPU in DLPack's device enumeration
+    return backend_of(like).from_host(host, like, shape_of.dtype)

@@ -50,17 +50,20 @@ def resolve(xp: Any, name: str) -> Any:
     if found is not None:
         return found
     if name == "bfloat16" and array_api_compat.is_numpy_namespace(xp):
-        try:
-            import ml_dtypes
-        except ImportError as exc:
-            raise ImportError(
-                f"bfloat16 on NumPy needs ml_dtypes: {install_hint('bfloat16')}"
-            ) from exc
-        return ml_dtypes.bfloat16
+        return numpy_bfloat16()
     raise ConfigError(
         f"the array library {getattr(xp, '__name__', xp)!r} has no dtype {name!r}; "
         "use 'float16' or 'float32' with it, or arrays of a library that has it"
     )
+
+
+def numpy_bfloat16() -> Any:
+    """NumPy's bfloat16 (``ml_dtypes.bfloat16``); ImportError saying how to install it."""
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise ImportError(f"bfloat16 on NumPy needs ml_dtypes: {install_hint('bfloat16')}") from exc
+    return ml_dtypes.bfloat16
 
 
 def name_of(array: Any) -> str | None:

@@ -1,18 +1,30 @@
 """polyamp's exceptions, raised at the public boundary and worded for the user.
 
-Hierarchy::
+Every class polyamp raises on purpose, where it is defined (17; ``checkpoint._DuplicateKey`` is
+internal and never leaves ``load``)::
 
-    PolyampError                      base of everything polyamp raises on purpose
-    ├── ConfigError(ValueError)       a config or argument value is out of range
-    ├── BackendError(RuntimeError)    backend choice went wrong
-    │   ├── BackendNotFoundError      the name matches no installed backend
-    │   └── BackendUnavailableError   installed, but cannot run here (no device, no library)
-    ├── ForeignArrayError(TypeError)  arrays the chosen backend cannot hold
-    ├── ScalerStateError(RuntimeError) a scaler method called out of order
-    └── StateDictError(ValueError)    a state_dict or checkpoint that cannot be loaded
+    PolyampError                            base of everything polyamp raises on purpose
+    ├── ConfigError(ValueError)             a config or argument value is out of range
+    │   ├── TorchConfigError(AssertionError)    compat/_torch_state.py: torch's constructor asserts
+    │   └── PaddleConfigError(AssertionError)   compat/_paddle_state.py: paddle's argument asserts
+    ├── BackendError(RuntimeError)          backend choice went wrong
+    │   ├── BackendNotFoundError            the name matches no installed backend
+    │   └── BackendUnavailableError         installed, but cannot run here (no device, no library)
+    ├── ForeignArrayError(TypeError)        arrays the chosen backend (or a reducer) cannot hold
+    ├── ScalerStateError(RuntimeError)      a scaler method called out of order
+    │   └── ScaledGradientsError            grads.py: a norm or clip of still-scaled gradients
+    ├── StateDictError(ValueError)          a state_dict or checkpoint that cannot be loaded
+    │   ├── StateDictKeyError(KeyError)         compat/_torch_state.py: a torch state dict lacks a key
+    │   └── PaddleStateDictError(KeyError)      compat/_paddle_state.py: a paddle state dict lacks keys
+    └── ReducerError(RuntimeError)          distributed/_errors.py: a collective failed
+        ├── ReducerTimeoutError(TimeoutError)   a collective did not complete within the timeout
+        ├── ReducerUnavailableError         the engine behind a reducer cannot run here
+        └── RankMismatchError               the ranks' configs, states or collectives differ
 
-Every message names the parameter, the value received and what to do instead; an optional part
-that is missing is named with :func:`install_hint`, the one way messages say how to install it.
+The facades' subclasses are also the builtin type torch or paddle raises there, so code written
+for those libraries keeps catching them. Every message names the parameter, the value received
+and what to do instead ("Fix: ..."); an optional part that is missing is named with
+:func:`install_hint`, the one way messages say how to install it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 A backend is a plain module of ``@hookimpl`` functions registered under the ``polyamp``
 entry-point group (the built-ins too). polyamp binds one plugin's functions directly when
 a scaler is built, so a per-step call costs a plain Python call, not a hook dispatch.
-Hooks marked *optional* fall back to the generic array-API backend.
+Hooks marked *optional* fall back to the generic array-API backend (``backends/array_api.py``),
+whose implementations are the defaults. Besides the kernels, the optional hooks say what the core
+needs from an array library (host views and reads, small arrays made like another, overflow
+counts), so no core module names an array library.
 
 Arrays: ``scale`` is a 0-d float32 array, trackers are 0-d int32 arrays and ``found_inf``
 is a 0-d float32 array (non-zero after an overflow), all on the gradients' device.
@@ -29,6 +32,11 @@ REQUIRED_HOOKS = (
     "read_flag",
 )
 OPTIONAL_HOOKS = ("scale_array", "all_finite", "cast", "to_host")
+# Optional too: what the core needs from an array library beside the kernels (host views and
+# reads, small arrays made like another, overflow counts); bound on the Backend like the above.
+ARRAY_HOOKS = ("is_host", "host_view", "to_numpy", "from_host", "finite_flags", "overflow_counts")
+# Optional, asked of every plugin in turn (not bound on a Backend): the trainer's model steps.
+MODEL_HOOKS = ("model_steps",)
 # Optional hooks whose default is another hook of the same plugin, not the generic backend's.
 OWN_DEFAULT_HOOKS = {"accepts_array": "owns_array"}
 
@@ -102,6 +110,71 @@ def read_flag(found_inf: Any) -> bool:
 @hookspec
 def to_host(array: Any) -> float | int:
     """A 0-d array as a Python number (for state_dict and logging; synchronises)."""
+
+
+@hookspec
+def is_host(array: Any) -> bool:
+    """Whether ``array``'s memory is host memory, so reading it costs no device sync (optional).
+
+    No copy, no sync. Default: NumPy arrays are; others are when DLPack says kDLCPU.
+    """
+
+
+@hookspec
+def host_view(array: Any) -> Any:
+    """A NumPy view of ``array``'s memory when it lives on the CPU, else None (optional).
+
+    No copy, no sync: writes to the view change ``array`` (the agreement fills a host buffer in
+    place). Default: ``np.from_dlpack`` where :func:`is_host` holds, else None.
+    """
+
+
+@hookspec
+def to_numpy(array: Any) -> Any:
+    """A small array's values as a NumPy array of its shape (optional; one host read: a sync on a
+    device). It may be a view of host memory: read it, never write it. Dtypes NumPy lacks (e.g.
+    a library's bfloat16) come as float32. Default: ``np.from_dlpack``, else ``np.asarray``.
+    """
+
+
+@hookspec
+def from_host(values: Any, like: Any, dtype: Any) -> Any:
+    """A NEW array of ``like``'s library on ``like``'s device holding host ``values`` (optional).
+
+    ``values`` is a NumPy array (its shape kept; e.g. a 0-d float32 flag or a small float64
+    vector); ``dtype`` is a dtype of ``like``'s library (e.g. another array's ``.dtype``), or None
+    for ``values``' own. Never a view of ``values`` (the caller reuses its buffer). Default:
+    ``xp.asarray(values, dtype=..., device=device(like), copy=True)`` through array-api-compat.
+    """
+
+
+@hookspec
+def finite_flags(arrays: Sequence[Any]) -> list[bool]:
+    """Per array (floating, non-empty), whether every value is finite, as host bools (optional).
+
+    For overflow reports: one pass per array, flags read at once per device. Default: one
+    ``all(isfinite(a))`` per array, stacked and read once per device.
+    """
+
+
+@hookspec
+def overflow_counts(array: Any) -> tuple[int, int, int, float]:
+    """``(nan, +inf, -inf, largest finite |value|)`` of one floating array (optional).
+
+    Vectorised passes and one host read; 0.0 as the largest when nothing is finite; ``array`` is
+    not changed. Default: array-API passes, read through :func:`to_numpy`.
+    """
+
+
+@hookspec(firstresult=True)
+def model_steps(model: Any, dtype: str) -> Any:
+    """The trainer's forward/backward for a model of this library, or None (optional).
+
+    ``MixedPrecisionTrainer`` asks each plugin in turn; the first non-None answer runs the
+    model (an object with ``params`` and ``forward_backward(input, target, loss_fn, scaler,
+    ranks)``). Must not import the library to look at ``model`` (use sys.modules). Default:
+    None from every plugin: the model follows ``polyamp.ArrayModel``.
+    """
 
 
 # --- Reducers (polyamp.distributed) -------------------------------------------------------------

@@ -49,6 +49,7 @@ def register_backend(module: Any, name: str) -> None:
     with _lock:
         _plugins().register(module, name)
         _bound.cache_clear()
+        _owners.clear()
 
 
 def available_backends() -> list[BackendInfo]:
@@ -115,7 +116,7 @@ def _bound(name: str, source: str) -> Backend:
     module = _plugins().manager.get_plugin(name)
     generic = _plugins().manager.get_plugin(GENERIC_BACKEND)
     hooks = {}
-    for hook in _hookspecs.REQUIRED_HOOKS[1:] + _hookspecs.OPTIONAL_HOOKS:
+    for hook in _hookspecs.REQUIRED_HOOKS[1:] + _hookspecs.OPTIONAL_HOOKS + _hookspecs.ARRAY_HOOKS:
         impl = getattr(module, hook, None) or getattr(generic, hook, None)
         if impl is None:
             raise BackendUnavailableError(f"backend {name!r} lacks hook {hook!r}")
@@ -153,6 +154,26 @@ def backend_for_array(array: Any) -> Backend:
         f"{type(array).__module__}.{type(array).__name__}. Installed backends: {_summary()}. "
         "Fix: pass arrays of one of these libraries, or install a backend plugin for yours."
     )
+
+
+#: type(array) -> the backend that owns arrays of that type (owns_array answers by type).
+_owners: dict[type, Backend] = {}
+
+
+def backend_of(array: Any) -> Backend:
+    """:func:`backend_for_array`, remembered per array type: for the core's small per-step
+    questions (is it on the host? a flag made like it) on arrays it has not bound a backend to."""
+    kind = type(array)
+    found = _owners.get(kind)
+    if found is None:
+        found = _owners[kind] = backend_for_array(array)
+    return found
+
+
+def model_steps(model: Any, dtype: str) -> Any:
+    """The first plugin's ``model_steps(model, dtype)`` that is not None (a library's trainer
+    steps for its models), else None."""
+    return _plugins().manager.hook.model_steps(model=model, dtype=dtype)
 
 
 def check_owned(backend: Backend, array: Any, what: str) -> None:

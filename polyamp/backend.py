@@ -34,6 +34,13 @@ class Backend:
     read_flag: Callable[[Any], bool]
     to_host: Callable[[Any], float | int]
     accepts_array: Callable[[Any], bool]
+    # what the core needs beside the kernels (optional hooks, array-API defaults)
+    is_host: Callable[[Any], bool]
+    host_view: Callable[[Any], Any]
+    to_numpy: Callable[[Any], Any]
+    from_host: Callable[..., Any]
+    finite_flags: Callable[[Sequence[Any]], list[bool]]
+    overflow_counts: Callable[[Any], tuple[int, int, int, float]]
 
     def __repr__(self) -> str:
         return f"<polyamp backend {self.name!r} {self.version or ''}>".replace(" >", ">")

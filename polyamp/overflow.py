@@ -4,19 +4,17 @@ A read-only report over any supported array library. The engine and the facades 
 after a skipped step with ``diagnose=True``, so applied steps cost nothing. Per tensor: one
 vectorised finiteness pass (the flags of a library and device read at once), then, for the
 tensors that hold a non-finite value only, one more set of vectorised counts (one host read each).
+The array work is the backends' (hooks ``finite_flags``, ``overflow_counts``, ``to_numpy``).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import array_api_compat
-import numpy as np
-
+from ._registry import backend_of
 from .config import short_repr
 
 __all__ = ["OverflowReport", "TensorOverflow", "explain_overflow", "floor_note", "log_summary"]
@@ -223,113 +221,24 @@ def _dtype_name(array: Any) -> str:
     return str(array.dtype).rsplit(".", 1)[-1]
 
 
-class _PaddleOps:
-    """The few array-API functions used here, for paddle tensors (array-api-compat has no paddle)."""
-
-    def __init__(self) -> None:
-        self.paddle = sys.modules["paddle"]
-        self.float64 = "float64"
-
-    def isfinite(self, x: Any) -> Any:
-        return self.paddle.isfinite(x)
-
-    def isnan(self, x: Any) -> Any:
-        return self.paddle.isnan(x)
-
-    def all(self, x: Any) -> Any:
-        return self.paddle.all(x)
-
-    def count_nonzero(self, x: Any) -> Any:
-        return self.paddle.sum(x.astype("int64"))
-
-    def max(self, x: Any) -> Any:
-        return self.paddle.max(x)
-
-    def abs(self, x: Any) -> Any:  # paddle's CPU abs has no 16-bit kernel: in float32
-        return self.paddle.abs(self._wide(x))
-
-    def where(self, cond: Any, x: Any, y: Any) -> Any:
-        return self.paddle.where(cond, x, y)
-
-    def zeros_like(self, x: Any) -> Any:
-        return self.paddle.zeros_like(self._wide(x))
-
-    def _wide(self, x: Any) -> Any:
-        return x.astype("float32") if str(x.dtype).endswith("16") else x
-
-    def astype(self, x: Any, dtype: Any) -> Any:
-        return x.astype(dtype)
-
-    def stack(self, xs: list[Any]) -> Any:
-        return self.paddle.stack(xs)
-
-    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
-        return self.paddle.reshape(x, list(shape))
-
-
-def _namespace(array: Any) -> Any:
-    if type(array).__module__.partition(".")[0] == "paddle":
-        return _PaddleOps()
-    return array_api_compat.array_namespace(array)
-
-
-def _host_list(array: Any) -> list[Any]:
-    """A small 1-D array as Python values: one host read (a device sync on a GPU)."""
-    tolist = getattr(array, "tolist", None)
-    if callable(tolist):  # numpy, torch, cupy, paddle
-        return tolist()
-    return np.from_dlpack(array).tolist()  # array-API arrays on the host (array-api-strict)
-
-
-def _device_key(array: Any) -> tuple[Any, str]:
-    return type(array), str(getattr(array, "device", getattr(array, "place", "")))
-
-
 def _all_finite_flags(arrays: list[Any]) -> list[bool]:
-    """Per array, whether every value is finite: one pass each, flags read once per library and device."""
-    groups: dict[tuple[Any, str], list[int]] = {}
+    """Per array, whether every value is finite: one pass each, flags read once per backend and
+    device (its backend's ``finite_flags``)."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
     for i, array in enumerate(arrays):
         if _is_float(array) and math.prod(array.shape):
-            groups.setdefault(_device_key(array), []).append(i)
+            backend = backend_of(array)
+            groups.setdefault(backend.name, (backend, []))[1].append(i)
     finite = [True] * len(arrays)
-    for (kind, _), indices in groups.items():
-        if kind.__module__.partition(".")[0] == "torch":
-            flags = _torch_finite([arrays[i] for i in indices])
-        else:
-            xp = _namespace(arrays[indices[0]])
-            flags = xp.stack([_finite_flag(xp, arrays[i]) for i in indices])
-        for i, ok in zip(indices, _host_list(flags)):
+    for backend, indices in groups.values():
+        for i, ok in zip(indices, backend.finite_flags([arrays[i] for i in indices])):
             finite[i] = bool(ok)
     return finite
 
 
-def _torch_finite(tensors: list[Any]) -> Any:
-    """torch: one aminmax pass per tensor (nan propagates; many times faster than isfinite on
-    CPU), then one stack of all the extremes (promoted to a common dtype) and one isfinite."""
-    torch = sys.modules["torch"]
-    extremes = torch.stack([v for t in tensors for v in t.detach().aminmax()])
-    return torch.isfinite(extremes).view(-1, 2).all(1)
-
-
-def _finite_flag(xp: Any, array: Any) -> Any:
-    """A 0-d device bool: is every value finite. NumPy float32/64: max and min (no temporary
-    array; nan propagates); otherwise one isfinite pass."""
-    if isinstance(array, np.ndarray) and array.dtype.itemsize >= 4:
-        return np.isfinite(array.max()) & np.isfinite(array.min())
-    return xp.all(xp.isfinite(array))
-
-
 def _tensor_overflow(name: str, array: Any) -> TensorOverflow:
-    """The counts of one tensor: a few vectorised passes and one host read."""
-    xp = _namespace(array)
-    ok = xp.isfinite(array)
-    nan = xp.count_nonzero(xp.isnan(array))
-    posinf = xp.count_nonzero(array == math.inf)
-    neginf = xp.count_nonzero(array == -math.inf)
-    big = xp.max(xp.where(ok, xp.abs(array), xp.zeros_like(array)))
-    f64 = xp.float64
-    stats = xp.stack([xp.astype(v, f64) for v in (nan, posinf, neginf)] + [xp.astype(big, f64)])
-    n_nan, n_pos, n_neg, largest = _host_list(xp.reshape(stats, (4,)))
+    """The counts of one tensor: a few vectorised passes and one host read (its backend's)."""
+    n_nan, n_pos, n_neg, largest = backend_of(array).overflow_counts(array)
     shape = tuple(int(s) for s in array.shape)
     return TensorOverflow(name, shape, _dtype_name(array), math.prod(shape), int(n_nan), int(n_pos),
                           int(n_neg), float(largest))
@@ -350,6 +259,5 @@ def _loss_finite(loss: Any) -> bool:
             f"loss must be a number or a 1-element array, got an array of shape {tuple(loss.shape)}. "
             "Fix: pass the reduced (scalar) loss."
         )
-    xp = _namespace(loss)
-    value = _host_list(xp.reshape(xp.astype(loss, xp.float64), (1,)))[0]
+    value = backend_of(loss).to_numpy(loss).reshape(-1)[0]
     return math.isfinite(float(value))

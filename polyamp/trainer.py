@@ -21,7 +21,6 @@ collective.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +32,7 @@ from ._agreement import Agreement
 from ._errors import ConfigError
 from ._iteration import Iteration
 from ._masters import check_masters
+from ._registry import model_steps
 from .adapters import iter_params
 from .config import LossScaleConfig
 from .engine import LossScaler
@@ -84,11 +84,6 @@ class StepMetrics:
     overflow: OverflowReport | None = None
 
 
-def _is_torch_module(model: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(model, torch.nn.Module)
-
-
 class MixedPrecisionTrainer:
     """Train ``model`` with float32 master weights, ``compute_dtype`` compute, dynamic loss scaling.
 
@@ -136,12 +131,7 @@ class MixedPrecisionTrainer:
             agreement = None if reducer is None else Agreement(reducer)
             self._iteration = Iteration(_NO_SCALING, None, agreement=agreement)
         self._unscaled_skips = 0  # steps skipped for a non-finite norm without loss scaling
-        if _is_torch_module(model):
-            from ._trainer_torch import TorchSteps
-
-            self._steps: Any = TorchSteps(model, self._dtype)
-        else:
-            self._steps = ArraySteps(model, self._dtype)
+        self._steps: Any = model_steps(model, self._dtype) or ArraySteps(model, self._dtype)
         _check_optimizer_holds(optimizer, self._steps.params)
         # with a reducer the fingerprint rides after the gradients: one collective per step
         spare = 0 if reducer is None else Agreement.payload_spare()

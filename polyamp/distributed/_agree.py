@@ -4,13 +4,13 @@ scalers carry the config fingerprint in every step's agreement instead)."""
 from __future__ import annotations
 
 import json
-import sys
 import zlib
 from typing import Any
 
 import numpy as np
 
 from .._errors import ConfigError
+from .._registry import backend_of
 from ..config import LossScaleConfig
 from ._reducer import Reducer
 
@@ -41,21 +41,14 @@ def check_same_config(reducer: Reducer, config: LossScaleConfig, like: Any = Non
 
 
 def _on_device_of(host: np.ndarray, like: Any) -> Any:
+    """``host`` copied to ``like``'s library and device (its backend's ``from_host``)."""
     if like is None or isinstance(like, np.ndarray):
         return host
-    import array_api_compat
-
-    if not array_api_compat.is_array_api_obj(like) and hasattr(like, "place"):  # paddle: no array API
-        return sys.modules["paddle"].to_tensor(host, place=like.place)
-    xp = array_api_compat.array_namespace(like)
-    return xp.asarray(host, device=array_api_compat.device(like))
+    return backend_of(like).from_host(host, like, None)
 
 
 def _to_host(buffer: Any) -> np.ndarray:
+    """A small array's values in host memory (its backend's ``to_numpy``: a sync on a device)."""
     if isinstance(buffer, np.ndarray):
         return buffer
-    if hasattr(buffer, "get"):  # cupy
-        return buffer.get()
-    if hasattr(buffer, "place"):  # paddle
-        return buffer.numpy()
-    return np.asarray(buffer.cpu() if hasattr(buffer, "cpu") else buffer)
+    return backend_of(buffer).to_numpy(buffer)

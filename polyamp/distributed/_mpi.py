@@ -15,6 +15,7 @@ import numpy as np
 
 from .._errors import ConfigError, ForeignArrayError
 from .._hookspecs import hookimpl
+from ._buffers import check_buffer
 from ._errors import ReducerUnavailableError
 from ._mpi_cuda import mpi_is_cuda_aware
 from ._reducer import DEFAULT_TIMEOUT, Op, Reducer, wait_until
@@ -93,12 +94,8 @@ class MPIReducer(Reducer):
         else:
             raise self._refuse(array, "")
         writeable = buffer.flags.writeable if isinstance(buffer, np.ndarray) else True
-        if buffer.dtype.name not in DTYPES or not buffer.flags.c_contiguous or not writeable:
-            raise ForeignArrayError(
-                f"{self.describe()} cannot all-reduce a {type(array).__name__} of dtype "
-                f"{buffer.dtype.name} (C-contiguous: {buffer.flags.c_contiguous}, writeable: "
-                f"{writeable}) in place. Fix: pass a writeable C-contiguous array of one of {DTYPES}."
-            )
+        check_buffer(self.describe(), f"a {type(array).__name__}", buffer.dtype.name, DTYPES,
+                     {"C-contiguous": bool(buffer.flags.c_contiguous), "writeable": bool(writeable)})
         return buffer
 
     def _refuse(self, array: Any, why: str) -> ForeignArrayError:

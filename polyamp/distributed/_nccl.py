@@ -13,6 +13,7 @@ from typing import Any
 
 from .._errors import ForeignArrayError
 from .._hookspecs import hookimpl
+from ._buffers import check_buffer
 from ._reducer import DEFAULT_TIMEOUT, Op, Reducer, wait_until
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64")
@@ -61,12 +62,9 @@ class NCCLReducer(Reducer):
                 f"{type(array).__module__}.{type(array).__name__}. Fix: pass a CuPy array on "
                 f"device {self._device}, or use an MPI or torch.distributed reducer."
             )
-        if array.dtype.name not in DTYPES or not array.flags.c_contiguous or array.device.id != self._device:
-            raise ForeignArrayError(
-                f"{self.describe()} cannot all-reduce a CuPy array of dtype {array.dtype.name} on "
-                f"device {array.device.id} (C-contiguous: {array.flags.c_contiguous}) in place. Fix: "
-                f"pass a C-contiguous array of one of {DTYPES} on device {self._device}."
-            )
+        check_buffer(self.describe(), f"a CuPy array on device {array.device.id}", array.dtype.name, DTYPES,
+                     {"C-contiguous": bool(array.flags.c_contiguous)}, f" on device {self._device}",
+                     array.device.id == self._device)
         return array
 
     def _allreduce(self, array: Any, op: Op) -> None:
