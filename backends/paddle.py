@@ -107,6 +107,15 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
             paddle.assign(paddle.maximum(found_inf, flag.astype(found_inf.dtype)), output=found_inf)
 
 
+@hookimpl
+def unscale_and_check_keep(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
+    """Every dtype by ops (paddle's fused float32 kernel writes ``grad * 0`` on an overflow)."""
+    paddle = _paddle()
+    with paddle.no_grad():
+        for flag in _unscale_by_ops(paddle, list(grads), scale):
+            paddle.assign(paddle.maximum(found_inf, flag.astype(found_inf.dtype)), output=found_inf)
+
+
 def _unscale_by_ops(paddle: Any, grads: Sequence[Any], scale: Any) -> list[Any]:
     """Unscale non-float32 gradients in place, in float32 (float64 for float64); their flags."""
     inv_scale = (1.0 / scale.astype("float64")).astype("float32")

@@ -16,7 +16,7 @@ from ._torch_state import check_interval, load_torch_state, refuse_empty, to_tor
 
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_stages", "_found",
-                       "_skipped_host", "_unread", "_last_skipped", "_skip_seen", "_param_names"})
+                       "_skipped_host", "_unread", "_last_skipped", "_skipped_here", "_param_names"})
 
 
 class ScalerAccessors:
@@ -147,7 +147,7 @@ class ScalerAccessors:
         self._engine.load_state_dict(state["engine"])
         last = state.get("last_overflow", self.__dict__.pop("_last_overflow", None))  # older copies: extra
         self._engine.iteration.last_overflow = last
-        self._stages, self._found, self._skip_seen = {}, {}, False
+        self._stages, self._found, self._skipped_here = {}, {}, []
         self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
 
     def __repr__(self) -> str:

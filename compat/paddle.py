@@ -157,13 +157,13 @@ class AmpScaler:
         if iteration.agreement is not None:
             flag = self._agreed(flag)
         named = lambda: paddle_named_grads(optimizer)  # noqa: E731  # only for a report
+        # the one host read, before the optimizer runs: ranks that differ raise (nothing applied),
+        # and a report sees the gradients before paddle's kernel of a skipped step writes grad * 0
+        found = iteration.decide(False if flag is None else flag, named=named, local=local)
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
-            ran, result = True, call()  # a misaligned rank's flag is non-zero: the optimizer skips
-            skipped = bool(optimizer._get_auxiliary_var("found_inf"))
-            found = iteration.decide(skipped, named=named, local=local)
-        else:  # the one host read; ranks that differ: RankMismatchError, nothing applied
-            found = iteration.decide(False if flag is None else flag, named=named, local=local)
+            ran, result = True, call()  # paddle's optimizers take the flag and skip themselves
+        else:
             ran = not found
             result = call() if ran else None
         self._cache_found_inf = self.last_step_skipped = found

@@ -117,7 +117,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
     def _reset_iteration(self) -> None:
         self._stages: dict[int, OptState] = {}
         self._found: dict[int, Any] = {}  # per optimizer: its device flag, None if no grads
-        self._skip_seen = False  # a step() of this iteration read an overflow on the host
+        self._skipped_here: list[Any] = []  # optimizers whose step() this iteration skipped (host read)
 
     # -- scaling ----------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -192,13 +192,19 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
         if found is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         skipped = self._engine.iteration.decide(  # the one host read; a report only when skipped
-            found, named=lambda: torch_named_grads(optimizer, self._param_names), keep_report=self._skip_seen)
+            found, named=lambda: self._named_grads([*self._skipped_here, optimizer]),
+            keep_report=bool(self._skipped_here))
         retval = None if skipped else optimizer.step(*args, **kwargs)
         self._stages[key] = STEPPED
         self._last_skipped = skipped
         self._skipped_host += skipped
-        self._skip_seen |= skipped
+        if skipped:
+            self._skipped_here.append(optimizer)
         return retval
+
+    def _named_grads(self, optimizers: list[Any]) -> list[tuple[str, Any]]:
+        """The named gradients of the optimizers whose steps this iteration skipped, for one report."""
+        return [pair for optimizer in optimizers for pair in torch_named_grads(optimizer, self._param_names)]
 
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: nothing here (ShardedGradScaler checks the ranks)."""
@@ -259,7 +265,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
                 raise AssertionError("No inf checks were recorded prior to update.")
             found = flags[0] if len(flags) == 1 else sum(flags[1:], flags[0])
             try:  # the scale moved: the iteration ends even if a log handler raises
-                self._engine.iteration.finish(found, skipped=self._skip_seen)  # skips as step() read
+                self._engine.iteration.finish(found, skipped=bool(self._skipped_here))  # as step() read
             finally:
                 self._reset_iteration()
             return

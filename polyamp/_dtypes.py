@@ -9,11 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 import array_api_compat
+import numpy as np
 
 from ._errors import ConfigError, install_hint
 
 COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
 _NAMES = COMPUTE_DTYPES + ("float64",)
+
+
+def short_name(dtype: Any) -> str:
+    """'float32' for any library's float32 and NumPy's byte-swapped ``>f4`` too (``str()`` of a
+    dtype says 'torch.float32', 'paddle.float32' or '>f4'; paddle's ``.name`` is 'FLOAT32')."""
+    if isinstance(dtype, np.dtype):
+        return dtype.name
+    return str(dtype).rpartition(".")[2]
 
 
 def dtype_name(dtype: Any, param: str = "dtype") -> str:

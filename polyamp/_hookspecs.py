@@ -38,7 +38,7 @@ ARRAY_HOOKS = ("is_host", "host_view", "to_numpy", "from_host", "finite_flags", 
 # Optional, asked of every plugin in turn (not bound on a Backend): the trainer's model steps.
 MODEL_HOOKS = ("model_steps",)
 # Optional hooks whose default is another hook of the same plugin, not the generic backend's.
-OWN_DEFAULT_HOOKS = {"accepts_array": "owns_array"}
+OWN_DEFAULT_HOOKS = {"accepts_array": "owns_array", "unscale_and_check_keep": "unscale_and_check"}
 
 
 @hookspec
@@ -61,6 +61,17 @@ def accepts_array(array: Any) -> bool:
     Defaults to ``owns_array``. A backend may accept more than it owns, e.g. another library's
     GPU arrays through zero-copy DLPack views; automatic choice still uses ``owns_array`` only.
     Must not import anything.
+    """
+
+
+@hookspec
+def unscale_and_check_keep(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
+    """``unscale_and_check`` that leaves every value divided by the scale also on an overflow
+    (optional; defaults to ``unscale_and_check``).
+
+    For a kernel that writes something else when it finds inf/nan (paddle's fused kernel writes
+    ``grad * 0``, turning inf into NaN and finite values into 0): with ``diagnose=True`` the scaler
+    unscales through this hook, so the report on a skipped step sees the values as they were.
     """
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ._dtypes import short_name
 from ._errors import ConfigError, ForeignArrayError
 from .backend import Backend
 from .config import check_scale, short_repr
@@ -63,7 +64,7 @@ def check_floating(arrays: list[Any], where: str) -> None:
     except (AttributeError, TypeError):  # not arrays, or unhashable dtypes: the backend refuses them
         return
     for dtype, grad in by_dtype.items():
-        if str(dtype).rpartition(".")[2] not in FLOATING:
+        if short_name(dtype) not in FLOATING:
             raise ForeignArrayError(
                 f"{where} got a gradient that is not floating-point ({describe(grad)}); loss scaling, "
                 "norms and clipping work on real floating gradients only (float16, bfloat16, float32, "

@@ -161,7 +161,9 @@ class Iteration:
         found = backend.full(0.0, "float32", state.scale)
         if arrays:
             by = backend.full(1.0, "float32", state.scale) if check_only else state.scale
-            backend.unscale_and_check(arrays, by, found)
+            # with diagnose=True, a kernel that overwrites an overflowing step's values must not
+            unscale = backend.unscale_and_check_keep if self.diagnose else backend.unscale_and_check
+            unscale(arrays, by, found)
         checks = self.checks
         checked = checks.checked
         if self.diagnose:

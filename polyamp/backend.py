@@ -34,6 +34,7 @@ class Backend:
     read_flag: Callable[[Any], bool]
     to_host: Callable[[Any], float | int]
     accepts_array: Callable[[Any], bool]
+    unscale_and_check_keep: Callable[[Sequence[Any], Any, Any], None]
     # what the core needs beside the kernels (optional hooks, array-API defaults)
     is_host: Callable[[Any], bool]
     host_view: Callable[[Any], Any]

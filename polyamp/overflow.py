@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ._dtypes import short_name
 from ._registry import backend_of
 from .config import short_repr
+from .parameter import Parameter
 
 __all__ = ["OverflowReport", "TensorOverflow", "explain_overflow", "floor_note", "log_summary"]
 
@@ -109,10 +111,12 @@ def named_arrays(grads: Any, names: Sequence[str] | None = None) -> list[tuple[s
             f"({type(grads).__name__}). Fix: pass [grad] for one array."
         )
     else:
-        grads = list(grads)
+        grads = [_gradient_of(g) for g in grads]
         if names is None:
             names = [f"grads[{i}]" for i in range(len(grads))]
-        elif isinstance(names, str) or len(list(names)) != len(grads) or not all(
+        elif not isinstance(names, str) and hasattr(names, "__iter__"):
+            names = list(names)  # an iterator (a generator, map) is read once, here
+        if isinstance(names, str) or not isinstance(names, list) or len(names) != len(grads) or not all(
                 isinstance(n, str) for n in names):
             raise ValueError(
                 f"names must be a sequence of {len(grads)} str, one per gradient, got "
@@ -126,6 +130,20 @@ def named_arrays(grads: Any, names: Sequence[str] | None = None) -> list[tuple[s
                 "Fix: pass arrays (NumPy, torch, CuPy, paddle or array-API), or None to leave one out."
             )
     return [(name, array) for name, array in pairs if array is not None]
+
+
+def _gradient_of(item: Any) -> Any:
+    """A parameter's gradient, as torch's gradient utilities take ``model.parameters()``: an item
+    that holds a ``.grad`` and is a parameter (a ``polyamp.Parameter``, a tensor that requires grad,
+    a tensor whose ``stop_gradient`` is False) stands for its gradient."""
+    if not hasattr(item, "grad"):
+        return item
+    is_parameter = (isinstance(item, Parameter) or getattr(item, "requires_grad", False) is True
+                    or getattr(item, "stop_gradient", True) is False)
+    if not is_parameter:
+        return item
+    read = getattr(item, "_grad_ivar", None)  # paddle: the gradient itself, not a new wrapper
+    return read() if callable(read) else item.grad
 
 
 def build_report(
@@ -213,12 +231,12 @@ def name_gradients(grads: list[Any], names: list[str] | None, offset: int = 0) -
 
 # -- array work: vectorised per tensor, never in place ---------------------------------
 def _is_float(array: Any) -> bool:
-    name = str(array.dtype)
+    name = short_name(array.dtype)
     return "float" in name or "complex" in name
 
 
 def _dtype_name(array: Any) -> str:
-    return str(array.dtype).rsplit(".", 1)[-1]
+    return short_name(array.dtype)
 
 
 def _all_finite_flags(arrays: list[Any]) -> list[bool]:

@@ -1,0 +1,110 @@
+"""Forensics look at the arrays the user meant (issue: reports that looked at the wrong arrays).
+
+Each case was wrong without a word before: an iterator of names checked nothing, parameters were
+read as if they were gradients, paddle's report came after its kernel zeroed the gradients, and a
+byte-swapped NumPy array was "not floating-point". Two optimizers that both skip share one report.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from polyamp.compat.paddle import GradScaler as PaddleScaler
+from polyamp.compat.torch import GradScaler as TorchScaler
+
+import polyamp
+
+
+def test_names_may_be_any_iterable_read_once():
+    grads = [np.array([np.inf], np.float32), np.ones(2, np.float32)]
+    for names in ((n for n in ["w", "b"]), map(str.upper, ["w", "b"]), iter(["w", "b"])):
+        report = polyamp.explain_overflow(grads, names=names)
+        assert report.checked == 2 and report.found and report.tensors[0].name.lower() == "w"
+
+
+def test_names_of_the_wrong_length_are_refused_also_from_an_iterator():
+    with pytest.raises(ValueError, match="names must be a sequence of 2 str"):
+        polyamp.explain_overflow([np.ones(1), np.ones(1)], names=(n for n in ["w"]))
+
+
+def _model_with_inf_grad() -> torch.nn.Module:
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(3)).sum().backward()
+    model.weight.grad[1, 2] = -math.inf  # the weights themselves stay finite
+    return model
+
+
+@pytest.mark.parametrize("wrap", [list, iter], ids=["list", "generator"])
+def test_torch_parameters_stand_for_their_gradients(wrap):
+    model = _model_with_inf_grad()
+    report = polyamp.explain_overflow(wrap(model.parameters()))
+    assert report.found and report.checked == 2
+    assert report.tensors[0].neginf == 1 and report.tensors[0].shape == (2, 3)
+
+
+def test_the_torch_facade_explains_parameters_too():
+    model = _model_with_inf_grad()
+    scaler = TorchScaler("cpu")
+    report = scaler.explain(model.parameters())
+    assert report.found and report.tensors[0].neginf == 1
+
+
+def test_polyamp_parameters_stand_for_their_gradients():
+    p, q = polyamp.Parameter(np.zeros(2, np.float32)), polyamp.Parameter(np.zeros(1, np.float32))
+    p.grad = np.array([np.nan, 1.0], np.float32)  # q has no gradient: left out
+    report = polyamp.explain_overflow([p, q])
+    assert report.checked == 1 and report.tensors[0].nan == 1
+
+
+def test_plain_gradient_tensors_are_still_read_as_they_are():
+    grad = torch.tensor([1.0, math.inf])  # requires_grad=False: a gradient, not a parameter
+    assert polyamp.explain_overflow([grad]).tensors[0].posinf == 1
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">f8", "<f4"])
+def test_byte_swapped_numpy_gradients_are_floating(dtype):
+    bad = np.array([1.0, np.inf, -np.inf, np.nan], dtype=dtype)
+    report = polyamp.explain_overflow([bad])
+    tensor = report.tensors[0]
+    assert (tensor.posinf, tensor.neginf, tensor.nan, tensor.dtype) == (1, 1, 1, np.dtype(dtype).name)
+    scaler = polyamp.LossScaler(init_scale=4.0, backend="numpy")
+    good = np.array([4.0, 8.0], dtype=dtype)
+    assert scaler.step([good], lambda: None)  # unscaled in place, in its byte order
+    np.testing.assert_array_equal(good, [1.0, 2.0])
+    assert good.dtype == np.dtype(dtype)
+    scaler.update()
+    assert not scaler.step([bad.copy()], lambda: None)
+    scaler.update()
+
+
+def test_the_paddle_facade_reports_inf_before_paddles_kernel_zeroes_the_gradients():
+    paddle = pytest.importorskip("paddle")
+    paddle.seed(0)
+    layer = paddle.nn.Linear(2, 1)
+    optimizer = paddle.optimizer.SGD(learning_rate=0.1, parameters=layer.parameters())
+    before = [p.numpy().copy() for p in layer.parameters()]
+    scaler = PaddleScaler(init_loss_scaling=8.0, diagnose=True)
+    loss = layer(paddle.to_tensor([[1.0, 2.0]])).sum()
+    scaler.scale(loss * float("inf")).backward()
+    scaler.minimize(optimizer, loss)
+    report = scaler.last_overflow
+    assert scaler.last_step_skipped and report is not None
+    assert sum(t.posinf + t.neginf for t in report.tensors) > 0  # inf is reported as inf, not NaN
+    for p, old in zip(layer.parameters(), before):
+        np.testing.assert_array_equal(p.numpy(), old)
+
+
+def test_two_optimizers_that_both_skip_share_one_report():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+    scaler = TorchScaler("cpu", diagnose=True)
+    scaler.scale(torch.ones(()))
+    a.grad, b.grad = torch.tensor([math.inf, 0.0]), torch.tensor([0.0, math.nan, 0.0])
+    scaler.step(opt_a)
+    scaler.step(opt_b)
+    shapes = sorted(t.shape for t in scaler.last_overflow.tensors)
+    assert shapes == [(2,), (3,)]  # both optimizers' bad gradients, not only the last one's
+    scaler.update()
