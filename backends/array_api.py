@@ -171,13 +171,30 @@ def finite_flags(arrays: Sequence[Any]) -> list[bool]:
 
 @hookimpl
 def overflow_counts(array: Any) -> tuple[int, int, int, float]:
+    """Counted in chunks of ``REPORT_CHUNK`` values, so the temporaries stay a fixed size however
+    large the gradient (a big embedding's report must not run a nearly full GPU out of memory)."""
     xp = _xp(array)
-    ok = xp.isfinite(array)
-    nan = xp.count_nonzero(xp.isnan(array))
-    posinf = xp.count_nonzero(array == math.inf)
-    neginf = xp.count_nonzero(array == -math.inf)
-    big = xp.max(xp.where(ok, xp.abs(array), xp.zeros_like(array)))
-    f64 = xp.float64
-    stats = xp.stack([xp.astype(v, f64) for v in (nan, posinf, neginf, big)])
-    n_nan, n_pos, n_neg, largest = to_numpy(stats).tolist()
+    flat = xp.reshape(array, (-1,))
+    size = flat.shape[0]
+    totals = None
+    for start in range(0, size, REPORT_CHUNK):  # a loop per chunk, on a skipped step's report only
+        part = flat[start:start + REPORT_CHUNK]
+        stats = _chunk_counts(xp, part)
+        totals = stats if totals is None else xp.concat([totals[:3] + stats[:3],
+                                                         xp.maximum(totals[3:], stats[3:])])
+    n_nan, n_pos, n_neg, largest = to_numpy(totals).tolist()
     return int(n_nan), int(n_pos), int(n_neg), float(largest)
+
+
+#: Values per pass of :func:`overflow_counts` (its temporaries: a few bools and one float per value).
+REPORT_CHUNK = 1 << 20
+
+
+def _chunk_counts(xp: Any, part: Any) -> Any:
+    """(nan, +inf, -inf, largest finite abs) of one chunk, as a float64 vector on its device."""
+    f64 = xp.float64
+    nan = xp.count_nonzero(xp.isnan(part))
+    posinf = xp.count_nonzero(part == math.inf)
+    neginf = xp.count_nonzero(part == -math.inf)
+    big = xp.max(xp.where(xp.isfinite(part), xp.abs(part), xp.zeros((), dtype=part.dtype)))
+    return xp.stack([xp.astype(v, f64) for v in (nan, posinf, neginf, big)])
