@@ -178,7 +178,7 @@ def overflow_counts(array: Any) -> tuple[int, int, int, float]:
     size = flat.shape[0]
     totals = None
     for start in range(0, size, REPORT_CHUNK):  # a loop per chunk, on a skipped step's report only
-        part = flat[start:start + REPORT_CHUNK]
+        part = flat[start:min(start + REPORT_CHUNK, size)]  # in bounds: the array API says so
         stats = _chunk_counts(xp, part)
         totals = stats if totals is None else xp.concat([totals[:3] + stats[:3],
                                                          xp.maximum(totals[3:], stats[3:])])
