@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._dtypes import short_name
+from ._inputs import FLOATING
 from ._registry import backend_of
 from .config import short_repr
 from .parameter import Parameter
@@ -93,7 +94,54 @@ def explain_overflow(
     checked too. One host read per library and device, and one per tensor holding inf/nan.
     """
     named = named_arrays(grads, names)
+    scale = _checked_scale(scale)
+    _checked_loss(loss)  # before any array is read: a bad argument reads nothing
     return build_report(named, loss=loss, scale=scale)
+
+
+def _checked_scale(scale: Any) -> float | None:
+    """``scale`` as a float: None, or a real number (a NumPy scalar or 0-d array too), finite, > 0."""
+    if scale is None:
+        return None
+    value = _real(scale)
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"scale must be a positive, finite number (the loss scale the gradients carry), got "
+            f"scale={short_repr(scale)} ({type(scale).__name__}). Fix: pass scaler.get_scale(), or leave "
+            "scale out."
+        )
+    return value
+
+
+def _checked_loss(loss: Any) -> None:
+    """Refuse a loss that is not a number or a 1-element array (strings, numbers beyond float64)."""
+    if loss is None or hasattr(loss, "shape"):
+        return
+    if isinstance(loss, int) and not isinstance(loss, bool):
+        try:
+            float(loss)
+        except OverflowError:
+            raise ValueError(
+                f"loss must be a number float64 can hold or a 1-element array, got an int of "
+                f"{len(str(abs(loss)))} digits. Fix: pass the loss as the float your model computed."
+            ) from None
+    elif _real(loss) is None:
+        raise TypeError(
+            f"loss must be a number or a 1-element array, got loss={short_repr(loss)} "
+            f"({type(loss).__name__}). Fix: pass the loss value, e.g. loss=loss.item()."
+        )
+
+
+def _real(value: Any) -> float | None:
+    """A real number (not bool, not a string; a NumPy scalar or 0-d array) as a float, else None."""
+    if isinstance(value, (bool, str, bytes)) or short_name(getattr(value, "dtype", "")) == "bool":
+        return None
+    if hasattr(value, "shape") and tuple(value.shape) != ():
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def named_arrays(grads: Any, names: Sequence[str] | None = None) -> list[tuple[str, Any]]:
@@ -129,7 +177,27 @@ def named_arrays(grads: Any, names: Sequence[str] | None = None) -> list[tuple[s
                 f"gradient {name!r} is not an array: got {short_repr(array)} ({type(array).__name__}). "
                 "Fix: pass arrays (NumPy, torch, CuPy, paddle or array-API), or None to leave one out."
             )
-    return [(name, array) for name, array in pairs if array is not None]
+    named = [(name, array) for name, array in pairs if array is not None]
+    _check_readable(named)
+    return named
+
+
+def _check_readable(named: list[tuple[str, Any]]) -> None:
+    """Refuse, naming the gradient, what the counts cannot read: a tensor without values (meta), a
+    sparse layout, a dtype that is not float16/bfloat16/float32/float64 (complex, float8, ints)."""
+    for name, array in named:
+        problem = (
+            "is on torch's 'meta' device, which holds no values" if getattr(array, "is_meta", False) is True
+            else "is sparse; the counts read dense values" if getattr(array, "is_sparse", False) is True
+            else None if short_name(array.dtype) in FLOATING
+            else f"has dtype {array.dtype}; only float16, bfloat16, float32 and float64 are checked"
+        )
+        if problem is not None:
+            raise TypeError(
+                f"explain_overflow: gradient {name!r} {problem}. Fix: pass dense floating gradients "
+                "(a sparse one's grad.coalesce().values(); torch.view_as_real(g) for a complex one; "
+                "g.float() for float8), or leave it out."
+            )
 
 
 def _gradient_of(item: Any) -> Any:

@@ -126,3 +126,31 @@ def test_the_report_on_a_large_gradient_allocates_less_than_the_gradient():
     tensor = report.tensors[0]
     assert (tensor.nan, tensor.posinf, tensor.neginf, tensor.max_abs_finite) == (1, 1, 1, 1.0)
     assert peak < grad.nbytes, (peak, grad.nbytes)
+
+
+@pytest.mark.parametrize("scale", ["1024", np.array([8.0]), -1.0, 0.0, math.inf, True])
+def test_a_bad_scale_is_refused_naming_it(scale):
+    with pytest.raises(ValueError, match="scale must be a positive, finite number"):
+        polyamp.explain_overflow([np.ones(2, np.float32)], scale=scale)
+
+
+def test_a_numpy_scale_is_taken_as_a_number():
+    assert polyamp.explain_overflow([np.ones(2, np.float32)], scale=np.float32(8)).scale == 8.0
+
+
+@pytest.mark.parametrize("loss, error", [("nan", TypeError), (b"1", TypeError), (10**400, ValueError)])
+def test_a_bad_loss_is_refused_naming_it(loss, error):
+    with pytest.raises(error, match="loss must be a number"):
+        polyamp.explain_overflow([np.ones(2, np.float32)], loss=loss)
+
+
+@pytest.mark.parametrize("grad, words", [
+    (lambda: torch.empty(3, device="meta"), "'meta' device"),
+    (lambda: torch.sparse_coo_tensor([[0]], torch.tensor([math.inf]), (3,), check_invariants=True), "is sparse"),
+    (lambda: torch.tensor([1 + 1j, complex(math.inf, 0)]), "complex64"),
+    (lambda: torch.ones(2).to(torch.float8_e4m3fn), "float8_e4m3fn"),
+    (lambda: np.arange(3), "int64"),
+], ids=["meta", "sparse", "complex", "float8", "int"])
+def test_gradients_the_counts_cannot_read_are_refused_naming_them(grad, words):
+    with pytest.raises(TypeError, match=f"gradient 'w' .*{words}.*Fix:"):
+        polyamp.explain_overflow({"w": grad()})
