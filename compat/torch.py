@@ -25,7 +25,7 @@ from ._stages import check_step, check_unscale
 from ._torch_accessors import ScalerAccessors
 from ._torch_disabled import DisabledMethods, cuda_missing
 from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
-from ._torch_grads import collect_grads
+from ._torch_hooks import TorchHooks, combined
 from ._torch_install import Installation, Installer
 from ._torch_private import TorchPrivateMembers
 from ._torch_sharded import DisabledShardedInit, ShardedMethods
@@ -58,12 +58,13 @@ def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
     return "grad_scaler" in inspect.signature(step_fn).parameters
 
 
-class GradScaler(TorchPrivateMembers, ScalerAccessors):
+class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     """Drop-in ``torch.amp.GradScaler`` that also scales NumPy, CuPy and array-API arrays.
 
     Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``, and
     overflow forensics: ``explain(obj)``, and with ``diagnose=True`` ``last_overflow``, the report
-    on a skipped step's gradients (named after ``name_parameters(module)``).
+    on a skipped step's gradients (named after ``name_parameters(module)``). Subclasses may
+    override torch's ``_unscale_grads_`` and ``_maybe_opt_step`` (:mod:`polyamp.compat._torch_hooks`).
     """
 
     _diagnose = False  # class defaults: scalers pickled before diagnose= existed load as off
@@ -146,8 +147,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
         self._check_initialized("unscale_")
         key = id(optimizer)
         check_unscale(self._stages.setdefault(key, READY))
-        grads = collect_grads(optimizer, allow_fp16=self._allow_fp16, backend=self._engine.backend)
-        self._found[key] = self._check_grads(grads, check_only=False)
+        self._found[key] = self._unscale_optimizer(optimizer, check_only=False, allow_fp16=self._allow_fp16)
         self._stages[key] = UNSCALED
 
     def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
@@ -160,8 +160,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
         self._check_initialized("_check_inf_per_device")
-        grads = collect_grads(optimizer, allow_fp16=True, backend=self._engine.backend)
-        found = self._check_grads(grads, check_only=True)
+        found = self._unscale_optimizer(optimizer, check_only=True, allow_fp16=True)
         self._stages.setdefault(id(optimizer), READY)
         self._found[id(optimizer)] = found
         return self._found_inf_per_device(optimizer)
@@ -188,13 +187,22 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
             return self._self_scaling_step(optimizer, stage, args, kwargs)
         if stage is READY:
             self.unscale_(optimizer)
-        found = self._found[key]
-        if found is None:
+        if self._found[key] is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        skipped = self._engine.iteration.decide(  # the one host read; a report only when skipped
-            found, named=lambda: torch_named_grads(optimizer, self._param_names), keep_report=self._skip_seen)
-        retval = None if skipped else optimizer.step(*args, **kwargs)
+        retval = self._opt_step_through_hook(optimizer, UNSCALED, args, kwargs)  # _maybe_opt_step
         self._stages[key] = STEPPED
+        return retval
+
+    def _maybe_opt_step(
+        self, optimizer: Any, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """torch's hook: ``optimizer.step(*args, **kwargs)`` unless ``optimizer_state``'s flags say
+        overflow (the one host read; a report only when skipped). Those flags are what update() uses."""
+        found = self._found[id(optimizer)] = combined(optimizer_state["found_inf_per_device"])
+        skipped = self._engine.iteration.decide(
+            False if found is None else found,
+            named=lambda: torch_named_grads(optimizer, self._param_names), keep_report=self._skip_seen)
+        retval = None if skipped else optimizer.step(*args, **kwargs)
         self._last_skipped = skipped
         self._skipped_host += skipped
         self._skip_seen |= skipped
