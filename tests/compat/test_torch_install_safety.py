@@ -12,9 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import polyamp  # noqa: E402
 import polyamp.compat.torch as pt  # noqa: E402
 from polyamp.compat._torch_install import TORCH_NAMES  # noqa: E402
+
+import polyamp  # noqa: E402
 
 
 def _bindings() -> dict[tuple[str, str], object]:
@@ -141,7 +142,8 @@ def test_stand_ins_run_polyamp_code_only(clean):
     private method only torch has is refused instead of running on polyamp's state."""
     with pt.install():
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        sharded_class = importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler").ShardedGradScaler
+        module = importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler")
+        sharded_class = module.ShardedGradScaler
         sharded = sharded_class("cpu", process_group=None)
     assert not hasattr(scaler, "_per_optimizer_states")
     assert scaler.get_scale() == 4.0
