@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
+from polyamp.config import short_repr
 from polyamp.engine import LossScaler
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
@@ -278,7 +279,14 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
 
     def name_parameters(self, module: Any) -> None:
         """Name an optimizer's gradients in reports after ``module.named_parameters()``."""
-        self._param_names = {id(p): name for name, p in module.named_parameters()}
+        named = getattr(module, "named_parameters", None)
+        if not callable(named):
+            raise TypeError(
+                f"name_parameters(module=...) takes a module with named_parameters() (an nn.Module), got "
+                f"{short_repr(module)} ({type(module).__name__}). Fix: pass the model itself, e.g. "
+                "scaler.name_parameters(model); a list of parameters carries no names"
+            )
+        self._param_names = {id(p): name for name, p in named()}
 
     def explain(self, obj: Any, *, names: Any = None, loss: Any = None) -> OverflowReport:
         """:func:`polyamp.explain_overflow` on an ``nn.Module``'s, an optimizer's or the given

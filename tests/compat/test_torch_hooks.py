@@ -174,3 +174,13 @@ def test_override_passing_another_inv_scale_is_refused(installed):
     scaler.scale(w.sum()).backward()
     with pytest.raises(ValueError, match=r"Halving\._unscale_grads_.*inv_scale.*Fix:"):
         scaler.unscale_(opt)
+
+
+def test_name_parameters_with_a_list_names_the_argument():
+    """A list of parameters (not the module) is a TypeError naming module=, not an AttributeError."""
+    model = torch.nn.Linear(2, 2)
+    scaler = pt.GradScaler("cpu")
+    with pytest.raises(TypeError, match=r"name_parameters\(module=\.\.\.\).*list.*Fix: pass the model"):
+        scaler.name_parameters(list(model.parameters()))
+    scaler.name_parameters(model)  # the module itself still works
+    assert sorted(scaler._param_names.values()) == ["bias", "weight"]
