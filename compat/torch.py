@@ -283,8 +283,8 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         if not callable(named):
             raise TypeError(
                 f"name_parameters(module=...) takes a module with named_parameters() (an nn.Module), got "
-                f"{short_repr(module)} ({type(module).__name__}). Fix: pass the model itself, e.g. "
-                "scaler.name_parameters(model); a list of parameters carries no names"
+                f"{' '.join(short_repr(module).split())} ({type(module).__name__}). Fix: pass the model "
+                "itself, e.g. scaler.name_parameters(model); a list of parameters carries no names"
             )
         self._param_names = {id(p): name for name, p in named()}
 
