@@ -143,7 +143,10 @@ def test_override_unscaling_by_itself_is_recorded(installed):
     """An _unscale_grads_ that does not call super (an optimizer's own unscale) gives the flags."""
 
     class OwnUnscale(torch.amp.GradScaler):
+        calls = 0
+
         def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            OwnUnscale.calls += 1
             grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
             return {found_inf.device: found_inf}
@@ -160,7 +163,7 @@ def test_override_unscaling_by_itself_is_recorded(installed):
     scaler.unscale_(opt)
     assert torch.equal(w.grad, torch.full((2,), 3.0))  # unscaled by the override's inv_scale
     scaler.step(opt)
-    assert not scaler.last_step_skipped
+    assert not scaler.last_step_skipped and OwnUnscale.calls == 2
 
 
 def test_override_passing_another_inv_scale_is_refused(installed):
