@@ -129,9 +129,10 @@ def threads() -> int:
     text = os.environ.get(THREADS_ENV_VAR, "").strip()
     if not text:
         return _usable_cpus()
-    n = int(text) if text.isdigit() else 0
+    n = int(text) if text.isascii() and text.isdigit() else 0  # isdigit() alone takes '²', int() not
     if n < 1:
-        raise ValueError(f"{THREADS_ENV_VAR}={text!r}; expected a whole number >= 1 (1: no extra threads)")
+        raise ValueError(f"{THREADS_ENV_VAR}={text!r}; expected a whole number >= 1 (1: no extra threads) "
+                         f"in ASCII digits. Fix: set {THREADS_ENV_VAR}=4, for one, or unset it")
     return n
 
 

@@ -9,15 +9,23 @@ that bound one of torch's classes under its own name (``from torch.amp import Gr
 TorchGradScaler``) is left alone, so torch's stays reachable for comparison. ``uninstall()``
 puts torch's classes back everywhere a stand-in was bound, also in modules imported meanwhile.
 
-The stand-ins are subclasses of the facade's classes (so ``isinstance`` with polyamp's works);
-their instances pickle as the facade's class, so a pickle loads without ``install()``.
+The stand-ins are subclasses of the facade's classes AND of the torch classes they replace, laid
+out as torch's are (``cuda``/``cpu`` and FSDP's under ``torch.amp``'s), so every ``isinstance`` a
+trainer writes holds as in torch, also after ``uninstall()`` for scalers built meanwhile. polyamp's
+classes come first in the MRO: no method of torch's runs, nor torch's ``__init__``. While installed,
+``torch.amp.GradScaler`` (FSDP's ``ShardedGradScaler``) also counts polyamp's own ``GradScaler``
+(``ShardedGradScaler``) instances as its instances. Copies keep the stand-in type; a pickle loads as
+the facade's class, so it loads without ``install()``. install()/uninstall() hold one lock, so
+threads that race them leave one installation and torch's classes recorded (never a stand-in).
 Imports nothing of the facade: ``polyamp.compat.torch`` hands its classes to :class:`Installer`.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +45,23 @@ TORCH_NAMES = (
 )
 
 
-def _per_device_class(base: type, device: str) -> type:
+class StandInMeta(type):
+    """The stand-ins' metaclass: ``torch.amp.GradScaler`` (and FSDP's ``ShardedGradScaler``) while
+    installed also counts the facade's own class's instances (``_counts``, set on that class only,
+    so a subclass such as ``torch.cuda.amp.GradScaler`` or a user's counts only its own)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        counts = cls.__dict__.get("_counts")
+        return type.__instancecheck__(cls, obj) or (counts is not None and isinstance(obj, counts))
+
+
+def _per_device_class(parent: type, torch_class: type, device: str) -> type:
     """``torch.<device>.amp.GradScaler``'s signature (no device argument) over polyamp's."""
 
     def __new__(cls: type, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
                 **kwargs: Any) -> Any:
-        return base.__new__(cls, device, enabled=enabled, **kwargs)
+        return parent.__new__(cls, device, enabled=enabled, **kwargs)
 
     def __init__(self: Any, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
@@ -54,7 +72,7 @@ def _per_device_class(base: type, device: str) -> type:
         super(cls_, self).__init__(device, init_scale, growth_factor, backoff_factor,
                                    growth_interval, enabled, **kwargs)
 
-    cls_ = type("GradScaler", (base,), {
+    cls_ = StandInMeta("GradScaler", (parent, torch_class), {
         "__new__": __new__, "__init__": __init__, "__module__": __name__,
         "__qualname__": f"{device}.GradScaler",
         "__doc__": f"What ``torch.{device}.amp.GradScaler`` builds while polyamp is installed.",
@@ -62,65 +80,127 @@ def _per_device_class(base: type, device: str) -> type:
     return cls_
 
 
-def _stand_in(base: type, kind: str) -> type:
-    """The class bound under torch's names while installed: a subclass of ``base``."""
+def _torch_only(name: str, torch_class: type) -> Any:
+    """A method torch's class has and polyamp's lacks: refused, never torch's code on polyamp's state."""
+
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{torch_class.__qualname__}.{name} is torch's private method, which polyamp's scaler "
+            "(installed in its place) does not have. Fix: use the public API (scale, unscale_, step, "
+            "update), or build torch's own scaler outside install()."
+        )
+
+    refused.__name__ = name
+    return refused
+
+
+def _stand_in(facade_class: type, kind: str, torch_class: type, parent: type | None) -> type:
+    """The class bound under torch's names while installed: a subclass of ``facade_class``, of
+    ``parent`` (the ``torch.amp`` stand-in, for the classes torch derives from its own) and of
+    ``torch_class``; facade first in the MRO."""
     if kind in ("cuda", "cpu"):
-        cls = _per_device_class(base, kind)
+        assert parent is not None
+        cls = _per_device_class(parent, torch_class, kind)
     else:
-        cls = type(base.__name__, (base,), {
-            "__module__": __name__, "__qualname__": f"{kind}.{base.__name__}",
-            "__doc__": f"What torch's ``{base.__name__}`` builds while polyamp is installed.",
+        bases = (facade_class, torch_class) if parent is None else (facade_class, parent, torch_class)
+        cls = StandInMeta(facade_class.__name__, bases, {
+            "__module__": __name__, "__qualname__": f"{kind}.{facade_class.__name__}",
+            "__doc__": f"What torch's ``{facade_class.__name__}`` builds while polyamp is installed.",
+            "_counts": facade_class,
         })
+    for name in set(dir(torch_class)) - set(dir(facade_class)):
+        if callable(getattr(torch_class, name)) and not name.startswith("__"):
+            setattr(cls, name, _torch_only(name, torch_class))
 
-    def __reduce__(self: Any) -> Any:
+    def __reduce__(self: Any) -> Any:  # a pickle holds the facade's class: it loads without install()
         restore, (klass, state) = super(cls, self).__reduce__()
-        return restore, (base if issubclass(klass, cls) else klass, state)
+        return restore, (facade_class if klass is cls else klass, state)
 
+    __reduce__.names_facade = True  # type: ignore[attr-defined]
     cls.__reduce__ = __reduce__
+    if parent is None:  # inherited by the other stand-ins and by users' subclasses
+        cls.__copy__ = _copy
+        cls.__deepcopy__ = _deepcopy
     return cls
+
+
+def _facade_reduce(obj: Any) -> tuple[Any, tuple[Any, Any]]:
+    """The facade's ``__reduce__`` of ``obj``, skipping the stand-ins' (which name the facade's class)."""
+    for klass in type(obj).__mro__:
+        reduce = vars(klass).get("__reduce__")
+        if reduce is not None and not getattr(reduce, "names_facade", False):
+            return reduce(obj)
+    raise AssertionError("no __reduce__ on a stand-in's facade class")  # pragma: no cover
+
+
+def _copy(self: Any) -> Any:
+    """``copy.copy``: the same type (a stand-in stays a stand-in, so it stays torch's)."""
+    restore, args = _facade_reduce(self)
+    return restore(*args)
+
+
+def _deepcopy(self: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy``: the same type (a stand-in stays a stand-in, so it stays torch's)."""
+    restore, (klass, state) = _facade_reduce(self)
+    out = memo[id(self)] = restore(klass, copy.deepcopy(state, memo))
+    return out
 
 
 @dataclass
 class Installer:
-    """Swaps torch's scaler classes for polyamp's stand-ins and back; one per process."""
+    """Swaps torch's scaler classes for polyamp's stand-ins and back; one per process, thread-safe."""
 
     grad_scaler: type
     sharded_grad_scaler: type
-    _stand_ins: dict[str, type] = field(default_factory=dict, repr=False)
+    _stand_ins: dict[tuple[str, type], type] = field(default_factory=dict, repr=False)
     _originals: dict[type, Any] = field(default_factory=dict, repr=False)  # stand-in -> torch's
+    _lock: Any = field(default_factory=threading.RLock, repr=False)
     installed: bool = False
 
     def install(self) -> Installation:
         """Make torch's scaler names build polyamp's scalers (imports torch); idempotent."""
-        if self.installed:
-            return Installation(self, owner=False)
-        targets = [(mod, name, kind, getattr(mod, name)) for mod, name, kind in _torch_targets()]
-        swap: dict[int, type] = {}
-        for _mod, _name, kind, original in targets:
-            if id(original) not in swap:
-                stand_in = self._stand_in(kind)
-                self._originals[stand_in] = original
-                swap[id(original)] = stand_in
-        for mod, name, _kind, original in targets:
-            setattr(mod, name, swap[id(original)])
-        by_name = {(orig.__name__, id(orig)): stand for stand, orig in self._originals.items()}
-        _rebind(lambda name, value: by_name.get((name, id(value))), skip_torch=True)
-        self.installed = True
-        return Installation(self, owner=True)
+        with self._lock:
+            if self.installed:
+                return Installation(self, owner=False)
+            targets = [(mod, name, kind, self._torch_class(getattr(mod, name)))
+                       for mod, name, kind in _torch_targets()]
+            by_kind = {kind: original for _mod, _name, kind, original in targets}
+            swap: dict[int, type] = {}
+            for _mod, _name, kind, original in targets:
+                if id(original) not in swap:
+                    stand_in = self._stand_in(kind, by_kind)
+                    self._originals[stand_in] = original
+                    swap[id(original)] = stand_in
+            for mod, name, _kind, original in targets:
+                setattr(mod, name, swap[id(original)])
+            by_name = {(orig.__name__, id(orig)): stand for stand, orig in self._originals.items()}
+            _rebind(lambda name, value: by_name.get((name, id(value))), skip_torch=True)
+            self.installed = True
+            return Installation(self, owner=True)
 
     def uninstall(self) -> None:
         """Put torch's classes back wherever a stand-in is bound (no-op when not installed)."""
-        if not self.installed:
-            return
-        originals = self._originals
-        _rebind(lambda name, value: originals.get(value), skip_torch=False)
-        self.installed = False
+        with self._lock:
+            if not self.installed:
+                return
+            originals = self._originals
+            _rebind(lambda name, value: originals.get(value), skip_torch=False)
+            self.installed = False
 
-    def _stand_in(self, kind: str) -> type:
-        if kind not in self._stand_ins:
-            base = self.sharded_grad_scaler if kind == "sharded" else self.grad_scaler
-            self._stand_ins[kind] = _stand_in(base, kind)
-        return self._stand_ins[kind]
+    def _torch_class(self, bound: Any) -> Any:
+        """torch's class behind a name: never one of ours recorded as torch's (a name that still
+        holds a stand-in gives the class it stands in for)."""
+        return self._originals.get(bound, bound)
+
+    def _stand_in(self, kind: str, by_kind: dict[str, type]) -> type:
+        """The stand-in for ``kind``; those torch derives from ``torch.amp``'s derive from its stand-in."""
+        torch_class = by_kind[kind]
+        key = (kind, torch_class)
+        if key not in self._stand_ins:
+            parent = None if kind == "amp" else self._stand_in("amp", by_kind)
+            facade = self.sharded_grad_scaler if kind == "sharded" else self.grad_scaler
+            self._stand_ins[key] = _stand_in(facade, kind, torch_class, parent)
+        return self._stand_ins[key]
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,11 @@ class ShardedMethods:
         grads = self._local_shards(grads, agreement.reducer)
         return iteration.agree_flag(iteration.unscale(grads, check_only=check_only))  # 0 without grads
 
+    def _agree_own_flag(self, flag: Any) -> Any:
+        """A flag an ``_unscale_grads_`` override computed itself, summed over the group (one collective)."""
+        self._agreed()
+        return self._engine.iteration.agree_flag(flag)
+
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag
         (one sync) so that misaligned ranks raise here; they skip on the device regardless."""

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
+from polyamp.config import short_repr
 from polyamp.engine import LossScaler
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
@@ -25,7 +26,7 @@ from ._stages import check_step, check_unscale
 from ._torch_accessors import ScalerAccessors
 from ._torch_disabled import DisabledMethods, cuda_missing
 from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
-from ._torch_grads import collect_grads
+from ._torch_hooks import TorchHooks, combined
 from ._torch_install import Installation, Installer
 from ._torch_private import TorchPrivateMembers
 from ._torch_sharded import DisabledShardedInit, ShardedMethods
@@ -58,12 +59,13 @@ def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
     return "grad_scaler" in inspect.signature(step_fn).parameters
 
 
-class GradScaler(TorchPrivateMembers, ScalerAccessors):
+class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     """Drop-in ``torch.amp.GradScaler`` that also scales NumPy, CuPy and array-API arrays.
 
     Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``, and
     overflow forensics: ``explain(obj)``, and with ``diagnose=True`` ``last_overflow``, the report
-    on a skipped step's gradients (named after ``name_parameters(module)``).
+    on a skipped step's gradients (named after ``name_parameters(module)``). Subclasses may
+    override torch's ``_unscale_grads_`` and ``_maybe_opt_step`` (:mod:`polyamp.compat._torch_hooks`).
     """
 
     _diagnose = False  # class defaults: scalers pickled before diagnose= existed load as off
@@ -146,8 +148,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
         self._check_initialized("unscale_")
         key = id(optimizer)
         check_unscale(self._stages.setdefault(key, READY))
-        grads = collect_grads(optimizer, allow_fp16=self._allow_fp16, backend=self._engine.backend)
-        self._found[key] = self._check_grads(grads, check_only=False)
+        self._found[key] = self._unscale_optimizer(optimizer, check_only=False, allow_fp16=self._allow_fp16)
         self._stages[key] = UNSCALED
 
     def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
@@ -160,8 +161,7 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
         self._check_initialized("_check_inf_per_device")
-        grads = collect_grads(optimizer, allow_fp16=True, backend=self._engine.backend)
-        found = self._check_grads(grads, check_only=True)
+        found = self._unscale_optimizer(optimizer, check_only=True, allow_fp16=True)
         self._stages.setdefault(id(optimizer), READY)
         self._found[id(optimizer)] = found
         return self._found_inf_per_device(optimizer)
@@ -188,14 +188,23 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
             return self._self_scaling_step(optimizer, stage, args, kwargs)
         if stage is READY:
             self.unscale_(optimizer)
-        found = self._found[key]
-        if found is None:
+        if self._found[key] is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        skipped = self._engine.iteration.decide(  # the one host read; a report only when skipped
-            found, named=lambda: self._named_grads([*self._skipped_here, optimizer]),
+        retval = self._opt_step_through_hook(optimizer, UNSCALED, args, kwargs)  # _maybe_opt_step
+        self._stages[key] = STEPPED
+        return retval
+
+    def _maybe_opt_step(
+        self, optimizer: Any, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """torch's hook: ``optimizer.step(*args, **kwargs)`` unless ``optimizer_state``'s flags say
+        overflow (the one host read; a report only when skipped). Those flags are what update() uses."""
+        found = self._found[id(optimizer)] = combined(optimizer_state["found_inf_per_device"])
+        skipped = self._engine.iteration.decide(
+            False if found is None else found,
+            named=lambda: self._named_grads([*self._skipped_here, optimizer]),
             keep_report=bool(self._skipped_here))
         retval = None if skipped else optimizer.step(*args, **kwargs)
-        self._stages[key] = STEPPED
         self._last_skipped = skipped
         self._skipped_host += skipped
         if skipped:
@@ -280,7 +289,14 @@ class GradScaler(TorchPrivateMembers, ScalerAccessors):
 
     def name_parameters(self, module: Any) -> None:
         """Name an optimizer's gradients in reports after ``module.named_parameters()``."""
-        self._param_names = {id(p): name for name, p in module.named_parameters()}
+        named = getattr(module, "named_parameters", None)
+        if not callable(named):
+            raise TypeError(
+                f"name_parameters(module=...) takes a module with named_parameters() (an nn.Module), got "
+                f"{' '.join(short_repr(module).split())} ({type(module).__name__}). Fix: pass the model "
+                "itself, e.g. scaler.name_parameters(model); a list of parameters carries no names"
+            )
+        self._param_names = {id(p): name for name, p in named()}
 
     def explain(self, obj: Any, *, names: Any = None, loss: Any = None) -> OverflowReport:
         """:func:`polyamp.explain_overflow` on an ``nn.Module``'s, an optimizer's or the given

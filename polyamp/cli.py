@@ -22,6 +22,10 @@ DESCRIPTION = ("Dynamic loss scaling over NumPy, CuPy and PyTorch arrays. 'polya
                "and in float16 without and with loss scaling, and plots the result; 'polyamp inspect "
                "PATH' shows what a checkpoint holds.")
 
+STDOUT_CLOSED = ("polyamp: error: standard output is closed (started with '>&-'), and every polyamp "
+                 "command prints its result there. Fix: redirect it instead of closing it "
+                 "(>/dev/null to discard it, or >FILE).")
+
 
 def _env_line(infos: list) -> str:
     """What POLYAMP_BACKEND says and whether scalers can use it."""
@@ -136,10 +140,12 @@ class _ReaderMayLeave:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script and of ``python -m polyamp``."""
-    args = build_parser().parse_args(argv)
     stdout = sys.stdout
-    if stdout is not None:  # None when started with stdout closed: print() then writes nothing
-        sys.stdout = _ReaderMayLeave(stdout)  # type: ignore[assignment]
+    if stdout is None:  # started with stdout closed (``>&-``): every command prints, so none can run
+        print(STDOUT_CLOSED, file=sys.stderr or sys.__stderr__)
+        return 2
+    args = build_parser().parse_args(argv)
+    sys.stdout = _ReaderMayLeave(stdout)  # type: ignore[assignment]
     try:
         status = args.func(args)
         sys.stdout.flush()  # a reader that left shows here at the latest

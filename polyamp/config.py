@@ -39,6 +39,8 @@ class LossScaleConfig:
     product_dtype: ProductDtype = "float64"
 
     def __post_init__(self) -> None:
+        for name in _NUMBER_FIELDS:  # NumPy scalars stored as Python numbers: the config stays JSON-able
+            object.__setattr__(self, name, _plain(getattr(self, name), integral=name.endswith("_interval")))
         check_scale("init_scale", self.init_scale)
         _check_number("growth_factor", self.growth_factor)
         if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
@@ -114,6 +116,24 @@ def config_from(config: LossScaleConfig | None, fields_given: dict[str, Any], ca
             f"pass one of them, e.g. config=config.replace({', '.join(f'{k}=...' for k in fields_given)})"
         )
     return LossScaleConfig(**fields_given)
+
+
+_NUMBER_FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "backoff_interval",
+                  "min_scale", "max_scale")
+
+
+def _plain(value: Any, integral: bool) -> Any:
+    """A NumPy scalar or 0-d array as the Python number it holds (int for an interval); anything
+    else as it is, for the checks to judge (a float interval or a NumPy bool is still refused)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    if isinstance(value, np.bool_):
+        return value
+    if isinstance(value, np.integer):
+        return int(value) if integral else float(value)
+    if isinstance(value, np.floating) and not integral:
+        return float(value)
+    return value
 
 
 def _check_number(name: str, value: Any) -> None:

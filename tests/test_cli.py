@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,28 @@ def test_demo_refuses_a_negative_seed_without_a_traceback():
     out = _run("demo", "--seed", "-1", *SHORT)
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     assert "polyamp demo: error: seed must be an int >= 0" in out.stderr and "seed=-1" in out.stderr
+
+
+@pytest.mark.parametrize("args", [("info",), ("inspect", "x.json"), ("demo", "--no-plot"), ("--version",),
+                                  ("--help",)])
+def test_every_command_with_stdout_closed_says_so(args):
+    """``polyamp info >&-``: a one-line error on stderr naming the fix, not an AttributeError."""
+    command = " ".join(shlex.quote(a) for a in (sys.executable, "-m", "polyamp", *args)) + " >&-"
+    out = subprocess.run(command, shell=True, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "standard output is closed" in out.stderr and "Fix:" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_demo_refuses_a_name_too_long_and_a_device_before_training(tmp_path):
+    long_name = "a" * 300 + ".png"
+    cases = {str(tmp_path / long_name): "over this file system's limit",
+             "a" * 252: "over this file system's limit",  # 256 bytes once .png is appended
+             os.devnull: "is a device, pipe or socket"}
+    if os.path.exists("/dev/full"):
+        cases["/dev/full"] = "is a device, pipe or socket"
+    for output, says in cases.items():
+        out = _run("demo", *SHORT, "--output", output, cwd=tmp_path)
+        assert out.returncode == 2 and out.stdout == "", (output, out.stderr)
+        assert says in out.stderr and "Fix:" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not list(tmp_path.iterdir())  # nothing written, no probe left behind

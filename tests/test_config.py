@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -98,3 +99,67 @@ def test_the_largest_interval_and_an_int_factor_run_on_each_device(backend):
         scaler.step([make()], lambda: None)
         scaler.update()
         assert scaler.get_scale() == 2.0**100, kwargs  # 2**100 * 1e30 is past float32: kept
+
+
+NUMPY_FIELDS = {  # every numeric field, as a NumPy scalar and as a 0-d array
+    "init_scale": np.float32(1024), "growth_factor": np.float64(4), "backoff_factor": np.float32(0.25),
+    "growth_interval": np.int64(3), "backoff_interval": np.int32(2), "min_scale": np.float16(1),
+    "max_scale": np.float32(2.0**20),
+}
+
+
+@pytest.mark.parametrize("as_array", [False, True], ids=["scalar", "0-d array"])
+def test_numpy_numbers_are_stored_as_python_numbers(as_array):
+    given = {k: np.asarray(v) if as_array else v for k, v in NUMPY_FIELDS.items()}
+    config = LossScaleConfig(**given)
+    for name, value in config.to_dict().items():
+        if name in given:
+            kind = int if name.endswith("_interval") else float
+            assert type(value) is kind and value == float(given[name]), (name, value)
+    assert json.loads(json.dumps(config.to_dict())) == config.to_dict()
+    assert LossScaleConfig().replace(init_scale=np.float32(8)).init_scale.__class__ is float
+
+
+def test_numpy_numbers_that_are_not_numbers_of_the_field_are_still_refused():
+    with pytest.raises(ConfigError, match="growth_interval must be an int"):
+        LossScaleConfig(growth_interval=np.float64(3.0))
+    with pytest.raises(ConfigError, match="init_scale must be a real number"):
+        LossScaleConfig(init_scale=np.bool_(True))
+
+
+def test_a_numpy_init_scale_saves_agrees_and_dumps(tmp_path):
+    """LossScaler(init_scale=np.float32(1024)): save(), a reducer's first step and the facades'
+    state_dict() through json all work (they raised 'not JSON serializable')."""
+    from polyamp import LossScaler
+    from polyamp.distributed import Reducer
+
+    class OneRank(Reducer):  # a group of one process: the plugin contract, summing over itself
+        def __init__(self):
+            super().__init__("one", 0, 1, None)
+
+        def _prepare(self, array):
+            return array
+
+        def _allreduce(self, buffer, op):
+            pass
+
+        def _barrier(self):
+            pass
+
+    scaler = LossScaler(init_scale=np.float32(1024))
+    scaler.save(tmp_path / "scaler.json")
+    loaded = LossScaler()
+    loaded.load(tmp_path / "scaler.json")
+    assert loaded.get_scale() == 1024.0 and type(loaded.config.init_scale) is float
+    agreed = LossScaler(init_scale=np.float32(1024), reducer=OneRank())
+    grads = [np.ones(3, np.float32)]
+    assert agreed.step(grads, lambda: None)
+    agreed.update()
+    torch_facade = pytest.importorskip("polyamp.compat.torch")
+    json.dumps(torch_facade.GradScaler("cpu", init_scale=np.float32(1024), growth_factor=np.float32(2),
+                                       growth_interval=np.int64(5), backend="numpy").state_dict())
+    paddle_facade = pytest.importorskip("polyamp.compat.paddle")
+    paddle_state = paddle_facade.GradScaler(
+        init_loss_scaling=np.float32(1024), incr_ratio=np.float32(2), decr_ratio=np.float32(0.5),
+        incr_every_n_steps=np.int64(5), backend="numpy").state_dict()
+    json.dumps({k: v for k, v in paddle_state.items() if k != "scale"})  # paddle's scale is an array

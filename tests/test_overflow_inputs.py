@@ -146,7 +146,8 @@ def test_a_bad_loss_is_refused_naming_it(loss, error):
 
 @pytest.mark.parametrize("grad, words", [
     (lambda: torch.empty(3, device="meta"), "'meta' device"),
-    (lambda: torch.sparse_coo_tensor([[0]], torch.tensor([math.inf]), (3,), check_invariants=True), "is sparse"),
+    (lambda: torch.sparse_coo_tensor([[0]], torch.tensor([math.inf]), (3,), check_invariants=True),
+     "is sparse"),
     (lambda: torch.tensor([1 + 1j, complex(math.inf, 0)]), "complex64"),
     (lambda: torch.ones(2).to(torch.float8_e4m3fn), "float8_e4m3fn"),
     (lambda: np.arange(3), "int64"),

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -76,6 +78,8 @@ def plot_path(path: str, option: str = "--output") -> Path:
         raise ConfigError(f"{option} {path!r} is empty. Fix: give a file name, e.g. {option} "
                           "polyamp-demo.png (or --no-plot for no plot)")
     target = Path(os.path.abspath(os.path.expanduser(path)))
+    _check_name_length(target, path, option)
+    _check_not_a_device(target, path, option)
     if target.is_dir():
         raise ConfigError(f"{option} {path!r} is a folder. Fix: give a file name, e.g. {target / 'demo.png'}")
     suffix = target.suffix[1:].lower()
@@ -91,12 +95,59 @@ def plot_path(path: str, option: str = "--output") -> Path:
     if not folder.is_dir():
         raise ConfigError(f"{option} {path!r}: the folder {folder} does not exist. Fix: create it "
                           "first, or pick a path in an existing folder")
+    _check_name_length(target, path, option)
     if target.is_dir():  # "plot" was given and "plot.png" is a folder
         raise ConfigError(f"{option} {path!r}: {target} is a folder. Fix: give another file name")
+    _check_not_a_device(target, path, option)
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise ConfigError(f"{option} {path!r}: {target} is not writable here. Fix: pick a path in a "
                           "folder you can write to")
+    _probe_folder(folder, target, path, option)
     return target
+
+
+def _check_name_length(target: Path, path: str, option: str) -> None:
+    """The file name and the whole path within the file system's limits (checked before training,
+    where writing would otherwise fail only at the end)."""
+    folder = target.parent
+    name_max = _pathconf(folder, "PC_NAME_MAX", 255)
+    path_max = _pathconf(folder, "PC_PATH_MAX", 4096)
+    name_bytes = len(os.fsencode(target.name))
+    if name_bytes > name_max:
+        raise ConfigError(f"{option} {path!r}: the file name {target.name[:40]!r}... is {name_bytes} bytes, "
+                          f"over this file system's limit of {name_max}. Fix: give a shorter file name")
+    if len(os.fsencode(str(target))) >= path_max:
+        raise ConfigError(f"{option} {path!r}: the path is over this file system's limit of {path_max} "
+                          "bytes. Fix: give a shorter path")
+
+
+def _pathconf(folder: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError, AttributeError):  # no such folder, or a platform without pathconf
+        return default
+
+
+def _check_not_a_device(target: Path, path: str, option: str) -> None:
+    """An existing target must be a regular file: the plot never goes to a device, pipe or socket."""
+    try:
+        mode = target.stat().st_mode
+    except OSError:
+        return  # not there (or unreadable): the checks that follow say what is wrong
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ConfigError(f"{option} {path!r}: {target} is a device, pipe or socket, not a file. Fix: "
+                          "give a file name in a folder, e.g. polyamp-demo.png (or --no-plot for no plot)")
+
+
+def _probe_folder(folder: Path, target: Path, path: str, option: str) -> None:
+    """Create (and remove) a temporary file beside the target: the folder really takes files
+    (a read-only or full file system, or one that refuses the name, says so now, not after training)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".polyamp-demo-", suffix=target.suffix):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{option} {path!r}: {target} is not writable here ({exc.strerror or exc}). "
+                          "Fix: pick a path in a folder you can write to") from None
 
 
 def write_plot(results: list[RunResult], path: str | Path, title: str) -> None:
