@@ -99,6 +99,14 @@ def _tensors(output: Any) -> Iterator[Any]:
 def _check(name: str, tensor: Any) -> ForwardRecord | None:
     """A record when ``tensor`` holds inf/nan (vectorised; one host read), else None."""
     torch = sys.modules["torch"]
+    if tensor.is_meta:
+        raise TypeError(
+            f"watch_forward: module {name or '(the watched module)'!r} returned a tensor on the 'meta' "
+            "device, which holds no values to check. Fix: watch the model on a real device (after "
+            "model.to_empty(device=...) and initialisation)."
+        )
+    if tensor.layout != torch.strided:  # sparse (COO, CSR, ...): its stored values
+        tensor = tensor.coalesce().values() if tensor.layout == torch.sparse_coo else tensor.values()
     with torch.no_grad():
         t = tensor.detach()
         if t.numel() == 0:

@@ -155,3 +155,20 @@ def test_a_bad_loss_is_refused_naming_it(loss, error):
 def test_gradients_the_counts_cannot_read_are_refused_naming_them(grad, words):
     with pytest.raises(TypeError, match=f"gradient 'w' .*{words}.*Fix:"):
         polyamp.explain_overflow({"w": grad()})
+
+
+def test_watch_forward_reads_sparse_outputs_and_refuses_meta_ones():
+    from polyamp.compat.torch import watch_forward
+
+    class Sparse(torch.nn.Module):
+        def forward(self, x):
+            coo = torch.sparse_coo_tensor([[0, 1]], torch.tensor([math.inf, 1.0]), (3,), check_invariants=True)
+            return coo, torch.tensor([[0.0, math.nan], [1.0, 0.0]]).to_sparse_csr()
+
+    model = Sparse()
+    with watch_forward(model) as watch:
+        model(torch.ones(1))
+    assert [(r.nonfinite, r.max_abs_finite) for r in watch.records] == [(1, 1.0)]  # first bad output
+    meta = torch.nn.Linear(2, 2, device="meta")
+    with pytest.raises(TypeError, match="'meta' device.*Fix:"), watch_forward(meta):
+        meta(torch.ones(2, device="meta"))
