@@ -162,8 +162,9 @@ def test_watch_forward_reads_sparse_outputs_and_refuses_meta_ones():
 
     class Sparse(torch.nn.Module):
         def forward(self, x):
-            coo = torch.sparse_coo_tensor([[0, 1]], torch.tensor([math.inf, 1.0]), (3,), check_invariants=True)
-            return coo, torch.tensor([[0.0, math.nan], [1.0, 0.0]]).to_sparse_csr()
+            coo = torch.sparse_coo_tensor([[0, 1]], torch.tensor([math.inf, 1.0]), (3,),
+                                          check_invariants=True)
+            return coo, torch.tensor([math.nan])
 
     model = Sparse()
     with watch_forward(model) as watch:
