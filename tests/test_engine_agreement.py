@@ -198,7 +198,8 @@ def test_copies_share_the_reducer_and_pickling_refuses_it():
     twin.step(_grads(), lambda: None)
     assert red.collectives == 2  # one per step, the copy's first included
     config, scale = twin.config, twin.get_scale()
-    assert _head(red.sent[-1][3])[1] == _digest(config, 0, 1, 1, scale, growth=1)  # a copy counts its own iterations
+    # a copy counts its own iterations
+    assert _head(red.sent[-1][3])[1] == _digest(config, 0, 1, 1, scale, growth=1)
     with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
         pickle.dumps(scaler)
     plain = pickle.loads(pickle.dumps(LossScaler()))
