@@ -7,10 +7,12 @@ optimizer. The timed part is ``scaler.step(optimizer)`` for every optimizer plus
 table shows rank 0's median over repetitions of the mean time per iteration, the ratio
 polyamp / torch, the all-reduces each side issued per step (``dist.all_reduce`` plus the
 functional all-reduce DTensor uses) and whether both ended bitwise equal. Last, the bare latency
-of one all-reduce of torch's flag (1 value) against polyamp's agreement message (the flag and
-the fingerprint that finds misaligned ranks), which is most of the difference on gloo. Run:
+of one all-reduce of torch's flag (1 float32, SUM) against polyamp's agreement message (2 float64,
+MAX: the flag and the digest that finds misaligned ranks). Run:
 
     python benchmarks/distributed_step.py [--reps 15]
+
+The same under MPI: ``benchmarks/mpi_step.py``.
 """
 
 from __future__ import annotations
@@ -137,17 +139,15 @@ def bench(rank: int, case: tuple[int, int, int], reps: int, counter: Count) -> t
 
 
 def allreduce_latency(reps: int) -> tuple[float, float]:
-    """The best us of one bare ``dist.all_reduce`` of torch's flag (1 float32) and of polyamp's
-    agreement message (MESSAGE float64 values), taken in turn in the same run."""
-    from polyamp.distributed._fingerprint import MESSAGE
-
-    buffers = [torch.zeros(1), torch.zeros(MESSAGE, dtype=torch.float64)]
+    """The best us of one bare ``dist.all_reduce`` of torch's flag (1 float32, SUM) and of polyamp's
+    agreement message (2 float64, MAX), taken in turn in the same run."""
+    buffers = [(torch.zeros(1), dist.ReduceOp.SUM), (torch.zeros(2, dtype=torch.float64), dist.ReduceOp.MAX)]
     best = [math.inf, math.inf]
     for _ in range(reps):
-        for i, buffer in enumerate(buffers):
+        for i, (buffer, op) in enumerate(buffers):
             start = time.perf_counter_ns()
             for _ in range(100):
-                dist.all_reduce(buffer)
+                dist.all_reduce(buffer, op=op)
             best[i] = min(best[i], (time.perf_counter_ns() - start) / 100 / 1e3)
     return best[0], best[1]
 
@@ -169,10 +169,8 @@ def worker(rank: int, size: int, port: int, reps: int) -> None:
             print(f"{name:>28} {t_us:>9.1f} {p_us:>9.1f} {p_us / t_us:>6.3f}x {calls}  {same}")
     flag_us, message_us = allreduce_latency(reps)
     if rank == 0:
-        from polyamp.distributed._fingerprint import MESSAGE
-
-        print(f"one bare all-reduce, best of {reps} x 100: torch's flag (1 float32) {flag_us:.1f} us, "
-              f"polyamp's message ({MESSAGE} float64) {message_us:.1f} us")
+        print(f"one bare all-reduce, best of {reps} x 100: torch's flag (1 float32, SUM) {flag_us:.1f} us, "
+              f"polyamp's message (2 float64, MAX) {message_us:.1f} us")
     dist.barrier()
     os._exit(0)  # skip the process group's teardown
 
