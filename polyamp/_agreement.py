@@ -133,30 +133,33 @@ class Agreement:
         like = found_inf if extra is None else extra
         if not _on_host(found_inf, extra, state):
             return self._on_device(found_inf, extra, host, state, like)
+        return self._host_path(found_inf, extra, extras, host, state, like)
+
+    def _host_path(self, found_inf: Any, extra: Any, extras: int, host: list[int], state: Any,
+                   like: Any) -> Agreed:
+        """The message built, reduced and judged in host memory (NumPy, CPU tensors): no sync."""
         fp, red = self._fp, self.reducer
         mine = fp.Fingerprint(*host, *_host_state(state))
+        _, _, c1, c2 = self._config  # type: ignore[misc]  # the config's shares, made by _next
         d1, d2 = fp.shares(mine[1:], first=1)
-        d = (d1 + self._config[2]) % fp.P1 * 2**25 + (d2 + self._config[3]) % fp.P2  # type: ignore[index]
+        four_d = 4.0 * ((d1 + c1) % fp.P1 * 2**25 + (d2 + c2) % fp.P2)  # exact: below 2**52
         f = 1.0 if float(found_inf) > 0 else 0.0  # 0-d, in host memory: no sync
-        message = self._message(fp.HEAD + extras * red.size)
-        message[0] = 4.0 * d + f
-        message[1] = f - 4.0 * d
+        size = fp.HEAD + extras * red.size
+        message = self._messages.get(size)
+        if message is None:
+            message = self._messages[size] = np.zeros(size)
+        message[0] = four_d + f  # the buffer is reused: nothing keeps it past this call
+        message[1] = f - four_d
         if extras:
             _fill_slots(message[fp.HEAD:], np.asarray(_host(extra), np.float64).reshape(-1), red.rank)
         red.allreduce_max_(message)
-        total = float(message[0] + message[1])
+        total = float(message[0]) + float(message[1])  # exact: integers below 2**53
         if not fp.verdict(total):
             self._explain(mine, None)
         agreed = _new_flag(like, total / 2)
         if not extras:
             return Agreed(agreed, None)
         return Agreed(agreed, _new_like(extra, fp.gather_extras(message[fp.HEAD:], red.size), extra))
-
-    def _message(self, size: int) -> np.ndarray:
-        message = self._messages.get(size)
-        if message is None:
-            message = self._messages[size] = np.zeros(size, np.float64)
-        return message  # reused: nothing keeps it past the call that fills it
 
     def _on_device(self, found_inf: Any, extra: Any, host: list[int], state: Any, like: Any) -> Agreed:
         """The message built, reduced and judged on the device: no host read (GPU arrays)."""
@@ -315,8 +318,12 @@ def _size(array: Any) -> int:
 
 def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
     """Whether the flag, extra and state all live in host memory (reading them costs no sync)."""
-    scale = None if state is None or isinstance(state, HostState) else state.scale
-    return all(a is None or isinstance(a, bool) or _is_host(a) for a in (found_inf, extra, scale))
+    if state is not None and not isinstance(state, HostState) and not _is_host(state.scale):
+        return False
+    for array in (found_inf, extra):
+        if array is not None and not isinstance(array, bool) and not _is_host(array):
+            return False
+    return True
 
 
 def _is_host(array: Any) -> bool:

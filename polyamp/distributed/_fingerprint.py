@@ -96,6 +96,8 @@ def _weights(prime: int, label: str) -> tuple[tuple[int, int], ...]:
 
 #: Per field: (weight of the low half, weight of the high half), for P1 and for P2.
 W1, W2 = _weights(P1, "p1"), _weights(P2, "p2")
+_PACKED = tuple((a1 << 64 | a2, b1 << 64 | b2) for (a1, b1), (a2, b2) in zip(W1, W2))
+_LOW64 = 2**64 - 1
 
 
 def scale_bits(scale: float) -> int:
@@ -104,14 +106,15 @@ def scale_bits(scale: float) -> int:
 
 
 def shares(values: Any, first: int = 0) -> tuple[int, int]:
-    """``(sum(w1 * h) mod P1, sum(w2 * h) mod P2)`` over the halves of ``values``, fields from ``first``."""
-    a = b = 0
-    for v, (l1, h1), (l2, h2) in zip(values, W1[first:], W2[first:]):
+    """``(sum(w1 * h) mod P1, sum(w2 * h) mod P2)`` over the halves of ``values``, fields from ``first``.
+
+    Both sums in one Python integer (``w1 * 2**64 + w2``: the second sum stays below 2**46).
+    """
+    total = 0
+    for v, (low, high) in zip(values, _PACKED[first:]):
         v &= _MASK
-        lo, hi = v & 0xFFFF, v >> 16
-        a += l1 * lo + h1 * hi
-        b += l2 * lo + h2 * hi
-    return a % P1, b % P2
+        total += low * (v & 0xFFFF) + high * (v >> 16)
+    return (total >> 64) % P1, (total & _LOW64) % P2
 
 
 def digest(values: Fingerprint | list[int]) -> int:
