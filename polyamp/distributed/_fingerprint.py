@@ -9,10 +9,11 @@ sent the same ``d``, and ``a + b >= 4`` otherwise (``4 * (max d - min d)``), so 
 any number of ranks (a MAX never rounds; ``4d + 1 < 2**53``).
 
 The digest is a universal hash: each 32-bit field split into 16-bit halves ``h``, ``d1 = sum(w1 *
-h) mod P1``, ``d2 = sum(w2 * h) mod P2`` (primes below 2**25, weights fixed by :data:`SEED`), ``d =
-d1 * 2**25 + d2``. Two fingerprints that differ collide for at most one weight in ``P1`` and one
-in ``P2``: a chance of at most ``1 / (P1 * P2) < 2**-49`` that a mismatch is not found. A device
-computes it from the state arrays without a host read (:class:`DeviceDigest`).
+h) mod P1``, ``d2 = sum(w2 * h) mod P2`` (primes below 2**25, weights in ``[1, P)`` fixed by
+:data:`SEED`), ``d = d1 * 2**25 + d2``. Two fingerprints that differ collide for at most one value
+of a differing half's weight in each: a chance of at most ``1 / ((P1 - 1) * (P2 - 1)) < 2**-49``
+that a mismatch is not found. A device computes it from the state arrays without a host read
+(:class:`DeviceDigest`).
 
 Only once a mismatch is found, every rank sums the fingerprint's bytes and their squares in a
 second collective (``encode(.., BYTES)``): ``sum**2 == n * sum_of_squares`` holds for a byte exactly
