@@ -186,9 +186,23 @@ class DeviceDigest:
         weights = [[w for i in state for w in table[i]] for table in (W1, W2)]
         self._weights = xp.asarray(np.array(weights, np.float64), dtype=f64, device=device)
 
-    def __call__(self, host: tuple[int, int], found: Any, scale: Any, growth: Any, backoff: Any) -> Any:
-        """The head, float64 of shape (2,): ``host`` the host fields' :func:`shares`, ``found`` a
-        device flag (non-zero: inf/nan found) or a bool."""
+    def __call__(self, host: tuple[int, int], found: Any, scale: Any = None, growth: Any = None,
+                 backoff: Any = None) -> Any:
+        """The head, float64 of shape (2,): ``host`` the :func:`shares` of the host fields (of every
+        field when ``scale`` is None), ``found`` a device flag (non-zero: inf/nan found) or a bool."""
+        xp, f64 = self.xp, self.xp.float64
+        if scale is None:
+            four_d = xp.full((), 4.0 * (host[0] * 2**25 + host[1]), dtype=f64, device=self.device)
+        else:
+            four_d = self._four_d(host, scale, growth, backoff)
+        if isinstance(found, bool):
+            f: Any = 1.0 if found else 0.0
+        else:
+            f = xp.reshape(xp.astype(xp.asarray(found, device=self.device) != 0, f64), ())
+        return xp.stack([four_d + f, f - four_d])
+
+    def _four_d(self, host: tuple[int, int], scale: Any, growth: Any, backoff: Any) -> Any:
+        """``4 * d`` on the device: the state's halves weighted, the host shares added, mod P1, P2."""
         xp, f64 = self.xp, self.xp.float64
         words = xp.stack([xp.reshape(_pattern(xp, self._powers, scale), ()),
                           xp.reshape(xp.astype(growth, f64), ()), xp.reshape(xp.astype(backoff, f64), ())])
@@ -197,12 +211,7 @@ class DeviceDigest:
         sums = xp.sum(self._weights * halves[None, :], axis=1)
         d1 = (sums[0] + float(host[0])) % float(P1)  # exact: a - P*floor(a/P), a < 2**46
         d2 = (sums[1] + float(host[1])) % float(P2)
-        four_d = (d1 * 2.0**25 + d2) * 4.0
-        if isinstance(found, bool):
-            f = 1.0 if found else 0.0
-        else:
-            f = xp.reshape(xp.astype(xp.asarray(found, device=self.device) != 0, f64), ())
-        return xp.stack([four_d + f, f - four_d])
+        return (d1 * 2.0**25 + d2) * 4.0
 
 
 class DeviceEncoder:

@@ -182,3 +182,63 @@ def test_the_explanation_is_exact_at_2_20_ranks():
     text = fp.describe(sums, ranks, mine)
     assert f"collective 1 of iteration {2**32 - 2}" in text and f"iteration {2**32 - 1} (#41)" in text
     assert fp.describe(sums, ranks, others).endswith("other positions on the other ranks")
+
+
+@pytest.mark.parametrize("found", [False, True, "array"])
+def test_the_device_digest_of_a_host_state(found):
+    """The trainer without loss scaling digests a fixed host state: every field's share on the host."""
+    mine = _print(scale=fp.scale_bits(1.0), growth_tracker=0)
+    flag = np.array(1.0, np.float32) if found == "array" else found
+    got = fp.DeviceDigest(np, "cpu")(fp.shares(mine), flag)
+    assert got.dtype == np.float64 and got.tolist() == list(fp.head(fp.digest(mine), bool(flag)))
+
+
+class Peer(Reducer):
+    """Rank 0 of 2 whose peer holds ``other``: its head in a MAX, its bytes in the explanation's SUM."""
+
+    def __init__(self, other: fp.Fingerprint) -> None:
+        super().__init__("peer", 0, 2, None)
+        self.other = other
+
+    def _prepare(self, array):
+        return array
+
+    def _allreduce(self, buffer, op):
+        if op == "max":
+            np.maximum(buffer, fp.head(fp.digest(self.other), False), out=buffer)
+        else:
+            buffer += fp.encode(self.other)
+
+    def _barrier(self):
+        pass
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("differs", [False, True])
+def test_a_host_state_is_checked_and_explained_on_either_path(monkeypatch, device_path, differs):
+    """The trainer's first check (no loss scaling: a fixed host state): aligned, or a second
+    collective that names the payload (the number of gradient values) that differs."""
+    from polyamp.distributed import RankMismatchError
+    from polyamp._agreement import Agreement
+    from polyamp.distributed import config_fingerprint
+    from polyamp.policy import HostState
+
+    if device_path:
+        import polyamp._agreement as agreement
+
+        monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
+    config = LossScaleConfig(init_scale=1.0, dynamic=False)
+    payload = 7 if differs else 5
+    other = fp.Fingerprint(config_fingerprint(config), 0, 1, 0, payload, 0, fp.scale_bits(1.0), 0, 0)
+    red = Peer(other)
+    agreement_ = Agreement(red)
+    if not differs:
+        agreed = agreement_.flag_and_extra(np.zeros((), np.float32), None, config, HostState(1.0), payload=5)
+        agreement_.verify()
+        assert float(agreed.found_inf) == 0.0 and red.collectives == 1
+        return
+    with pytest.raises(RankMismatchError, match="5 values summed on this rank, 7 values summed on the other"):
+        agreed = agreement_.flag_and_extra(np.zeros((), np.float32), None, config, HostState(1.0), payload=5)
+        assert float(agreed.found_inf) == 1.0 and red.collectives == 1  # the device path: skip, then verify
+        agreement_.verify()
+    assert red.collectives == 2
