@@ -326,6 +326,26 @@ def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
     return True
 
 
+def _host_state(state: Any) -> tuple[int, int, int]:
+    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
+    if isinstance(state, HostState):
+        return _scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
+    scale, growth, backoff = state
+    if not _is_host(scale):
+        from .distributed._agree import _to_host
+
+        scale, growth, backoff = (_to_host(a) for a in state)
+    return _scale_bits(float(scale)), int(growth), int(backoff)
+
+
+def _scale_bits(scale: float) -> int:
+    """The float32 bit pattern of ``scale`` (as ``polyamp.distributed._fingerprint.scale_bits``)."""
+    return _U32.unpack(_F32.pack(scale))[0]
+
+
+_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
+
+
 def _is_host(array: Any) -> bool:
     """Whether ``array``'s memory is host memory (no copy, no sync)."""
     if isinstance(array, (np.ndarray, np.generic)):
@@ -358,26 +378,6 @@ def _host(array: Any) -> Any:
         return float(array)
     view = _host_view(array)
     return view if view is not None else array
-
-
-def _host_state(state: Any) -> tuple[int, int, int]:
-    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
-    if isinstance(state, HostState):
-        return _scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
-    scale, growth, backoff = state
-    if not _is_host(scale):
-        from .distributed._agree import _to_host
-
-        scale, growth, backoff = (_to_host(a) for a in state)
-    return _scale_bits(float(scale)), int(growth), int(backoff)
-
-
-def _scale_bits(scale: float) -> int:
-    """The float32 bit pattern of ``scale`` (as ``polyamp.distributed._fingerprint.scale_bits``)."""
-    return _U32.unpack(_F32.pack(scale))[0]
-
-
-_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
 
 
 def _new_flag(like: Any, value: float) -> Any:
