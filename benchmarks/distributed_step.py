@@ -10,7 +10,7 @@ functional all-reduce DTensor uses) and whether both ended bitwise equal. Last, 
 of one all-reduce of torch's flag (1 float32, SUM) against polyamp's agreement message (2 float64,
 MAX: the flag and the digest that finds misaligned ranks). Run:
 
-    python benchmarks/distributed_step.py [--reps 15]
+    python benchmarks/distributed_step.py [--reps 15] [--case "2 optimizers"]
 
 The same under MPI: ``benchmarks/mpi_step.py``.
 """
@@ -152,7 +152,7 @@ def allreduce_latency(reps: int) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def worker(rank: int, size: int, port: int, reps: int) -> None:
+def worker(rank: int, size: int, port: int, reps: int, only: str = "") -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Found a non-scalar tensor")  # torch's (1,)-shaped flag
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
@@ -163,6 +163,8 @@ def worker(rank: int, size: int, port: int, reps: int) -> None:
               "rank 0's median us per step (step(optimizer) for each optimizer + update())")
         print(f"{'case':>28} {'torch':>9} {'polyamp':>9} {'ratio':>7} {'all-reduces/step':>17}  same")
     for name, case in CASES.items():
+        if only not in name:
+            continue
         t_us, p_us, t_calls, p_calls, same = bench(rank, case, reps, counter)
         if rank == 0:
             calls = f"{t_calls:>8} vs {p_calls:<6}"
@@ -178,12 +180,13 @@ def worker(rank: int, size: int, port: int, reps: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15, help="repetitions per case")
+    parser.add_argument("--case", default="", help="only the cases whose name contains this text")
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(worker, args=(2, port, args.reps), nprocs=2)
+    mp.spawn(worker, args=(2, port, args.reps, args.case), nprocs=2)
 
 
 if __name__ == "__main__":
