@@ -7,10 +7,12 @@ optimizer. The timed part is ``scaler.step(optimizer)`` for every optimizer plus
 table shows rank 0's median over repetitions of the mean time per iteration, the ratio
 polyamp / torch, the all-reduces each side issued per step (``dist.all_reduce`` plus the
 functional all-reduce DTensor uses) and whether both ended bitwise equal. Last, the bare latency
-of one all-reduce of torch's flag (1 value) against polyamp's agreement message (the flag and
-the fingerprint that finds misaligned ranks), which is most of the difference on gloo. Run:
+of one all-reduce of torch's flag (1 float32, SUM) against polyamp's agreement message (2 float64,
+MAX: the flag and the digest that finds misaligned ranks). Run:
 
-    python benchmarks/distributed_step.py [--reps 15]
+    python benchmarks/distributed_step.py [--reps 15] [--case "2 optimizers"]
+
+The same under MPI: ``benchmarks/mpi_step.py``.
 """
 
 from __future__ import annotations
@@ -137,22 +139,20 @@ def bench(rank: int, case: tuple[int, int, int], reps: int, counter: Count) -> t
 
 
 def allreduce_latency(reps: int) -> tuple[float, float]:
-    """The best us of one bare ``dist.all_reduce`` of torch's flag (1 float32) and of polyamp's
-    agreement message (MESSAGE float64 values), taken in turn in the same run."""
-    from polyamp.distributed._fingerprint import MESSAGE
-
-    buffers = [torch.zeros(1), torch.zeros(MESSAGE, dtype=torch.float64)]
+    """The best us of one bare ``dist.all_reduce`` of torch's flag (1 float32, SUM) and of polyamp's
+    agreement message (2 float64, MAX), taken in turn in the same run."""
+    buffers = [(torch.zeros(1), dist.ReduceOp.SUM), (torch.zeros(2, dtype=torch.float64), dist.ReduceOp.MAX)]
     best = [math.inf, math.inf]
     for _ in range(reps):
-        for i, buffer in enumerate(buffers):
+        for i, (buffer, op) in enumerate(buffers):
             start = time.perf_counter_ns()
             for _ in range(100):
-                dist.all_reduce(buffer)
+                dist.all_reduce(buffer, op=op)
             best[i] = min(best[i], (time.perf_counter_ns() - start) / 100 / 1e3)
     return best[0], best[1]
 
 
-def worker(rank: int, size: int, port: int, reps: int) -> None:
+def worker(rank: int, size: int, port: int, reps: int, only: str = "") -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Found a non-scalar tensor")  # torch's (1,)-shaped flag
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
@@ -163,16 +163,16 @@ def worker(rank: int, size: int, port: int, reps: int) -> None:
               "rank 0's median us per step (step(optimizer) for each optimizer + update())")
         print(f"{'case':>28} {'torch':>9} {'polyamp':>9} {'ratio':>7} {'all-reduces/step':>17}  same")
     for name, case in CASES.items():
+        if only not in name:
+            continue
         t_us, p_us, t_calls, p_calls, same = bench(rank, case, reps, counter)
         if rank == 0:
             calls = f"{t_calls:>8} vs {p_calls:<6}"
             print(f"{name:>28} {t_us:>9.1f} {p_us:>9.1f} {p_us / t_us:>6.3f}x {calls}  {same}")
     flag_us, message_us = allreduce_latency(reps)
     if rank == 0:
-        from polyamp.distributed._fingerprint import MESSAGE
-
-        print(f"one bare all-reduce, best of {reps} x 100: torch's flag (1 float32) {flag_us:.1f} us, "
-              f"polyamp's message ({MESSAGE} float64) {message_us:.1f} us")
+        print(f"one bare all-reduce, best of {reps} x 100: torch's flag (1 float32, SUM) {flag_us:.1f} us, "
+              f"polyamp's message (2 float64, MAX) {message_us:.1f} us")
     dist.barrier()
     os._exit(0)  # skip the process group's teardown
 
@@ -180,12 +180,13 @@ def worker(rank: int, size: int, port: int, reps: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15, help="repetitions per case")
+    parser.add_argument("--case", default="", help="only the cases whose name contains this text")
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(worker, args=(2, port, args.reps), nprocs=2)
+    mp.spawn(worker, args=(2, port, args.reps, args.case), nprocs=2)
 
 
 if __name__ == "__main__":

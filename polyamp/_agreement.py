@@ -1,15 +1,19 @@
-"""The across-ranks half of LossScaler: one SUM all-reduce per step agrees the overflow flag.
+"""The across-ranks half of LossScaler: one MAX all-reduce of two values per step agrees the flag.
 
-Every rank sums one fixed-size message ``[non-finite count, *extra, *fingerprint bits]``
-(``extra``: e.g. the local sum of squares of a global-norm clip) in one collective, so all ranks
-see the same count and skip together, and a rank whose config, state or sequence of collectives
-differs is found in that same collective (``RankMismatchError`` on every rank). No second
-collective, also at the first step. ``polyamp.distributed`` is imported only when a reducer is given.
+Every rank sends ``[4*d + f, f - 4*d]`` (``f`` 1 when it found an inf/nan, ``d`` a digest of what
+must be equal on every rank: config, position, scale and trackers; see
+:mod:`polyamp.distributed._fingerprint`), plus its own slots for ``extra`` values (a global-norm
+clip's sum of squares), in ONE all-reduce with MAX. All ranks see the same reduced values and
+reach the same verdict: skip together, or, when the digests differ, run a second collective that
+names the difference and raise ``RankMismatchError`` on every rank. ``polyamp.distributed`` is
+imported only when a reducer is given.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+import math
+import struct
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import array_api_compat
 import numpy as np
@@ -24,42 +28,58 @@ if TYPE_CHECKING:  # the annotation only: importing polyamp must not import poly
 
 #: The loop every scaler message points to.
 LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
+#: Extra values one agreement carries at most (each rank sends them in slots of its own).
+MAX_EXTRA = 2
 
 
 class Agreed(NamedTuple):
     """What :meth:`polyamp.LossScaler.agree_` returns: device arrays, nothing read on the host.
 
-    ``found_inf``: the iteration's non-finite count summed over ranks (0-d float32, on the
-    scaler's device; non-zero means every rank skips). ``extra``: the ``extra`` given, summed
-    over ranks (same shape and dtype), or None.
+    ``found_inf``: 1 when some rank found an inf/nan this iteration (or the ranks are not
+    aligned), else 0 (0-d float32, on the scaler's device; non-zero means every rank skips).
+    ``extra``: the ``extra`` given, summed over ranks in rank order (same shape and dtype), or None.
     """
 
     found_inf: Any
     extra: Any
 
 
+class _Sent(NamedTuple):
+    """A message checked on the device only, kept until :meth:`Agreement.verify` reads it."""
+
+    reduced: Any  # the head's a + b (a digest message) or the bits summed (a gradient buffer)
+    host: list[int]  # the host fields
+    state: Any
+    digest: bool  # a step agreement (MAX, digest) rather than a gradient buffer (SUM, bits)
+
+
 class Agreement:
     """A reducer plus the position of the next agreement: what ``LossScaler(reducer=...)`` holds.
 
-    Every agreement is ONE SUM all-reduce of a fixed-size message (see
-    :mod:`polyamp.distributed._fingerprint`): the non-finite count, up to two extra values, and
-    the bits of what must be equal on every rank (config, iteration, collective index, the
-    reducer's collective count, payload size, scale and trackers). When the ranks differ, every
-    rank raises ``RankMismatchError`` before anything is applied: at once where the message lives
-    on the host; on a GPU the mismatch is added to the agreed flag (so no rank can apply the
-    step) and named when the skip decision reads it (:meth:`verify`), at no extra sync.
+    Every agreement is ONE MAX all-reduce of ``[4d + f, f - 4d, *extra slots]`` (see
+    :mod:`polyamp.distributed._fingerprint`): ``d`` digests what must be equal on every rank
+    (config, iteration, collective index, the reducer's collective count, payload size, how many
+    extra values, scale and trackers). When the digests differ, every rank runs a second
+    collective that names the difference and raises ``RankMismatchError`` before anything is
+    applied: at once where the message lives on the host; on a GPU the mismatch makes the agreed
+    flag 1 (so no rank can apply the step) and :meth:`verify` names it when the skip decision has
+    read the flag.
     """
 
     def __init__(self, group: Any) -> None:
-        from .distributed import reducer  # only here: `import polyamp` stays free of it
+        # only here: `import polyamp` stays free of polyamp.distributed
+        from .distributed import RankMismatchError, _fingerprint, reducer
+        from .distributed._agree import _on_device_of, _to_host, config_fingerprint
 
         self.reducer: Reducer = reducer(group)
         self.iteration = 0  # iterations ended (update() calls) since this agreement was made
         self.collective = 0  # agreements so far in this iteration
-        self._sent: list[tuple[Any, ...]] = []  # this iteration's (device sums, host fields, state, encoding)
-        self._encoders: dict[Any, Any] = {}  # (device, encoding) -> DeviceEncoder
-        self._config: tuple[LossScaleConfig, int] | None = None
-        self._message = np.zeros(_message_size(), np.float64)  # the host path's buffer, reused
+        self._fp, self._mismatch, self._crc = _fingerprint, RankMismatchError, config_fingerprint
+        self._to_host, self._on_device_of = _to_host, _on_device_of
+        self._sent: list[_Sent] = []  # this iteration's messages checked on the device only
+        self._devices: dict[Any, Any] = {}  # (device, kind) -> DeviceDigest or DeviceEncoder
+        self._config: tuple[LossScaleConfig, int, int, int] | None = None  # config, crc, its shares
+        self._messages: dict[int, np.ndarray] = {}  # the host path's buffers by size, reused
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -85,103 +105,126 @@ class Agreement:
 
     # -- the one collective ---------------------------------------------------------
     def flag(self, found_inf: Any, config: LossScaleConfig, state: Any) -> Any:
-        """A new 0-d float32 array: ``found_inf`` summed over ranks (one collective)."""
+        """A new 0-d float32 array: 1 when ``found_inf`` is non-zero on some rank, else 0 (one collective)."""
         return self.flag_and_extra(found_inf, None, config, state).found_inf
 
     def flag_and_extra(
         self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0
     ) -> Agreed:
-        """``found_inf`` and ``extra`` (at most 2 values) summed over ranks in ONE collective.
+        """Whether some rank found an inf/nan, and ``extra`` (at most 2 values) summed over ranks,
+        in ONE collective.
 
-        ``state`` (the scaler's ``LossScaleState``, or a ``HostState``) is fingerprinted with the
-        config, the agreement's position and ``payload`` (a size every rank must share). Returns
-        new arrays: the agreed count as float32 on ``extra``'s (else the flag's) device, plus 1
-        when the ranks are misaligned where that is found on the device, and ``extra`` summed,
-        in its dtype and shape.
+        ``state`` (the scaler's ``LossScaleState``, or a ``HostState``) is digested with the config,
+        the agreement's position, ``payload`` (a size every rank must share) and the number of
+        extra values. Returns new arrays: the agreed flag (0 or 1) as float32 on ``extra``'s (else
+        the flag's) device, 1 also when the ranks are misaligned where that is found on the
+        device, and ``extra`` summed in rank order, in its dtype and shape.
         """
-        from .distributed import _fingerprint as fp
-
-        if extra is not None and _size(extra) > fp.HEAD - 1:
+        extras = 0 if extra is None else _size(extra)
+        if extras > MAX_EXTRA:
             raise ConfigError(
-                f"agree_(extra=...) carries at most {fp.HEAD - 1} values in the step's collective, got "
-                f"{_size(extra)} (shape {tuple(extra.shape)}). Fix: send e.g. a sum of squares pair."
+                f"agree_(extra=...) carries at most {MAX_EXTRA} values in the step's collective, got "
+                f"{extras} (shape {tuple(extra.shape)}). Fix: send e.g. a sum of squares pair."
             )
-        host = self._next(config, payload=payload)
+        host = self._next(config, payload, extras)
         like = found_inf if extra is None else extra
-        if _on_host(found_inf, extra, state):
-            message = self._message  # reused: nothing keeps it past this call
-            message[0] = float(found_inf)  # 0-d, in host memory: no sync
-            message[1:fp.HEAD] = 0.0
-            if extra is not None:
-                message[1:1 + _size(extra)] = np.asarray(_host(extra), np.float64).reshape(-1)
-            mine = fp.Fingerprint(*host, *_host_state(state))
-            message[fp.HEAD:] = fp.encode(mine, fp.BYTES)
-            self.reducer.allreduce_sum_(message)
-            self._check_now(message[fp.HEAD:], mine, fp.BYTES)
-            agreed = _new_flag(like, message[0])
-            summed = None if extra is None else _new_like(extra, message[1:1 + _size(extra)], extra)
-            return Agreed(agreed, summed)
-        return self._on_device(found_inf, extra, host, state, like)
+        if not _on_host(found_inf, extra, state):
+            return self._on_device(found_inf, extra, host, state, like)
+        return self._host_path(found_inf, extra, extras, host, state, like)
+
+    def _host_path(self, found_inf: Any, extra: Any, extras: int, host: list[int], state: Any,
+                   like: Any) -> Agreed:
+        """The message built, reduced and judged in host memory (NumPy, CPU tensors): no sync."""
+        fp, red = self._fp, self.reducer
+        mine = fp.Fingerprint(*host, *_host_state(state))
+        _, _, c1, c2 = self._config  # type: ignore[misc]  # the config's shares, made by _next
+        d1, d2 = fp.shares(mine[1:], first=1)
+        four_d = 4.0 * ((d1 + c1) % fp.P1 * 2**25 + (d2 + c2) % fp.P2)  # exact: below 2**52
+        f = 1.0 if float(found_inf) > 0 else 0.0  # 0-d, in host memory: no sync
+        size = fp.HEAD + extras * red.size
+        message = self._messages.get(size)
+        if message is None:
+            message = self._messages[size] = np.zeros(size)
+        message[0] = four_d + f  # the buffer is reused: nothing keeps it past this call
+        message[1] = f - four_d
+        if extras:
+            _fill_slots(message[fp.HEAD:], np.asarray(_host(extra), np.float64).reshape(-1), red.rank)
+        red.allreduce_max_(message)
+        total = float(message[0]) + float(message[1])  # exact: integers below 2**53
+        if not fp.verdict(total):
+            self._explain(mine, None)
+        agreed = _new_flag(like, total / 2)
+        if not extras:
+            return Agreed(agreed, None)
+        return Agreed(agreed, _new_like(extra, fp.gather_extras(message[fp.HEAD:], red.size), extra))
 
     def _on_device(self, found_inf: Any, extra: Any, host: list[int], state: Any, like: Any) -> Agreed:
-        """The message built, summed and checked on the device: no host read (GPU arrays)."""
-        from .distributed import _fingerprint as fp
-
+        """The message built, reduced and judged on the device: no host read (GPU arrays)."""
+        fp, red = self._fp, self.reducer
         xp = array_api_compat.array_namespace(like)
         device = array_api_compat.device(like)
         f64 = xp.float64
-        if isinstance(found_inf, bool):
-            count = xp.full((1,), float(found_inf), dtype=f64, device=device)
+        digest = self._device(xp, device, "digest")
+        if isinstance(state, HostState):
+            shares, arrays = fp.shares([*host, *_host_state(state)]), (None, None, None)
         else:
-            count = xp.reshape(xp.astype(xp.asarray(found_inf, device=device), f64), (1,))
-        pad = xp.zeros(fp.HEAD - 1 - (0 if extra is None else _size(extra)), dtype=f64, device=device)
-        parts = [count] if extra is None else [count, xp.reshape(xp.astype(extra, f64), (-1,))]
-        encoder = self._encoder(xp, device, fp.BYTES)
-        message = xp.concat([*parts, pad, self._encode(encoder, host, state)])
-        self.reducer.allreduce_sum_(message)
-        sums = message[fp.HEAD:]
-        self._sent.append((sums, host, state, fp.BYTES))
-        off = xp.astype(encoder.misaligned(sums, self.reducer.size), xp.float32)
-        agreed = xp.astype(message[0], xp.float32) + off
-        summed = None
+            shares, arrays = fp.shares(host), tuple(state)
+        found = bool(found_inf) if found_inf is None or isinstance(found_inf, bool) else found_inf
+        parts = [digest(shares, found, *arrays)]
         if extra is not None:
-            summed = xp.reshape(xp.astype(message[1:1 + _size(extra)], extra.dtype), extra.shape)
-        return Agreed(agreed, summed)
+            k = _size(extra)
+            mine = xp.reshape(xp.astype(extra, f64), (-1,))
+            mine = xp.where(xp.isnan(mine), xp.full_like(mine, math.inf), mine)  # inf survives a MAX
+            before, after = red.rank * k, (red.size - red.rank - 1) * k
+            parts = [parts[0], xp.full((before,), -math.inf, dtype=f64, device=device), mine,
+                     xp.full((after,), -math.inf, dtype=f64, device=device)]
+        message = xp.concat(parts)
+        red.allreduce_max_(message)
+        total = message[0] + message[1]
+        self._sent.append(_Sent(total, host, state, True))
+        agreed = xp.astype(total > 0, xp.float32)  # 0 or 2: aligned; 4 and more: not, and all skip
+        if extra is None:
+            return Agreed(agreed, None)
+        slots = xp.reshape(message[fp.HEAD:], (red.size, -1))
+        summed = slots[0, ...]
+        for r in range(1, red.size):  # rank order, the same on every rank
+            summed = summed + slots[r, ...]
+        return Agreed(agreed, xp.reshape(xp.astype(summed, extra.dtype), extra.shape))
 
     def sum_payload_(self, storage: Any, payload: int, config: LossScaleConfig, state: Any) -> Any:
         """Sum ``storage`` in place: its first ``payload`` values and, after them, the fingerprint.
 
         For data-parallel gradients (the trainer's flat buffer with ``BITS`` spare values at
-        its end): one collective. Returns None when the check ran on the host (it raised if the
-        ranks differ), else a 0-d float32 device flag, 1 when they differ (add it to the step's
+        its end): one SUM collective. Returns None when the check ran on the host (it raised if
+        the ranks differ), else a 0-d float32 device flag, 1 when they differ (add it to the step's
         overflow check; :meth:`verify` names the difference after a skip).
         """
-        from .distributed import _fingerprint as fp
-
-        host = self._next(config, payload=payload)
+        fp = self._fp
+        host = self._next(config, payload, 0)
         view = _host_view(storage)
         if view is not None and _on_host(None, None, state):
             mine = fp.Fingerprint(*host, *_host_state(state))
             view[payload:] = fp.encode(mine, fp.BITS)
             self.reducer.allreduce_sum_(storage)
-            self._check_now(view[payload:], mine, fp.BITS)
+            self._check_bits(view[payload:], mine)
             return None
         xp = array_api_compat.array_namespace(storage)
-        encoder = self._encoder(xp, array_api_compat.device(storage), fp.BITS)
+        encoder = self._device(xp, array_api_compat.device(storage), fp.BITS)
         storage[payload:] = xp.astype(self._encode(encoder, host, state), storage.dtype)
         self.reducer.allreduce_sum_(storage)
         sums = storage[payload:]
-        self._sent.append((sums, host, state, fp.BITS))
+        self._sent.append(_Sent(sums, host, state, False))
         return xp.astype(encoder.misaligned(sums, self.reducer.size), xp.float32)
 
-    def _encoder(self, xp: Any, device: Any, encoding: Any) -> Any:
-        """The device encoder for ``encoding`` on ``device`` (made once per device)."""
-        from .distributed import _fingerprint as fp
-
-        key = (device, encoding)
-        if key not in self._encoders:
-            self._encoders[key] = fp.DeviceEncoder(xp, device, encoding)
-        return self._encoders[key]
+    def _device(self, xp: Any, device: Any, kind: Any) -> Any:
+        """The device digest ("digest") or encoder (an ``Encoding``) on ``device``, made once."""
+        key = (device, kind)
+        made = self._devices.get(key)
+        if made is None:
+            fp = self._fp
+            made = fp.DeviceDigest(xp, device) if kind == "digest" else fp.DeviceEncoder(xp, device, kind)
+            self._devices[key] = made
+        return made
 
     @staticmethod
     def _encode(encoder: Any, host: list[int], state: Any) -> Any:
@@ -193,36 +236,62 @@ class Agreement:
     # -- checking -------------------------------------------------------------------
     def verify(self) -> None:
         """After a skip decision said skip: RankMismatchError if this iteration's messages show
-        ranks that differ (reads them: a host sync, only on skipped steps)."""
-        from .distributed import _fingerprint as fp
-        from .distributed._agree import _to_host
+        ranks that differ (reads them: a host sync, only on skipped steps; where a digest
+        differs, the second collective that names the difference, on every rank)."""
+        fp, to_host = self._fp, self._to_host
+        for sent in self._sent:
+            if sent.digest and fp.verdict(float(to_host(sent.reduced))):
+                continue
+            mine = fp.Fingerprint(*sent.host, *_host_state(sent.state))
+            if sent.digest:
+                self._explain(mine, sent)
+            self._check_bits(to_host(sent.reduced), mine)
 
-        for sums, host, state, encoding in self._sent:
-            self._check_now(_to_host(sums), fp.Fingerprint(*host, *_host_state(state)), encoding)
+    def _explain(self, mine: Any, sent: _Sent | None) -> NoReturn:
+        """The second collective, run by every rank once the digests differ: the fingerprint's
+        bytes and their squares summed, which name what differs; then RankMismatchError."""
+        fp, red = self._fp, self.reducer
+        if sent is None or isinstance(sent.state, HostState):
+            message = fp.encode(mine, fp.BYTES)
+            if sent is not None:  # a device message: the explanation lives there too (NCCL)
+                message = self._on_device_of(message, sent.reduced)
+        else:
+            xp = array_api_compat.array_namespace(sent.reduced)
+            encoder = self._device(xp, array_api_compat.device(sent.reduced), fp.BYTES)
+            message = encoder(sent.host, *sent.state)
+        red.allreduce_sum_(message)
+        self._raise(fp.describe(self._to_host(message), red.size, mine))
 
-    def _check_now(self, sums: Any, mine: Any, encoding: Any) -> None:
-        from .distributed import RankMismatchError
-        from .distributed import _fingerprint as fp
+    def _check_bits(self, sums: Any, mine: Any) -> None:
+        fp = self._fp
+        if fp.misaligned(sums, self.reducer.size, fp.BITS):
+            self._raise(fp.describe(sums, self.reducer.size, mine, fp.BITS))
 
+    def _raise(self, what: str) -> NoReturn:
         red = self.reducer
-        if not fp.misaligned(sums, red.size, encoding):
-            return
-        what = fp.describe(sums, red.size, mine, encoding)
         red.retire(f"an agreement found the ranks misaligned ({what})")
-        raise RankMismatchError(
+        raise self._mismatch(
             f"{red.describe()}: the ranks are not aligned, so no rank applies this step: {what}. "
             f"{_fix(what)} The reducer is now retired: restart the ranks (e.g. from the last "
             "checkpoint, loaded on every rank)."
         )
 
-    def _next(self, config: LossScaleConfig, payload: int) -> list[int]:
-        """The host fields of the next agreement: config, iteration, collective, sequence, payload."""
-        from .distributed import config_fingerprint
-
-        if self._config is None or self._config[0] is not config:
-            self._config = (config, config_fingerprint(config))
+    def _next(self, config: LossScaleConfig, payload: int, extras: int) -> list[int]:
+        """The host fields of the next agreement: config, iteration, collective, sequence, payload, extras."""
+        known = self._config
+        if known is None or known[0] is not config:
+            crc = self._crc(config)
+            known = self._config = (config, crc, *self._fp.shares([crc]))
         self.collective += 1
-        return [self._config[1], self.iteration, self.collective, self.reducer.collectives, payload]
+        return [known[1], self.iteration, self.collective, self.reducer.collectives, payload, extras]
+
+
+def _fill_slots(slots: np.ndarray, mine: np.ndarray, rank: int) -> None:
+    """This rank's values into its own slots, -inf in the others' (a MAX keeps each rank's own);
+    NaN sent as +inf, which a MAX keeps (it may drop a NaN)."""
+    k = mine.shape[0]
+    slots.fill(-math.inf)
+    slots[rank * k:(rank + 1) * k] = np.where(np.isnan(mine), math.inf, mine)
 
 
 def _fix(what: str) -> str:
@@ -234,24 +303,41 @@ def _fix(what: str) -> str:
         return "Fix: build the scaler with the same config on every rank."
     if "values summed" in what:
         return "Fix: every rank must train the same model (the same number of gradient values)."
+    if "extra values agreed" in what:
+        return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none.")
     return ("Fix: load the same checkpoint on every rank (or none), and call set_scale, load_state_dict "
             "or update(new_scale) on every rank alike.")
 
 
-def _message_size() -> int:
-    from .distributed import _fingerprint as fp
-
-    return fp.MESSAGE
-
-
 def _size(array: Any) -> int:
-    return int(np.prod(tuple(array.shape)))
+    return math.prod(tuple(array.shape))
 
 
 def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
     """Whether the flag, extra and state all live in host memory (reading them costs no sync)."""
-    scale = None if state is None or isinstance(state, HostState) else state.scale
-    return all(a is None or isinstance(a, bool) or _is_host(a) for a in (found_inf, extra, scale))
+    if state is not None and not isinstance(state, HostState) and not _is_host(state.scale):
+        return False
+    for array in (found_inf, extra):
+        if array is not None and not isinstance(array, bool) and not _is_host(array):
+            return False
+    return True
+
+
+def _host_state(state: Any) -> tuple[int, int, int]:
+    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
+    if isinstance(state, HostState):
+        return _scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
+    to_host = backend_of(state[0]).to_host  # a plain read of CPU scalars, one sync each on a GPU
+    scale, growth, backoff = (to_host(a) for a in state)
+    return _scale_bits(float(scale)), int(growth), int(backoff)
+
+
+def _scale_bits(scale: float) -> int:
+    """The float32 bit pattern of ``scale`` (as ``polyamp.distributed._fingerprint.scale_bits``)."""
+    return _U32.unpack(_F32.pack(scale))[0]
+
+
+_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
 
 
 def _is_host(array: Any) -> bool:
@@ -275,17 +361,6 @@ def _host(array: Any) -> Any:
         return float(array)
     view = _host_view(array)
     return view if view is not None else array
-
-
-def _host_state(state: Any) -> tuple[int, int, int]:
-    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
-    from .distributed import _fingerprint as fp
-
-    if isinstance(state, HostState):
-        return fp.scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
-    to_host = backend_of(state[0]).to_host
-    scale, growth, backoff = (to_host(a) for a in state)
-    return fp.scale_bits(float(scale)), int(growth), int(backoff)
 
 
 def _new_flag(like: Any, value: float) -> Any:

@@ -16,7 +16,7 @@ import pytest
 
 from polyamp import ConfigError, LossScaleConfig, LossScaler, ScalerStateError, clip_grad_norm_, global_norm
 from polyamp.distributed import Reducer, config_fingerprint
-from polyamp.distributed._fingerprint import FIELDS, HEAD, MESSAGE
+from polyamp.distributed import _fingerprint as fp
 
 
 class OneRank(Reducer):
@@ -37,10 +37,15 @@ class OneRank(Reducer):
         pass
 
 
-def _fields(values: list[float]) -> dict[str, int]:
-    """The fingerprint a one-rank message carries, read back from its bytes."""
-    octets = np.array(values[HEAD:HEAD + 4 * len(FIELDS)]).reshape(len(FIELDS), 4)
-    return {name: int(np.dot(row, 256.0 ** np.arange(4))) for name, row in zip(FIELDS, octets)}
+def _head(values: list[float]) -> tuple[float, int]:
+    """(f, d) from a one-rank message ``[4d + f, f - 4d, ...]``."""
+    a, b = values[:2]
+    return (a + b) / 2, int((a - b) / 8)
+
+
+def _digest(config, iteration, collective, sequence, scale, growth=0, extras=0) -> int:
+    return fp.digest(fp.Fingerprint(config_fingerprint(config), iteration, collective, sequence, 0, extras,
+                                    fp.scale_bits(scale), growth, 0))
 
 
 def _grads(bad: bool = False) -> list[np.ndarray]:
@@ -63,15 +68,12 @@ def test_one_collective_per_step_also_the_first_carrying_the_fingerprint():
         counts.append(red.collectives - before)
         skipped.append(result.skipped)
     assert counts == [1, 1, 1] and skipped == [False, True, False]
-    assert [s[:3] for s in red.sent] == [("sum", "float64", (MESSAGE,))] * 3  # one fixed size
-    assert [s[3][:HEAD] for s in red.sent] == [[0.0, 0, 0], [1.0, 0, 0], [0.0, 0, 0]]
-    sent = [_fields(s[3]) for s in red.sent]
-    assert [f["iteration"] for f in sent] == [0, 1, 2] and {f["collective"] for f in sent} == {1}
-    assert [f["sequence"] for f in sent] == [0, 1, 2] and {f["payload"] for f in sent} == {0}
-    assert {f["config"] for f in sent} == {config_fingerprint(config)}
+    assert [s[:3] for s in red.sent] == [("max", "float64", (2,))] * 3  # one MAX of 2 values
+    heads = [_head(s[3]) for s in red.sent]
+    assert [f for f, _ in heads] == [0.0, 1.0, 0.0]
     # the state as each step unscaled with it: 4 (growth 0), 4 (growth 1), then backed off to 2
-    scales = [np.array(f["scale"], np.uint32).view(np.float32) for f in sent]
-    assert scales == [4.0, 4.0, 2.0] and [f["growth_tracker"] for f in sent] == [0, 1, 0]
+    assert [d for _, d in heads] == [_digest(config, 0, 1, 0, 4.0), _digest(config, 1, 1, 1, 4.0, growth=1),
+                                     _digest(config, 2, 1, 2, 2.0)]
 
 
 def test_agree_carries_extra_in_the_same_collective_and_step_sends_nothing_more():
@@ -83,7 +85,8 @@ def test_agree_carries_extra_in_the_same_collective_and_step_sends_nothing_more(
     grads = _grads(bad=True)
     scaler.unscale_(grads)
     agreed = scaler.agree_(np.array([2.5, 0.25]))
-    assert red.sent[-1][:3] == ("sum", "float64", (MESSAGE,)) and red.sent[-1][3][:HEAD] == [1.0, 2.5, 0.25]
+    assert red.sent[-1][:3] == ("max", "float64", (4,)) and red.sent[-1][3][2:] == [2.5, 0.25]
+    assert _head(red.sent[-1][3])[0] == 1.0
     np.testing.assert_array_equal(agreed.extra, [2.5, 0.25])
     assert agreed.found_inf.dtype == np.float32 and float(agreed.found_inf) == 1.0
     assert scaler.step(grads, lambda: pytest.fail("an overflowing step was applied")).skipped
@@ -98,8 +101,8 @@ def test_clipping_rides_in_the_scalers_collective():
     scaler.unscale_(grads)
     norm = clip_grad_norm_(grads, 1.0, scaler=scaler)
     assert float(norm) == 5.0 and red.collectives == 1  # [count, 25, ...] in the step's collective
-    assert red.sent[-1][:3] == ("sum", "float64", (MESSAGE,))
-    assert red.sent[-1][3][:HEAD] == [0.0, 25.0, 25.0 * 2.0**-1024]  # [count, sum of squares, / 2**1024]
+    assert red.sent[-1][:3] == ("max", "float64", (4,))
+    assert red.sent[-1][3][2:] == [25.0, 25.0 * 2.0**-1024]  # [sum of squares, / 2**1024] in rank 0's slots
     np.testing.assert_allclose(np.concatenate(grads), [0.6, 0.0, 0.8], rtol=1e-6)
     scaler.step(grads, lambda: None)
     scaler.update()
@@ -116,7 +119,7 @@ def test_a_rank_without_gradients_sends_zero_and_gets_the_global_norm():
     scaler = LossScaler(reducer=red)
     scaler.unscale_([])
     norm = clip_grad_norm_([], 1.0, scaler=scaler)
-    assert float(norm) == 0.0 and red.sent[-1][3][:HEAD] == [0.0, 0.0, 0.0]
+    assert float(norm) == 0.0 and red.sent[-1][3][2:] == [0.0, 0.0] and _head(red.sent[-1][3])[0] == 0.0
     alone = LossScaler()
     alone.unscale_([])
     with pytest.raises(ConfigError, match="no gradients"):  # without a reducer: nothing to take part in
@@ -194,7 +197,9 @@ def test_copies_share_the_reducer_and_pickling_refuses_it():
     assert twin.reducer is red and twin.get_scale() == scaler.get_scale()
     twin.step(_grads(), lambda: None)
     assert red.collectives == 2  # one per step, the copy's first included
-    assert _fields(red.sent[-1][3])["iteration"] == 0  # a copy counts its own iterations
+    config, scale = twin.config, twin.get_scale()
+    # a copy counts its own iterations
+    assert _head(red.sent[-1][3])[1] == _digest(config, 0, 1, 1, scale, growth=1)
     with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
         pickle.dumps(scaler)
     plain = pickle.loads(pickle.dumps(LossScaler()))

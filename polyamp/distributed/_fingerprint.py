@@ -1,18 +1,30 @@
-"""What every rank must hold equal, written as digits that the step's one SUM all-reduce checks.
+"""What every rank must hold equal: a digest in the step's one MAX all-reduce, bytes to explain a mismatch.
 
-An agreement message is ``[non-finite count, extra0, extra1, *digits, *squares]`` (float64, the
-same length on every rank and call): each 32-bit field of :data:`FIELDS` as 4 bytes, and each
-byte squared. Summed over n ranks, ``sum**2 == n * sum_of_squares`` holds for a byte exactly
-when every rank sent the same byte (Cauchy-Schwarz; every number stays an exact integer in float64
-below 2**21 ranks), so misalignment is found inside the collective that agrees the flag, at no
-extra collective. The trainer's float32 gradient buffer carries the fields as bits instead (a
-bit's sum is 0 or n; exact below 2**24 ranks), whose squares are the bits themselves. A field's
-value on the other ranks is read back from the sums where they agree among themselves (always
-with 2 ranks).
+The step agreement message is ``[4*d + f, f - 4*d, *slots]`` (float64), reduced with MAX: ``f``
+is 1 when this rank found an inf/nan, ``d < 2**50`` the :func:`digest` of the rank's
+:class:`Fingerprint`, and ``slots`` carry extra values (each rank its own ``k`` slots, -inf in
+the others', see :func:`gather_extras`). After the MAX, ``a + b == 2 * OR(f)`` when every rank
+sent the same ``d``, and ``a + b >= 4`` otherwise (``4 * (max d - min d)``), so the verdict
+(:func:`verdict`) is a property of the reduced message that every rank evaluates alike, exact for
+any number of ranks (a MAX never rounds; ``4d + 1 < 2**53``).
+
+The digest is a universal hash: each 32-bit field split into 16-bit halves ``h``, ``d1 = sum(w1 *
+h) mod P1``, ``d2 = sum(w2 * h) mod P2`` (primes below 2**25, weights in ``[1, P)`` fixed by
+:data:`SEED`), ``d = d1 * 2**25 + d2``. Two fingerprints that differ collide for at most one value
+of a differing half's weight in each: a chance of at most ``1 / ((P1 - 1) * (P2 - 1)) < 2**-49``
+that a mismatch is not found. A device computes it from the state arrays without a host read
+(:class:`DeviceDigest`).
+
+Only once a mismatch is found, every rank sums the fingerprint's bytes and their squares in a
+second collective (``encode(.., BYTES)``): ``sum**2 == n * sum_of_squares`` holds for a byte exactly
+when every rank sent the same byte (checked in int64: exact up to 2**20 ranks), which names the
+field that differs (:func:`describe`). The data-parallel trainer's float32 gradient buffer carries
+the fields as bits after the gradients in its SUM (a bit's sum is 0 or n; exact below 2**24 ranks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from typing import Any, NamedTuple
 
@@ -20,16 +32,25 @@ import numpy as np
 
 from .._skip_log import scale_text
 
-#: The fields of a fingerprint, in message order (32 bits each).
-FIELDS = ("config", "iteration", "collective", "sequence", "payload", "scale", "growth_tracker",
+#: The fields of a fingerprint, in message order (32 bits each). ``extras``: how many extra
+#: values the agreement carries (a clip's sum of squares pair), so that ranks must agree on it too.
+FIELDS = ("config", "iteration", "collective", "sequence", "payload", "extras", "scale", "growth_tracker",
           "backoff_tracker")
+#: Fields known on the host; the last three come from the scaler's state arrays.
+HOST_FIELDS = 6
 WIDTH = 32
 _MASK = 2**WIDTH - 1
 _F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
 
+#: The digest's primes (the largest two below 2**25) and the label its weights are drawn from.
+P1, P2 = 2**25 - 39, 2**25 - 49
+SEED = "polyamp fingerprint digest v1"
+#: Values in a step agreement before its extra slots.
+HEAD = 2
+
 
 class Encoding(NamedTuple):
-    """How the fields travel: ``digit_bits`` bits per value, and the squares after the digits."""
+    """How the fields travel in a SUM: ``digit_bits`` bits per value, and the squares after the digits."""
 
     digit_bits: int
     squares: bool
@@ -45,13 +66,10 @@ class Encoding(NamedTuple):
         return self.digits * (2 if self.squares else 1)
 
 
-#: float64 agreement messages: bytes and their squares (exact below 2**21 ranks).
+#: The explanation after a mismatch (float64): bytes and their squares (exact up to 2**20 ranks).
 BYTES = Encoding(8, True)
 #: float32 gradient buffers (the data-parallel trainer): bits (exact below 2**24 ranks).
 BITS = Encoding(1, False)
-#: Elements before the fingerprint: the non-finite count and two extra values (a sum of squares pair).
-HEAD = 3
-MESSAGE = HEAD + BYTES.size
 
 
 class Fingerprint(NamedTuple):
@@ -62,14 +80,70 @@ class Fingerprint(NamedTuple):
     collective: int
     sequence: int
     payload: int
+    extras: int
     scale: int
     growth_tracker: int
     backoff_tracker: int
 
 
+def _weights(prime: int, label: str) -> tuple[tuple[int, int], ...]:
+    """One weight in [1, prime) per 16-bit half of every field, from SHA-256 (the same everywhere)."""
+    def draw(i: int) -> int:
+        word = hashlib.sha256(f"{SEED}/{label}/{i}".encode()).digest()
+        return 1 + int.from_bytes(word[:8], "little") % (prime - 1)
+
+    return tuple((draw(2 * i), draw(2 * i + 1)) for i in range(len(FIELDS)))
+
+
+#: Per field: (weight of the low half, weight of the high half), for P1 and for P2.
+W1, W2 = _weights(P1, "p1"), _weights(P2, "p2")
+_PACKED = tuple((a1 << 64 | a2, b1 << 64 | b2) for (a1, b1), (a2, b2) in zip(W1, W2))
+_LOW64 = 2**64 - 1
+
+
 def scale_bits(scale: float) -> int:
     """The float32 bit pattern of ``scale`` (what a device computes from the scale array)."""
     return _U32.unpack(_F32.pack(scale))[0]
+
+
+def shares(values: Any, first: int = 0) -> tuple[int, int]:
+    """``(sum(w1 * h) mod P1, sum(w2 * h) mod P2)`` over the halves of ``values``, fields from ``first``.
+
+    Both sums in one Python integer (``w1 * 2**64 + w2``: the second sum stays below 2**46).
+    """
+    total = 0
+    for v, (low, high) in zip(values, _PACKED[first:]):
+        v &= _MASK
+        total += low * (v & 0xFFFF) + high * (v >> 16)
+    return (total >> 64) % P1, (total & _LOW64) % P2
+
+
+def digest(values: Fingerprint | list[int]) -> int:
+    """The fingerprint's digest ``d = d1 * 2**25 + d2 < 2**50`` (host side)."""
+    d1, d2 = shares(values)
+    return d1 * 2**25 + d2
+
+
+def head(d: int, found: bool) -> tuple[float, float]:
+    """The two values a rank sends: ``(4d + f, f - 4d)``."""
+    f = 1.0 if found else 0.0
+    return 4.0 * d + f, f - 4.0 * d
+
+
+def verdict(total: float) -> bool:
+    """From ``a + b`` of the reduced head: True when the ranks are aligned (``a + b`` is 0 or 2);
+    then the agreed flag is ``total / 2``."""
+    return total <= 2.0
+
+
+def gather_extras(slots: np.ndarray, ranks: int) -> np.ndarray:
+    """The extras summed over the ranks, in rank order (the same on every rank): ``slots`` holds
+    each rank's ``k`` values after the MAX, rank after rank."""
+    per_rank = np.asarray(slots, np.float64).reshape(ranks, -1)
+    total = per_rank[0].copy()
+    for row in per_rank[1:]:
+        total += row
+    return total
 
 
 def encode(values: Fingerprint | list[int], encoding: Encoding = BYTES) -> np.ndarray:
@@ -81,8 +155,67 @@ def encode(values: Fingerprint | list[int], encoding: Encoding = BYTES) -> np.nd
     return np.concatenate([digits, digits * digits])
 
 
+def _pattern(xp: Any, powers: Any, scale: Any) -> Any:
+    """The float32 bit pattern of ``scale`` (a positive normal float32), rebuilt exactly in float64
+    from comparisons with the powers of two (no bit cast needed)."""
+    s = xp.astype(scale, xp.float64)
+    above = s >= powers
+    power = xp.max(xp.where(above, powers, xp.zeros_like(powers)))
+    exponent = xp.sum(xp.astype(above, xp.float64))  # the biased exponent, E + 127
+    return exponent * 2.0**23 + (s / power - 1.0) * 2.0**23
+
+
+def _powers(xp: Any, device: Any) -> Any:
+    return xp.asarray(np.ldexp(1.0, np.arange(-126, 128)), dtype=xp.float64, device=device)
+
+
+class DeviceDigest:
+    """The head ``[4d + f, f - 4d]`` computed on the state's device, without a host read (GPU arrays).
+
+    The host fields' shares enter as scalar arguments (no host-to-device copy); the state's
+    halves are weighted and reduced mod P1, P2 there. Exact in float64: every product is below
+    2**41, every sum below 2**46, and the remainder of such integers is exact.
+    """
+
+    def __init__(self, xp: Any, device: Any) -> None:
+        self.xp, self.device = xp, device
+        f64 = xp.float64
+        self._powers = _powers(xp, device)
+        state = range(HOST_FIELDS, len(FIELDS))
+        # rows: P1, P2; columns: (lo, hi) of each state field
+        weights = [[w for i in state for w in table[i]] for table in (W1, W2)]
+        self._weights = xp.asarray(np.array(weights, np.float64), dtype=f64, device=device)
+
+    def __call__(self, host: tuple[int, int], found: Any, scale: Any = None, growth: Any = None,
+                 backoff: Any = None) -> Any:
+        """The head, float64 of shape (2,): ``host`` the :func:`shares` of the host fields (of every
+        field when ``scale`` is None), ``found`` a device flag (non-zero: inf/nan found) or a bool."""
+        xp, f64 = self.xp, self.xp.float64
+        if scale is None:
+            four_d = xp.full((), 4.0 * (host[0] * 2**25 + host[1]), dtype=f64, device=self.device)
+        else:
+            four_d = self._four_d(host, scale, growth, backoff)
+        if isinstance(found, bool):
+            f: Any = 1.0 if found else 0.0
+        else:
+            f = xp.reshape(xp.astype(xp.asarray(found, device=self.device) != 0, f64), ())
+        return xp.stack([four_d + f, f - four_d])
+
+    def _four_d(self, host: tuple[int, int], scale: Any, growth: Any, backoff: Any) -> Any:
+        """``4 * d`` on the device: the state's halves weighted, the host shares added, mod P1, P2."""
+        xp, f64 = self.xp, self.xp.float64
+        words = xp.stack([xp.reshape(_pattern(xp, self._powers, scale), ()),
+                          xp.reshape(xp.astype(growth, f64), ()), xp.reshape(xp.astype(backoff, f64), ())])
+        high = xp.floor(words / 65536.0)
+        halves = xp.reshape(xp.stack([words - 65536.0 * high, high], axis=1), (-1,))
+        sums = xp.sum(self._weights * halves[None, :], axis=1)
+        d1 = (sums[0] + float(host[0])) % float(P1)  # exact: a - P*floor(a/P), a < 2**46
+        d2 = (sums[1] + float(host[1])) % float(P2)
+        return (d1 * 2.0**25 + d2) * 4.0
+
+
 class DeviceEncoder:
-    """Computes the encoding on the state's device, without a host read (for GPU arrays).
+    """Computes a SUM encoding on the state's device, without a host read (for GPU arrays).
 
     Host fields enter as fills (kernel arguments, no host-to-device copy); the scale's bit
     pattern is rebuilt exactly from comparisons with the powers of two (no bit cast needed).
@@ -92,29 +225,25 @@ class DeviceEncoder:
         self.xp, self.device, self.encoding = xp, device, encoding
         f64 = xp.float64
         per_field = WIDTH // encoding.digit_bits
-        self._powers = xp.asarray(np.ldexp(1.0, np.arange(-126, 128)), dtype=f64, device=device)
+        self._powers = _powers(xp, device)
         steps = -encoding.digit_bits * np.arange(per_field)
         self._shifts = xp.asarray(np.ldexp(1.0, steps), dtype=f64, device=device)
         self._base = float(2**encoding.digit_bits)
 
     def __call__(self, host: list[int], scale: Any = None, growth: Any = None, backoff: Any = None) -> Any:
-        """The encoding of ``host`` (every field's value, or the first five with the state arrays)."""
+        """The encoding of ``host`` (every field's value, or the host fields with the state arrays)."""
         xp, f64 = self.xp, self.xp.float64
         words = [xp.full((), float(v & _MASK), dtype=f64, device=self.device) for v in host]
         if scale is not None:
-            s = xp.astype(scale, f64)
-            above = s >= self._powers
-            power = xp.max(xp.where(above, self._powers, xp.zeros_like(self._powers)))
-            exponent = xp.sum(xp.astype(above, f64))  # the biased exponent, E + 127
-            pattern = exponent * 2.0**23 + (s / power - 1.0) * 2.0**23  # the float32 bit pattern
-            words += [pattern, xp.astype(growth, f64), xp.astype(backoff, f64)]
+            words += [_pattern(xp, self._powers, scale), xp.astype(growth, f64), xp.astype(backoff, f64)]
         stacked = xp.stack([xp.reshape(w, ()) for w in words])
         high = xp.floor(stacked[:, None] * self._shifts[None, :])
         digits = xp.reshape(high - self._base * xp.floor(high / self._base), (-1,))
         return xp.concat([digits, digits * digits]) if self.encoding.squares else digits
 
     def misaligned(self, sums: Any, ranks: int) -> Any:
-        """A 0-d bool on the device: True when some digit differed between the ranks."""
+        """A 0-d bool on the device: True when some digit differed between the ranks (bits only:
+        a bit's sum squared is below 2**48, exact in float64)."""
         xp = self.xp
         sums = xp.astype(sums, xp.float64)
         n = self.encoding.digits
@@ -123,7 +252,9 @@ class DeviceEncoder:
 
 
 def _split(sums: np.ndarray, encoding: Encoding) -> tuple[np.ndarray, np.ndarray]:
-    sums = np.asarray(sums, dtype=np.float64)
+    """Digits and squares as int64 (sums of bytes below 2**28, squares below 2**36 at 2**20
+    ranks: their products, below 2**57, are exact in int64, not in float64)."""
+    sums = np.asarray(sums, dtype=np.float64).astype(np.int64)
     n = encoding.digits
     return (sums[:n], sums[n:]) if encoding.squares else (sums, sums)
 
@@ -144,18 +275,18 @@ def describe(sums: np.ndarray, ranks: int, mine: Fingerprint, encoding: Encoding
     digits, squares, own = digits.reshape(shape), squares.reshape(shape), own.reshape(shape)
     differs = np.any(digits * digits != ranks * squares, axis=1)
     others, others_sq = digits - own, squares - own * own  # each digit summed over the other ranks
-    weights = 2.0 ** (encoding.digit_bits * np.arange(per_field))
+    weights = 2 ** (encoding.digit_bits * np.arange(per_field, dtype=np.int64))
     value: dict[str, int | None] = {}
     for i, name in enumerate(FIELDS):
         agree = np.all(others[i] * others[i] == (ranks - 1) * others_sq[i])
-        value[name] = int(np.dot(others[i] / (ranks - 1), weights)) if agree else None
+        value[name] = int(np.dot(others[i] // max(ranks - 1, 1), weights)) if agree else None
     parts = []
     if any(differs[FIELDS.index(f)] for f in ("iteration", "collective", "sequence")):
         parts.append(_position(mine, value))
-    for name in ("config", "payload", "scale", "growth_tracker", "backoff_tracker"):
+    for name in ("config", "payload", "extras", "scale", "growth_tracker", "backoff_tracker"):
         if differs[FIELDS.index(name)]:
             parts.append(_field(name, getattr(mine, name), value[name]))
-    return "; ".join(parts)
+    return "; ".join(parts) or "the ranks' fingerprints differ"
 
 
 def _position(mine: Fingerprint, other: dict[str, int | None]) -> str:
@@ -164,7 +295,7 @@ def _position(mine: Fingerprint, other: dict[str, int | None]) -> str:
     if None in (other["collective"], other["iteration"], other["sequence"]):
         return f"the ranks' collectives are not aligned: {here}, other positions on the other ranks"
     there = (f"collective {other['collective']} of iteration {other['iteration']} (#"
-             f"{int(other['sequence']) + 1}) on the other ranks")
+             f"{int(other['sequence']) + 1}) on the other ranks")  # type: ignore[arg-type]
     return f"the ranks' collectives are not aligned: {here}, {there}"
 
 
@@ -172,6 +303,8 @@ def _field(name: str, mine: int, other: int | None) -> str:
     def show(v: int) -> str:
         if name == "scale":
             return f"scale {scale_text(_from_bits(v))}"
+        if name == "extras":
+            return f"{v} extra values agreed (e.g. a global-norm clip's sum of squares)"
         label = "config fingerprint" if name == "config" else name
         return f"{v} values summed" if name == "payload" else f"{label} {v}"
 

@@ -28,6 +28,8 @@ from ._errors import ReducerError, ReducerTimeoutError
 
 #: Seconds a collective may take, where the engine has no timeout of its own (MPI, NCCL).
 DEFAULT_TIMEOUT = 300.0
+#: Seconds of back-to-back polls of a pending collective before polyamp yields the CPU between polls.
+TIGHT = 5e-5
 #: Seconds of back-to-back polls of a pending collective before polyamp sleeps between polls.
 SPIN = 2e-3
 #: The longest sleep between two polls of a pending collective (seconds).
@@ -72,17 +74,21 @@ def check_on_fault(on_fault: Any) -> OnFault:
 def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     """Poll ``done()`` until it returns True (then True) or ``timeout`` seconds pass (then False).
 
-    Polls back to back (yielding the CPU) for the first ``SPIN`` seconds, as a blocking MPI wait
-    would, then sleeps between polls, up to ``MAX_POLL_PAUSE``: a fast collective costs no
-    sleep, a slow one little CPU. (MPI progresses a non-blocking collective inside each poll.)
+    Polls back to back for the first ``TIGHT`` seconds (as a blocking MPI wait would: a fast
+    collective costs no yield, which on a busy machine can take tens of microseconds), then
+    yielding the CPU between polls until ``SPIN`` seconds, then sleeping between polls, up to
+    ``MAX_POLL_PAUSE``: a slow collective costs little CPU. (MPI progresses a non-blocking
+    collective inside each poll.)
     """
     start = time.monotonic()
-    deadline, spin_until = start + timeout, start + SPIN
+    deadline, tight_until, spin_until = start + timeout, start + TIGHT, start + SPIN
     pause = 0.0
     while not done():
         now = time.monotonic()
         if now >= deadline:
             return done()
+        if now < tight_until:
+            continue
         if now < spin_until:
             _yield()  # time.sleep(0) would cost tens of microseconds (timer slack)
         else:

@@ -1,4 +1,5 @@
-"""The fingerprint bits of an agreement message: host and device encodings agree, sums name what differs.
+"""The agreement message: the digest (host == device), the MAX verdict at any world size, the
+extras slots, and the bytes of the second collective that name what differs.
 
 Multi-process runs are in test_misaligned_ranks.py; here the encoding itself, and the device
 path (used for GPU arrays) run on NumPy arrays against a second scaler's real message.
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from polyamp import LossScaleConfig, LossScaler
-from polyamp.distributed import RankMismatchError, Reducer, ReducerError, reducer
+from polyamp.distributed import RankMismatchError, Reducer, ReducerError, config_fingerprint, reducer
 from polyamp.distributed import _fingerprint as fp
 from polyamp.policy import LossScaleState
 
@@ -23,7 +24,7 @@ ENCODINGS = [fp.BYTES, fp.BITS]
 @pytest.mark.parametrize("encoding", ENCODINGS, ids=["bytes", "bits"])
 @pytest.mark.parametrize("scale", SCALES)
 def test_the_device_encoding_equals_the_host_encoding(scale, encoding):
-    host = [123456789, 7, 2, 2**32 - 1, 10**9]
+    host = [123456789, 7, 2, 2**32 - 1, 10**9, 2]
     growth, backoff = 1999, 3
     device = fp.DeviceEncoder(np, "cpu", encoding)
     state = (np.array(scale, np.float32), np.array(growth, np.int32), np.array(backoff, np.int32))
@@ -34,7 +35,7 @@ def test_the_device_encoding_equals_the_host_encoding(scale, encoding):
 
 
 def test_bytes_and_squares_fit_the_message():
-    assert fp.BYTES.size == 2 * 32 and fp.MESSAGE == fp.HEAD + 64 and fp.BITS.size == 256
+    assert fp.BYTES.size == 2 * 4 * len(fp.FIELDS) == 72 and fp.HEAD == 2 and fp.BITS.size == 288
 
 
 def _sums(*prints: fp.Fingerprint, encoding=fp.BYTES) -> np.ndarray:
@@ -42,7 +43,7 @@ def _sums(*prints: fp.Fingerprint, encoding=fp.BYTES) -> np.ndarray:
 
 
 def _print(scale: float = 1024.0, **fields) -> fp.Fingerprint:
-    base = dict(config=5, iteration=3, collective=1, sequence=3, payload=0,
+    base = dict(config=5, iteration=3, collective=1, sequence=3, payload=0, extras=0,
                 scale=fp.scale_bits(scale), growth_tracker=0, backoff_tracker=0)
     base.update(fields)
     return fp.Fingerprint(**base)
@@ -89,7 +90,7 @@ def test_a_collective_out_of_place_is_named_by_its_position():
     assert "collective 1 of iteration 1 (#2) on the other ranks" in text
 
 
-@pytest.mark.parametrize("field", ["config", "payload", "growth_tracker", "backoff_tracker"])
+@pytest.mark.parametrize("field", ["config", "payload", "extras", "growth_tracker", "backoff_tracker"])
 def test_every_field_is_named(field):
     mine, other = _print(), _print(**{field: 9})
     text = fp.describe(_sums(mine, other), 2, mine)
@@ -114,20 +115,38 @@ class Recorder(Reducer):
 
 
 class PairedWith(Reducer):
-    """Rank 0 of two, whose peer's message is one recorded from another scaler: the sum is real."""
+    """Rank 0 of two, whose peer's message is one recorded from another scaler: the reduction is
+    real. ``explain``: the peer's fingerprint, whose bytes it sends in the second collective."""
 
-    def __init__(self, peer: Recorder) -> None:
+    def __init__(self, peer: Recorder, explain: fp.Fingerprint | None = None) -> None:
         super().__init__("pair", 0, 2, None)
-        self.peer = peer
+        self.peer, self.explain = peer, explain
+
+    def _peer(self, op):
+        index = self.collectives - 1
+        if index < len(self.peer.messages):
+            return np.asarray(self.peer.messages[index])
+        assert op == "sum" and self.explain is not None, "the peer sent no such message"
+        return fp.encode(self.explain, fp.BYTES)
 
     def _prepare(self, array):
         return array
 
     def _allreduce(self, buffer, op):
-        buffer += self.peer.messages[self.collectives - 1].astype(buffer.dtype)
+        peer = self._peer(op).astype(buffer.dtype)
+        if op == "max":
+            np.maximum(buffer, peer, out=buffer)
+        else:
+            buffer += peer
 
     def _barrier(self):
         pass
+
+
+def _peer(config: LossScaleConfig, iteration: int, sequence: int, scale: float, growth: int = 0):
+    """The fingerprint of the peer's agreement (collective 1 of ``iteration``)."""
+    return fp.Fingerprint(config_fingerprint(config), iteration, 1, sequence, 0, 0, fp.scale_bits(scale),
+                          growth, 0)
 
 
 @pytest.fixture(params=["host", "device"])
@@ -157,7 +176,7 @@ def test_aligned_ranks_step_together(path):
 def test_another_scale_raises_before_the_step_is_applied(path):
     peer = Recorder()
     _run(LossScaler(LossScaleConfig(init_scale=8.0), reducer=peer), 2, [])
-    red = PairedWith(peer)
+    red = PairedWith(peer, _peer(LossScaleConfig(init_scale=8.0), 1, 1, 8.0, growth=1))
     scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=red)
     applied: list[int] = []
     _run(scaler, 1, applied)
@@ -175,11 +194,13 @@ def test_the_device_path_adds_the_mismatch_to_the_agreed_flag(monkeypatch):
 
     monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
     peer = Recorder()
-    _run(LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=7), reducer=peer), 1, [])
-    scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=PairedWith(peer))
+    config = LossScaleConfig(init_scale=8.0, growth_interval=7)
+    _run(LossScaler(config, reducer=peer), 1, [])
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=PairedWith(peer, _peer(config, 0, 0, 8.0)))
     scaler.unscale_([np.ones(2, np.float32)])
     agreed = scaler.agree_()
     assert float(agreed.found_inf) == 1.0  # no overflow: the 1 is the mismatch, so every rank skips
+    assert scaler.reducer.collectives == 1  # the second collective only once the skip decision read it
     with pytest.raises(RankMismatchError, match="config fingerprint"):
         scaler.step([], lambda: pytest.fail("a misaligned step was applied"))
 
@@ -223,8 +244,8 @@ def test_state_values_of_a_host_state_are_fingerprinted_too():
     """The trainer without loss scaling fingerprints a fixed scale of 1."""
     state = LossScaleState(np.array(1.0, np.float32), np.array(0, np.int32), np.array(0, np.int32))
     device = fp.DeviceEncoder(np, "cpu")
-    on_host = device([1, 2, 3, 4, 5, fp.scale_bits(1.0), 0, 0])
-    np.testing.assert_array_equal(on_host, device([1, 2, 3, 4, 5], *state))
+    on_host = device([1, 2, 3, 4, 5, 0, fp.scale_bits(1.0), 0, 0])
+    np.testing.assert_array_equal(on_host, device([1, 2, 3, 4, 5, 0], *state))
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS, ids=["bytes", "bits"])
@@ -237,7 +258,7 @@ def test_the_device_encoding_runs_on_torch_tensors(encoding):
     device = fp.DeviceEncoder(xp, torch.device("cpu"), encoding)
     state = (torch.tensor(0.3, dtype=torch.float32), torch.tensor(17, dtype=torch.int32),
              torch.tensor(2, dtype=torch.int32))
-    host = [4, 3, 2, 1, 0]
+    host = [4, 3, 2, 1, 0, 2]
     got = device(host, *state)
     want = fp.encode(fp.Fingerprint(*host, fp.scale_bits(np.float32(0.3)), 17, 2), encoding)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
@@ -246,12 +267,16 @@ def test_the_device_encoding_runs_on_torch_tensors(encoding):
 
 
 class TorchPairedWith(PairedWith):
-    """PairedWith for torch buffers: the peer's recorded message is added as a tensor."""
+    """PairedWith for torch buffers: the peer's recorded message is reduced in as a tensor."""
 
     def _allreduce(self, buffer, op):
         import torch
 
-        buffer += torch.from_numpy(np.asarray(self.peer.messages[self.collectives - 1])).to(buffer.dtype)
+        peer = torch.from_numpy(self._peer(op)).to(buffer.dtype)
+        if op == "max":
+            torch.maximum(buffer, peer, out=buffer)
+        else:
+            buffer += peer
 
 
 def test_the_device_path_on_torch_tensors_raises_before_applying(monkeypatch):
@@ -266,7 +291,8 @@ def test_the_device_path_on_torch_tensors_raises_before_applying(monkeypatch):
     twin.update()
     twin.step([g.clone() for g in grads], lambda: None)
     twin.update()
-    scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=TorchPairedWith(peer))
+    config = LossScaleConfig(init_scale=8.0)
+    scaler = LossScaler(config, reducer=TorchPairedWith(peer, _peer(config, 1, 1, 8.0, growth=1)))
     applied: list[int] = []
     assert scaler.step([g.clone() for g in grads], lambda: applied.append(0))
     scaler.update()
