@@ -218,9 +218,8 @@ class Peer(Reducer):
 def test_a_host_state_is_checked_and_explained_on_either_path(monkeypatch, device_path, differs):
     """The trainer's first check (no loss scaling: a fixed host state): aligned, or a second
     collective that names the payload (the number of gradient values) that differs."""
-    from polyamp.distributed import RankMismatchError
     from polyamp._agreement import Agreement
-    from polyamp.distributed import config_fingerprint
+    from polyamp.distributed import RankMismatchError, config_fingerprint
     from polyamp.policy import HostState
 
     if device_path:
