@@ -1,7 +1,7 @@
 """What ShardedGradScaler adds to GradScaler: every rank agrees on each optimizer's overflow.
 
 torch's FSDP scaler all-reduces one flag per device per optimizer inside ``unscale_``; here
-the engine folds every device into one flag per optimizer, and one SUM all-reduce through a
+the engine folds every device into one flag per optimizer, and one all-reduce through a
 :mod:`polyamp.distributed` reducer agrees it (with the fingerprint that finds misaligned ranks)
 before the skip decision and the update.
 FSDP2's DTensor gradients are unscaled as their local shards where the group spans their
@@ -61,7 +61,7 @@ class ShardedMethods:
     _engine: LossScaler
     _device: str
     _allow_fp16 = True  # FSDP's mixed precision hands FP16 gradients to the scaler
-    _flags_are_sums = True  # the flags count the ranks that overflowed, as torch's do
+    _flags_are_sums = True  # the flags are agreed over the ranks (0 or 1: some rank overflowed)
 
     def __init__(
         self,
@@ -111,7 +111,7 @@ class ShardedMethods:
         return iteration.agreement
 
     def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
-        """Unscale (or check) ``grads`` and return the flag summed over the group.
+        """Unscale (or check) ``grads`` and return the flag agreed over the group (1: some rank overflowed).
 
         Every rank issues the same collective, also one with no gradients (its flag is 0).
         The same collective finds ranks whose config, state or collectives differ (RankMismatchError).
@@ -121,7 +121,7 @@ class ShardedMethods:
         return iteration.agree_flag(iteration.unscale(grads, check_only=check_only))  # 0 without grads
 
     def _agree_own_flag(self, flag: Any) -> Any:
-        """A flag an ``_unscale_grads_`` override computed itself, summed over the group (one collective)."""
+        """A flag an ``_unscale_grads_`` override computed itself, agreed over the group (one collective)."""
         self._agreed()
         return self._engine.iteration.agree_flag(flag)
 
@@ -135,7 +135,7 @@ class ShardedMethods:
 
     def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:
         """DTensor gradients replaced by their local shards (same memory) where ``red``'s group
-        covers the DTensor's mesh, so the one SUM below is the only collective. Elsewhere the
+        covers the DTensor's mesh, so the one agreement below is the only collective. Elsewhere the
         DTensor stays, and its unscale agrees across its mesh as in torch."""
         dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
         if dtensor is None or not any(issubclass(kind, dtensor) for kind in set(map(type, grads))):

@@ -71,7 +71,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     _diagnose = False  # class defaults: scalers pickled before diagnose= existed load as off
     _param_names: dict[int, str] = {}  # id(parameter) -> name; replaced, never mutated
     _allow_fp16 = False  # torch's GradScaler refuses to unscale FP16 gradients
-    _flags_are_sums = False  # an optimizer's flag is 0 or 1 (sharded: summed over ranks)
+    _flags_are_sums = False  # an optimizer's flag is this rank's (sharded: agreed over the ranks)
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
         """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type.
@@ -320,7 +320,7 @@ class ShardedGradScaler(ShardedMethods, GradScaler):
     """Drop-in ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
 
     torch's signature (``backoff_factor`` before ``growth_factor``, then ``process_group``),
-    FP16 and CPU gradients; each optimizer's overflow flag is agreed with one SUM all-reduce
+    FP16 and CPU gradients; each optimizer's overflow flag is agreed with one all-reduce
     over ``process_group`` (None: the default group; or anything
     :func:`polyamp.distributed.reducer` accepts), so every rank skips together. With
     ``diagnose=True`` a rank whose own gradients are finite reports that another rank overflowed.

@@ -39,7 +39,7 @@ class Checks(NamedTuple):
     """What one iteration has checked so far; replaced (never mutated) as it moves on.
 
     ``found``: this rank's device flags of the iteration, summed (None before the first check).
-    ``agreed``: ``found`` summed over the ranks (None until agreed). ``unscaled``: the shell's
+    ``agreed``: ``found`` agreed over the ranks (None until agreed). ``unscaled``: the shell's
     single unscale ran. ``skipped``: the host skip decision of the step (None before it).
     ``checked``: (name, gradient) pairs for a report (``diagnose=True`` only). ``summed``: the
     gradients themselves were summed over the ranks (:meth:`Iteration.sum_payload`), so every
@@ -180,14 +180,14 @@ class Iteration:
         if self.checks.agreed is not None:
             raise ScalerStateError(
                 f"{what} was called after agree_() in the same iteration: the overflow flag is "
-                "already summed over the ranks, and a flag added now would be this rank's alone. "
+                "already agreed over the ranks, and a flag added now would be this rank's alone. "
                 "Fix: unscale and record every flag before agree_() (a non-finite global norm "
                 "needs no flag: the agreed count already has its non-finite gradients)."
             )
 
     # -- agreeing across ranks ------------------------------------------------------------
     def agree(self, extra: Any = None) -> Agreed:
-        """The iteration's flag (and ``extra``) summed over the ranks in ONE collective; without
+        """The iteration's flag (and ``extra``) agreed over the ranks in ONE collective; without
         an agreement the local values and nothing is sent. Once per iteration, after the checks."""
         found = self.checks.found
         if self.agreement is None:

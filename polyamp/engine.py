@@ -3,7 +3,7 @@
 Device work goes through the bound backend; the only host read of a step is the skip
 decision in :meth:`LossScaler.step`. State lives in three 0-d arrays on the gradients'
 device, created on first use (as torch does), plus host counters. With ``reducer=`` the
-flag is summed over the ranks before that decision: one collective per step (``_agreement``).
+flag is agreed over the ranks before that decision: one collective per step (``_agreement``).
 The iteration's work (unscale, agree, decide, report, update, log) is :mod:`polyamp._iteration`'s;
 this class keeps the loop's contract (its order and errors), checkpoints and copies.
 """
@@ -229,7 +229,8 @@ class LossScaler:
         ONE all-reduce of the flag and ``extra`` (in ``extra``'s dtype, on its device; ``extra``
         e.g. a local sum of squares, as ``polyamp.grads`` clipping sends). ``step`` then reads
         the agreed flag and issues no collective of its own. Returns ``Agreed(found_inf, extra)``,
-        both summed over ranks; without a reducer the local values, and nothing is sent.
+        agreed over the ranks (the flag 1 when some rank found inf/nan, ``extra`` summed); without a
+        reducer the local values, and nothing is sent.
         After ``unscale_``, before ``step``, once per iteration. No host synchronisation.
         """
         checks = self._iteration.checks
@@ -245,7 +246,7 @@ class LossScaler:
         return self._iteration.agree(extra)
 
     def agree_flag(self, found_inf: Any) -> Any:
-        """``found_inf`` summed over the ranks, as a new device array (``found_inf`` is kept).
+        """``found_inf`` agreed over the ranks (1 when non-zero on some rank), a new device array.
 
         For facades that keep their own per-optimizer flags: one collective (with the digest
         that finds misaligned ranks). None (a rank without gradients) sends 0, a host bool (a
@@ -266,7 +267,7 @@ class LossScaler:
 
         Reads the overflow flag on the host: the one synchronisation of an iteration. The scale
         is not changed here: ``update()`` after every step does that. With a reducer the flag is
-        first summed over the ranks (one collective, unless ``agree_`` did it).
+        first agreed over the ranks (one collective, unless ``agree_`` did it).
         """
         iteration = self._iteration
         if iteration.checks.skipped is not None:
@@ -296,7 +297,7 @@ class LossScaler:
         chosen by it). After a skipped step it logs the scale change (the first few at INFO, then a
         summary per 1000 steps: ``_skip_log``), after a growth at DEBUG, reading the scale only
         when a line is due. With a reducer and no ``step`` this iteration, the pending check is
-        summed over the ranks first; ``found_inf`` is used as given.
+        agreed over the ranks first; ``found_inf`` is used as given.
         """
         iteration = self._iteration
         if found_inf is not None:
