@@ -364,10 +364,11 @@ def _host(array: Any) -> Any:
 
 
 def _new_flag(like: Any, value: float) -> Any:
-    """A new 0-d float32 array holding ``value``, in ``like``'s library, in host memory."""
+    """A new 0-d float32 array holding ``value``, in ``like``'s library, in host memory (its
+    backend's ``full``: the cheapest new scalar each library has)."""
     if isinstance(like, (np.ndarray, np.generic, bool)):
         return np.asarray(value, np.float32)
-    return _new_like(like, value, None)
+    return backend_of(like).full(value, "float32", like)
 
 
 def _new_like(like: Any, values: Any, shape_of: Any) -> Any:

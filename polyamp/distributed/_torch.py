@@ -78,6 +78,11 @@ def _group_timeout(group: Any) -> float | None:
         return None
 
 
+#: NumPy buffers of at most this many values keep their tensor view (agreement messages), at most
+#: this many of them per reducer.
+_VIEW_CACHE_VALUES, _VIEW_CACHE_ARRAYS = 4096, 16
+
+
 class TorchReducer(Reducer):
     """All-reduces torch tensors over a ProcessGroup; NumPy and DLPack arrays through zero-copy views."""
 
@@ -93,6 +98,7 @@ class TorchReducer(Reducer):
         self._explicit = timeout
         self._devices = {d.type for d in getattr(group, "_device_types", ())}
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        self._views: dict[int, tuple[np.ndarray, Any]] = {}  # small NumPy buffers -> their tensor views
         self._abandoned: list[Any] = []  # (work, tensor) of timed-out waits: torch may still write
         super().__init__(
             f"torch:{dist.get_backend(group)}",
@@ -135,7 +141,7 @@ class TorchReducer(Reducer):
         if isinstance(array, np.ndarray) and not array.flags.writeable:
             what = "a read-only NumPy array"
         elif isinstance(array, np.ndarray):
-            return self._torch.from_numpy(array)
+            return self._numpy_view(array)
         elif hasattr(array, "__dlpack__"):
             try:
                 return self._torch.utils.dlpack.from_dlpack(array)
@@ -145,6 +151,17 @@ class TorchReducer(Reducer):
             f"{self.describe()} cannot all-reduce {what} in place. Fix: pass a torch.Tensor, a "
             "writeable NumPy array, or another array that shares its memory through DLPack."
         )
+
+    def _numpy_view(self, array: np.ndarray) -> Any:
+        """``torch.from_numpy(array)``, remembered for small arrays (an agreement reuses its message
+        buffer every step; the cache holds the array, so its id stays its own)."""
+        cached = self._views.get(id(array))
+        if cached is not None and cached[0] is array:
+            return cached[1]
+        tensor = self._torch.from_numpy(array)
+        if array.size <= _VIEW_CACHE_VALUES and len(self._views) < _VIEW_CACHE_ARRAYS:
+            self._views[id(array)] = (array, tensor)
+        return tensor
 
     def _allreduce(self, tensor: Any, op: Op) -> None:
         self._run(
