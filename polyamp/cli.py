@@ -90,12 +90,15 @@ def _inspect(args: argparse.Namespace) -> int:
     from ._errors import StateDictError
 
     try:
-        info = inspect.describe(args.path)
+        found = inspect.describe_all(args.path)
     except StateDictError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message held
         print(f"polyamp inspect: error: {message}", file=sys.stderr)
         return 2
-    print(inspect.as_json(info) if args.json else inspect.format_text(info))
+    if args.json:  # one object for a JSON checkpoint (as before), a list for a torch.save file
+        print(inspect.as_json(found[0] if "where" not in found[0] else found))
+    else:
+        print("\n\n".join(inspect.format_text(info) for info in found))
     return 0
 
 

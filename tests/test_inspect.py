@@ -87,7 +87,7 @@ class Boom:
                  "growth_tracker": 0, "backoff_tracker": 0}).encode(), "scale"),
     (json.dumps({"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 0,
                  "_growth_tracker": 0}).encode(), "growth_interval"),
-    ("pickle", "not valid JSON"),
+    ("pickle", "torch.load(weights_only=True)"),  # read as a torch.save file, never fully unpickled
 ])
 def test_anything_else_exits_2_with_one_line(tmp_path, content, words):
     path = tmp_path / "x"

@@ -1,0 +1,88 @@
+"""The scaler states inside a ``torch.save`` file, read with torch's restricted unpickler only.
+
+``torch.load(path, weights_only=True)`` never runs code from the file (it refuses anything but
+tensors, numbers, strings and containers), so ``polyamp inspect`` can look into the checkpoints
+torch users have: a bare ``GradScaler.state_dict()``, a training checkpoint's ``"scaler"`` entry,
+Lightning's ``.ckpt`` (``native_amp_scaling_state``), accelerate's and ``transformers.Trainer``'s
+``scaler.pt``, polyamp's own and the paddle facade's states. torch is imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from polyamp._errors import StateDictError, install_hint
+
+#: The first bytes of a torch.save file: its zip container (torch >= 1.6), or a raw pickle.
+ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"
+
+
+def is_torch_file(head: bytes) -> bool:
+    """Whether a file that starts with ``head`` is a ``torch.save`` file (zip, or a pickle)."""
+    return head.startswith(ZIP_MAGIC) or head[:1] == PICKLE_MAGIC
+
+
+def load(path: str) -> Any:
+    """The object in the ``torch.save`` file at ``path`` (CPU tensors), through torch's restricted
+    unpickler; StateDictError naming the file when torch is missing or the file holds code."""
+    name = repr(os.fspath(path))
+    try:
+        import torch
+    except ImportError:
+        raise StateDictError(
+            f"{name} is a torch.save file, and reading it needs torch (polyamp reads it with "
+            f"torch.load(weights_only=True), never with a full unpickler). Fix: {install_hint('torch')} "
+            "(on a machine without a GPU, install torch's CPU build first, from the index "
+            "https://download.pytorch.org/whl/cpu)."
+        ) from None
+    try:
+        with warnings.catch_warnings(), torch.serialization.safe_globals(_numpy_arrays()):
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the unpickler's notes
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch's UnpicklingError for anything outside its allowlist, or a bad file
+        detail = " ".join(str(exc).split())[:300]
+        raise StateDictError(
+            f"{name} could not be read with torch.load(weights_only=True), torch's restricted unpickler "
+            f"({type(exc).__name__}: {detail}). polyamp never unpickles a file fully: a checkpoint that "
+            "needs it may run code. Fix: save the scaler state with torch.save(scaler.state_dict(), f), "
+            "or as JSON (json.dump(scaler.state_dict(), f))."
+        ) from None
+
+
+def _numpy_arrays() -> list[Any]:
+    """What NumPy arrays need beside torch's allowlist (paddle's ``scale`` is a 1-element array): the
+    array's reconstructor, ``ndarray`` and ``dtype``, which build numeric arrays only (an object
+    array's items go through the same restricted unpickler)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    kinds = [getattr(np.dtypes, name) for name in ("Float16DType", "Float32DType", "Float64DType",
+                                                    "Int32DType", "Int64DType", "BoolDType")
+             if hasattr(getattr(np, "dtypes", None), name)]
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *kinds]
+
+
+def scaler_states(obj: Any, is_state: Any, where: str = "checkpoint") -> Iterator[tuple[str, dict]]:
+    """``(path, state)`` for each dict inside ``obj`` (dicts, lists, tuples, nested) that
+    ``is_state`` accepts, e.g. ``('checkpoint["scaler"]', {...})``; a state's insides are not searched."""
+    if isinstance(obj, dict):
+        if is_state(obj):
+            yield where, obj
+            return
+        for key, value in obj.items():
+            yield from scaler_states(value, is_state, f"{where}[{key!r}]".replace("'", '"'))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from scaler_states(value, is_state, f"{where}[{i}]")
+
+
+def plain(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with 0-d and 1-element tensors as Python numbers (paddle's ``scale``, a tensor scale)."""
+    out = {}
+    for key, value in state.items():
+        numel = getattr(value, "numel", None)
+        out[key] = value.reshape(-1)[0].item() if callable(numel) and numel() == 1 else value
+    return out
