@@ -164,30 +164,27 @@ def test_torchs_fused_update_is_used_exactly_for_torchs_rule():
         assert not torch_backend._torch_rule(LossScaleConfig(**change)), change
 
 
-def _host_reads(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
+@pytest.fixture
+def reads_of(host_reads):
+    """``reads_of(fn)``: how many times ``fn()`` reads a tensor's value on the host (tests/conftest.py)."""
 
-    class Count(TorchDispatchMode):
-        reads = 0
+    def reads(fn):
+        with host_reads() as counter:
+            fn()
+        return counter.count
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.reads += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.reads
+    return reads
 
 
 @pytest.mark.parametrize("config", [LossScaleConfig(), LossScaleConfig(backoff_interval=3)])
-def test_kernels_do_not_read_the_device(backend, config):
+def test_kernels_do_not_read_the_device(backend, config, reads_of):
     state = LossScaleState(torch.tensor(8.0), torch.tensor(0, dtype=torch.int32),
                            torch.tensor(0, dtype=torch.int32))
     grads, found = [torch.ones(3), torch.ones(2, dtype=torch.float64)], torch.zeros(())
-    assert _host_reads(lambda: backend.unscale_and_check(grads, state.scale, found)) == 0
-    assert _host_reads(lambda: backend.update_scale(state, found, config)) == 0
-    assert _host_reads(lambda: backend.all_finite(grads)) == 0
-    assert _host_reads(lambda: backend.read_flag(found)) == 1
+    assert reads_of(lambda: backend.unscale_and_check(grads, state.scale, found)) == 0
+    assert reads_of(lambda: backend.update_scale(state, found, config)) == 0
+    assert reads_of(lambda: backend.all_finite(grads)) == 0
+    assert reads_of(lambda: backend.read_flag(found)) == 1
 
 
 def test_small_kernels(backend):

@@ -105,7 +105,8 @@ def train(scaler, params, opt, to_array, poison_plan):
         scaler.step(opt)
         scaler.update()
         trace.append((len(opt.applied) > before, scaler.get_scale()))
-    return trace, [np.array(p.detach().numpy().copy() if isinstance(p, torch.Tensor) else p.data) for p in params]
+    weights = [p.detach().numpy().copy() if isinstance(p, torch.Tensor) else np.array(p.data) for p in params]
+    return trace, weights
 
 
 def torch_params():
@@ -151,7 +152,7 @@ def _available(name):
 @pytest.mark.filterwarnings("ignore:You are comparing a array_api_strict dtype")
 @pytest.mark.parametrize("backend", [
     "array_api",
-    pytest.param("numpy", marks=pytest.mark.skipif(not _available("numpy"), reason="numpy backend unavailable")),
+    pytest.param("numpy", marks=pytest.mark.skipif(not _available("numpy"), reason="no numpy backend")),
 ])
 @pytest.mark.parametrize(("scenario", "seed"), SCENARIOS)
 def test_numpy_arrays_skip_exactly_where_torch_does(scenario, seed, backend):
