@@ -14,8 +14,9 @@ a ``print(...)  # out`` line's comment is that call's output; a ``text`` block i
 line "prints" is the whole output of the python block before it; a ``text`` block preceded by
 ``<!-- test: output-of-command -->`` is the stdout of the one-line ``bash`` block before it, run
 as written in a temporary folder (slow). In expected output, runs of spaces match any spacing
-(tables may be re-aligned), ``...`` matches any text within a line, and a token written with a
-leading ``~`` (``~1.4s``) matches any token: the visible mark for values that vary by machine.
+and a table's rule of dashes any width (tables may be re-aligned), ``...`` matches any text
+within a line, and a token written with a leading ``~`` (``~1.4s``) matches any token: the
+visible mark for values that vary by machine.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def _pattern(expected: str) -> re.Pattern:
     for token in expected.split():
         if token.startswith("~") and len(token) > 1:
             parts.append(r"\S+")
+        elif len(token) > 1 and set(token) == {"-"}:  # a table's rule: as wide as its column
+            parts.append("-+")
         else:
             parts.append(".*?".join(re.escape(piece) for piece in token.split("...")))
     return re.compile(r"\s+".join(parts))
@@ -314,6 +317,7 @@ def test_expected_output_patterns():
     """The matching rules themselves: spacing, ``...`` and ``~`` tokens; a wrong figure fails."""
     assert_output("a   1.0  ~3.2s\nwritten to .../demo.png", "a 1.0 9.9s\nwritten to /x/y/demo.png", "t")
     assert_output("[2. 2.] ...", "[2. 2.] anything", "t")
+    assert_output("---  -----", "--- ---", "t")
     for wrong in ("a 1.1 3.2s", "a 1.0", "a 1.0 3.2s extra"):
         with pytest.raises(AssertionError):
             assert_output("a 1.0 ~3.2s", wrong, "t")
