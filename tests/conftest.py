@@ -86,24 +86,88 @@ def registry_restored():
         _registry._bound.cache_clear()
 
 
+class HostReads:
+    """``with HostReads() as reads:`` counts torch's reads of tensor values by the host in the block.
+
+    At the dispatch level (a ``TorchDispatchMode``): ``aten._local_scalar_dense``, the op behind
+    ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``t.__index__()`` (each a device sync), and
+    copies from another device to the CPU (``.cpu()``, ``.to("cpu")``, ``copy_``). ``.numpy()``
+    (and so ``np.asarray(t)``/``__array__``) and ``.tolist()`` read memory without dispatching an
+    op, so they are counted where Python calls them. ``reads.counts`` says which kind; ``reads.count``
+    is the total. Black-box: nothing of polyamp is patched.
+    """
+
+    def __init__(self):
+        self.counts = {"_local_scalar_dense": 0, "copy_to_cpu": 0, "numpy": 0, "tolist": 0}
+        self._undo = []
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self):
+        torch = pytest.importorskip("torch")
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts, aten = self.counts, torch.ops.aten
+
+        def on_cpu(device) -> bool:
+            return device is not None and torch.device(device).type == "cpu"
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is aten._local_scalar_dense.default:
+                    counts["_local_scalar_dense"] += 1
+                elif func is aten._to_copy.default and on_cpu(kwargs.get("device")) and not args[0].is_cpu:
+                    counts["copy_to_cpu"] += 1
+                elif func is aten.copy_.default and args[0].is_cpu and not args[1].is_cpu:
+                    counts["copy_to_cpu"] += 1
+                return func(*args, **kwargs)
+
+        for name in ("numpy", "tolist"):
+            original, base = torch.Tensor.__dict__.get(name), getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _name=name, _base=base, **kwargs):
+                counts[_name] += 1
+                return _base(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+            self._undo.append((name, original))
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        self._mode.__exit__(*exc)
+        for name, original in reversed(self._undo):
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+        self._undo.clear()
+        return False
+
+
 @pytest.fixture
-def counting_host_reads(monkeypatch):
-    """``with counting_host_reads() as counts:`` counts torch's host reads inside the block:
-    ``.item()``, ``bool(tensor)``, ``.tolist()``, ``.cpu()`` (skips without torch)."""
-    torch = pytest.importorskip("torch")
+def counting_host_reads():
+    """``with counting_host_reads() as counts:`` counts torch's host reads inside the block, by
+    kind (a dict; :class:`HostReads`). Skips without torch."""
+    pytest.importorskip("torch")
 
     @contextlib.contextmanager
     def count():
-        counts = {"item": 0, "__bool__": 0, "tolist": 0, "cpu": 0}
-        for name in counts:
-            original = getattr(torch.Tensor, name)
-
-            def counted(self, *args, _original=original, _name=name, **kwargs):
-                counts[_name] += 1
-                return _original(self, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, name, counted)
-        yield counts
-        monkeypatch.undo()
+        with HostReads() as reads:
+            yield reads.counts
 
     return count
+
+
+@pytest.fixture
+def host_reads():
+    """``with host_reads() as reads:`` ... ``reads.count``: every host read of a torch tensor's
+    value in the block (:class:`HostReads`). Skips without torch."""
+    pytest.importorskip("torch")
+    return HostReads

@@ -31,3 +31,28 @@ def nvcc(check_tool) -> str:
     if path is None:
         pytest.skip("nvcc not found on PATH, $CUDA_HOME or /usr/local/cuda: cannot compile CUDA")
     return path
+
+
+@pytest.fixture(scope="session")
+def torch_amp_update():
+    """``torch_amp_update(state, found, config) -> HostState``: one call of torch's own
+    ``torch._amp_update_scale_`` on CPU tensors, the independent reference for torch's rule
+    (configs with ``backoff_interval=1``, float64 products, no min/max besides polyamp's floor).
+
+    torch lets a backoff fall below float32's smallest normal; polyamp stops at SCALE_FLOOR
+    (docs/rule.md), so the result is ``max(torch's, SCALE_FLOOR)``. torch keeps no backoff
+    tracker: it is 0 under this rule.
+    """
+    torch = pytest.importorskip("torch")
+    from polyamp.config import SCALE_FLOOR
+    from polyamp.policy import HostState
+
+    def update(state, found, config):
+        assert config.backoff_interval == 1 and config.product_dtype == "float64" and config.dynamic
+        scale = torch.tensor([state.scale], dtype=torch.float32)
+        growth = torch.tensor([state.growth_tracker], dtype=torch.int32)
+        torch._amp_update_scale_(scale, growth, torch.tensor([float(found)]),
+                                 config.growth_factor, config.backoff_factor, config.growth_interval)
+        return HostState(max(scale.item(), SCALE_FLOOR), growth.item(), 0)
+
+    return update

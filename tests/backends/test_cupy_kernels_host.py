@@ -285,3 +285,27 @@ def test_update_kernel_floor_is_min_scale_when_set(lib):
     for _ in range(5):
         state = host_update(lib, state, 1.0, config)
     assert state.scale == float(np.float32(0.3))
+
+
+torch_rule_configs = st.builds(
+    LossScaleConfig,
+    init_scale=st.one_of(st.floats(1e-30, 3e38), st.sampled_from([SCALE_FLOOR, 3 * SCALE_FLOOR, 2.0**16])),
+    growth_factor=st.sampled_from([2.0, 1.5, 3.0, 1.0001, 1.1, 10.0]),
+    backoff_factor=st.sampled_from([0.5, 0.3, 0.7, 0.999, 0.1]),
+    growth_interval=st.integers(1, 4),
+    min_scale=st.sampled_from([None, SCALE_FLOOR]),  # the floor: the same rule either way
+    max_scale=st.sampled_from([None, SCALE_CEILING]),  # float32's max: the same rule either way
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=torch_rule_configs, flags=update_flags)
+def test_update_kernel_agrees_with_torchs_own_update(lib, torch_amp_update, config, flags):
+    """The kernel against ``torch._amp_update_scale_`` itself, not only the policy's reference."""
+    state = HostState(float(np.float32(config.init_scale)), 0, 0)
+    for found in flags:
+        want = torch_amp_update(state, found, config)
+        got = host_update(lib, state, found, config)
+        assert np.float32(got.scale).view(np.uint32) == np.float32(want.scale).view(np.uint32), found
+        assert got[1:] == want[1:]
+        state = want

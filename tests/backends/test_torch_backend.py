@@ -164,30 +164,27 @@ def test_torchs_fused_update_is_used_exactly_for_torchs_rule():
         assert not torch_backend._torch_rule(LossScaleConfig(**change)), change
 
 
-def _host_reads(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
+@pytest.fixture
+def reads_of(host_reads):
+    """``reads_of(fn)``: how many times ``fn()`` reads a tensor's value on the host (tests/conftest.py)."""
 
-    class Count(TorchDispatchMode):
-        reads = 0
+    def reads(fn):
+        with host_reads() as counter:
+            fn()
+        return counter.count
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.reads += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.reads
+    return reads
 
 
 @pytest.mark.parametrize("config", [LossScaleConfig(), LossScaleConfig(backoff_interval=3)])
-def test_kernels_do_not_read_the_device(backend, config):
+def test_kernels_do_not_read_the_device(backend, config, reads_of):
     state = LossScaleState(torch.tensor(8.0), torch.tensor(0, dtype=torch.int32),
                            torch.tensor(0, dtype=torch.int32))
     grads, found = [torch.ones(3), torch.ones(2, dtype=torch.float64)], torch.zeros(())
-    assert _host_reads(lambda: backend.unscale_and_check(grads, state.scale, found)) == 0
-    assert _host_reads(lambda: backend.update_scale(state, found, config)) == 0
-    assert _host_reads(lambda: backend.all_finite(grads)) == 0
-    assert _host_reads(lambda: backend.read_flag(found)) == 1
+    assert reads_of(lambda: backend.unscale_and_check(grads, state.scale, found)) == 0
+    assert reads_of(lambda: backend.update_scale(state, found, config)) == 0
+    assert reads_of(lambda: backend.all_finite(grads)) == 0
+    assert reads_of(lambda: backend.read_flag(found)) == 1
 
 
 def test_small_kernels(backend):
@@ -217,3 +214,31 @@ def test_inverse_scale_is_float32_of_the_float64_reciprocal(scale):
         expected = np.float32(1.0 / np.float64(np.float32(scale)))
     assert got.dtype == torch.float32
     assert got.numpy().view(np.int32) == expected.view(np.int32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    init=st.one_of(st.floats(1e-30, 3e38), st.sampled_from([2.0**-126, 3 * 2.0**-126, 2.0**16])),
+    factors=st.sampled_from([(2.0, 0.5), (1.5, 0.3), (3.0, 0.7), (1.0001, 0.999), (10.0, 0.1)]),
+    interval=st.integers(1, 4),
+    bounds=st.sampled_from([{}, {"min_scale": 2.0**-126}, {"max_scale": float(np.finfo(np.float32).max)},
+                            {"min_scale": 2.0**-126, "max_scale": float(np.finfo(np.float32).max)}]),
+    flags=st.lists(st.sampled_from([0.0, 1.0, math.nan, math.inf]), max_size=25),
+)
+def test_update_scale_agrees_with_torchs_own_update(backend, torch_amp_update, init, factors, interval,
+                                                    bounds, flags):
+    """Both of the backend's update paths against ``torch._amp_update_scale_`` called directly:
+    torch's fused one, and the rule as tensor ops, which a floor or ceiling equal to polyamp's own
+    selects (the same rule, so the same bits)."""
+    config = LossScaleConfig(init_scale=init, growth_factor=factors[0], backoff_factor=factors[1],
+                             growth_interval=interval, **bounds)
+    assert torch_backend._torch_rule(config) == (not bounds)
+    state = LossScaleState(torch.tensor(np.float32(init)), torch.tensor(0, dtype=torch.int32),
+                           torch.tensor(0, dtype=torch.int32))
+    want = HostState(float(np.float32(init)), 0, 0)
+    for found in flags:
+        want = torch_amp_update(want, found, config)
+        state = backend.update_scale(state, torch.tensor(found, dtype=torch.float32), config)
+        got = HostState(state.scale.item(), state.growth_tracker.item(), state.backoff_tracker.item())
+        assert np.float32(got.scale).view(np.uint32) == np.float32(want.scale).view(np.uint32), found
+        assert got[1:] == want[1:]

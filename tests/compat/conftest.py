@@ -1,4 +1,4 @@
-"""Fixtures for the facade tests: the side-by-side training helpers, and a host-sync counter."""
+"""Fixtures for the facade tests: the side-by-side training helpers (host_reads: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -26,25 +26,3 @@ def pair():
     """The side-by-side training helpers of tests/compat/_torch_pair.py."""
     pytest.importorskip("torch")
     return load_pair_module()
-
-
-@pytest.fixture
-def host_reads():
-    """A context manager counting reads of tensor values by the host (.item(), bool(t), ...).
-
-    Every such read runs aten._local_scalar_dense, the op behind a device synchronisation.
-    """
-    torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class HostReads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                self.count += 1
-            return func(*args, **(kwargs or {}))
-
-    return HostReads

@@ -169,3 +169,78 @@ def test_data_parallel_on_three_gloo_ranks(run_gloo):
 
 def test_data_parallel_under_mpirun(run_mpi):
     check_runs(run_mpi(data_parallel, 3, "mpi", ("numpy",)).results(), ("numpy",))
+
+
+# -- an independent reference: torch DDP + torch.amp.GradScaler --------------------------------------
+def mlp():
+    """A two-layer network, the same initial weights on every rank (seeded)."""
+    import torch
+
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(D, 8), torch.nn.Tanh(), torch.nn.Linear(8, K))
+
+
+def torch_half_mse(output, target):
+    return ((output - target) ** 2).sum() / (2 * output.shape[0])
+
+
+def trainer_and_ddp(rank: int, size: int) -> dict:
+    """The same model, data and steps through MixedPrecisionTrainer(reducer=) and through torch
+    DDP + torch.amp.GradScaler, on this rank's shard; per step: skipped, scale, weights."""
+    import torch
+    import torch.distributed as dist
+
+    from polyamp import LossScaleConfig, MixedPrecisionTrainer
+    from polyamp.distributed import reducer
+
+    rows = slice(rank * B // size, (rank + 1) * B // size)
+    model = mlp()
+    trainer = MixedPrecisionTrainer(model, torch.optim.SGD(model.parameters(), lr=LR), "float32",
+                                    LossScaleConfig(init_scale=INIT_SCALE, growth_interval=GROWTH),
+                                    reducer=reducer("torch"))
+    ddp = torch.nn.parallel.DistributedDataParallel(mlp())
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH)
+    out: dict = {"polyamp": [], "torch": []}
+    for step in range(STEPS):
+        x, t = (torch.from_numpy(a[rows].copy()) for a in batch_at(step))
+        metrics = trainer.train_step(x, t, torch_half_mse)
+        out["polyamp"].append((metrics.skipped, metrics.loss_scale,
+                               [p.detach().numpy().copy() for p in model.parameters()]))
+        opt.zero_grad()
+        scale = scaler.get_scale()
+        scaler.scale(torch_half_mse(ddp(x), t)).backward()
+        before = [p.detach().clone() for p in ddp.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        skipped = all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
+        out["torch"].append((skipped, scale, [p.detach().numpy().copy() for p in ddp.module.parameters()]))
+    dist.barrier()
+    return out
+
+
+def test_trainer_matches_torch_ddp_and_gradscaler_bitwise(run_gloo):
+    """MixedPrecisionTrainer(reducer=) on 2 gloo ranks against DDP + torch.amp.GradScaler: the
+    same skips and scales, and bitwise-equal weights on every rank at every step.
+
+    Bitwise because the arithmetic is the same: float32 throughout (no autocast), every scale a
+    power of two and 2 ranks, so the trainer's ``scale * (loss / 2)`` and DDP's gradient divided
+    by 2 are the same exact multiples of the unscaled gradient (no rounding); each rank's
+    backward runs the same kernels on the same shard; the all-reduce adds the same two float32
+    values (a + b == b + a); unscaling multiplies by an exact power of two; both step the same
+    torch SGD. An inf in the last rank's shard at BAD_STEP must skip that step on both ranks.
+    """
+    results = run_gloo(trainer_and_ddp, 2).results()
+    expected = [s == BAD_STEP for s in range(STEPS)]
+    for rank, out in enumerate(results):
+        ours, theirs = out["polyamp"], out["torch"]
+        assert [s for s, _, _ in theirs] == expected, rank
+        assert [s for s, _, _ in ours] == expected, rank
+        assert [c for _, c, _ in ours] == [c for _, c, _ in theirs], rank
+        assert len({c for _, c, _ in ours}) > 1  # the scale grew and backed off
+        for step, ((_, _, mine), (_, _, ref)) in enumerate(zip(ours, theirs, strict=True)):
+            for a, b in zip(mine, ref, strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"rank {rank}, step {step}")
+        for step in range(STEPS):
+            for a, b in zip(ours[step][2], results[0]["polyamp"][step][2], strict=True):
+                np.testing.assert_array_equal(a, b)

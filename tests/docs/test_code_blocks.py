@@ -8,13 +8,26 @@ it runs on its own (so it must be self-contained) and skips with the reason wher
 that needs trainer frameworks (the ``integrations`` extra): where one is absent the block is
 skipped and the page's test reports it skipped, with the reason, after running the others.
 Marks combine, space-separated: ``<!-- test: processes=2 needs=lightning -->``.
+
+What a page shows a block printing is checked against what it prints, so no figure goes stale:
+a ``print(...)  # out`` line's comment is that call's output; a ``text`` block introduced by a
+line "prints" is the whole output of the python block before it; a ``text`` block preceded by
+``<!-- test: output-of-command -->`` is the stdout of the one-line ``bash`` block before it, run
+as written in a temporary folder (slow). In expected output, runs of spaces match any spacing
+and a table's rule of dashes any width (tables may be re-aligned), ``...`` matches any text
+within a line, and a token written with a leading ``~`` (``~1.4s``) matches any token: the
+visible mark for values that vary by machine.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
+import io
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,21 +41,76 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"(?:<!--\s*test:\s*(?P<mark>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
 
 
+TEXT = re.compile(
+    r"(?P<lead>[^\n]*)\n\n(?:<!--\s*test:\s*(?P<mark>[^>]*?)\s*-->\s*\n)?```text\n(?P<out>.*?)```", re.S
+)
+BASH = re.compile(r"```bash\n(?P<code>.*?)```", re.S)
+PRINT = re.compile(r"^\s*print\(.*\)\s{2,}#\s(?P<out>.+)$")
+
+
 @dataclass(frozen=True)
 class Block:
     page: Path
     line: int
     code: str
     mark: str
+    output: str | None = None  # what the page shows the whole block printing ("prints" + text block)
 
 
 def blocks_of(page: Path) -> list[Block]:
     text = page.read_text()
-    return [
-        Block(page, text.count("\n", 0, m.start("code")) + 1, m.group("code"),
-              (m.group("mark") or "").strip())
-        for m in FENCE.finditer(text)
-    ]
+    found = [(m.end(), m.start("code"), m.group("code"), (m.group("mark") or "").strip())
+             for m in FENCE.finditer(text)]
+    shown = {}
+    for m in TEXT.finditer(text):
+        before = [end for end, *_ in found if end <= m.start()]
+        if m.group("lead").strip() in ("prints", "prints:") and before:
+            shown[before[-1]] = m.group("out")
+    return [Block(page, text.count("\n", 0, start) + 1, code, mark, shown.get(end))
+            for end, start, code, mark in found]
+
+
+def command_outputs(page: Path) -> list[tuple[int, str, str]]:
+    """``(line, command, shown output)`` for each text block marked ``output-of-command``."""
+    text, out = page.read_text(), []
+    for m in TEXT.finditer(text):
+        if (m.group("mark") or "").strip() == "output-of-command":
+            commands = [b for b in BASH.finditer(text) if b.end() <= m.start()]
+            assert commands, f"{page.name}: an output-of-command block with no bash block before it"
+            lines = commands[-1].group("code").strip().splitlines()
+            assert len(lines) == 1, f"{page.name}: the bash block before an output must be one command"
+            command = lines[0].partition("  #")[0].strip()
+            out.append((text.count("\n", 0, m.start("out")) + 1, command, m.group("out")))
+    return out
+
+
+def _pattern(expected: str) -> re.Pattern:
+    """A regex for one line of expected output (see the module docstring)."""
+    parts = []
+    for token in expected.split():
+        if token.startswith("~") and len(token) > 1:
+            parts.append(r"\S+")
+        elif len(token) > 1 and set(token) == {"-"}:  # a table's rule: as wide as its column
+            parts.append("-+")
+        else:
+            parts.append(".*?".join(re.escape(piece) for piece in token.split("...")))
+    return re.compile(r"\s+".join(parts))
+
+
+def assert_output(expected: str, actual: str, where: str) -> None:
+    """``actual`` matches the page's ``expected`` output, line by line."""
+    want = [line for line in expected.strip("\n").splitlines()]
+    got = [line for line in actual.strip("\n").splitlines()]
+    detail = f"{where}: the page shows\n{expected}\nbut it printed\n{actual}"
+    assert len(want) == len(got), detail
+    for w, g in zip(want, got):
+        assert _pattern(w).fullmatch(g.strip()), f"{detail}\n(first difference: {w!r} vs {g!r})"
+
+
+def expected_prints(block: Block) -> dict[int, str]:
+    """{line in the block: output shown in its comment} for ``print(...)  # output`` lines."""
+    return {i: m.group("out") for i, line in enumerate(block.code.splitlines(), 1)
+            if (m := PRINT.match(line))}
 
 
 def _cuda_reason() -> str | None:
@@ -155,10 +223,55 @@ def _marks(block: Block) -> dict[str, str]:
 
 
 def _exec(block: Block, namespace: dict) -> None:
+    """Run the block; then check what it printed against what the page shows."""
+    filename = f"{block.page}:{block.line}"
+    everything, by_line = io.StringIO(), {}
+
+    def recording_print(*args, **kwargs):  # print's output, by the block's line that called it
+        if kwargs.get("file") is not None:
+            return builtins.print(*args, **kwargs)
+        text = io.StringIO()
+        builtins.print(*args, **{**kwargs, "file": text})
+        caller = sys._getframe(1)
+        if caller.f_code.co_filename == filename:
+            by_line[caller.f_lineno] = by_line.get(caller.f_lineno, "") + text.getvalue()
+        everything.write(text.getvalue())
+        sys.stdout.write(text.getvalue())
+
+    namespace["print"] = recording_print
+    stdout = sys.stdout
+    sys.stdout = tee = _Tee(everything, stdout)
     try:
-        exec(compile(block.code, f"{block.page}:{block.line}", "exec"), namespace)
+        exec(compile(block.code, filename, "exec"), namespace)
     except Exception as exc:
         raise AssertionError(f"the block at {block.page.name}:{block.line} failed: {exc!r}") from exc
+    finally:
+        sys.stdout = stdout
+        namespace.pop("print", None)
+    for line, shown in expected_prints(block).items():
+        where = f"{block.page.name}:{block.line + line - 1}"
+        assert line in by_line, f"{where}: this print(...) never ran"
+        assert_output(shown, by_line[line], where)
+    if block.output is not None:
+        assert_output(block.output, tee.text(), f"{block.page.name}:{block.line} (the text block after it)")
+
+
+class _Tee(io.TextIOBase):
+    """sys.stdout during a block: what anything writes (print, a CLI's output) is kept."""
+
+    def __init__(self, keep: io.StringIO, real) -> None:
+        self._keep, self._real = keep, real
+
+    def write(self, text: str) -> int:
+        if sys._getframe(1).f_code.co_name != "recording_print":  # print's text is kept already
+            self._keep.write(text)
+        return self._real.write(text)
+
+    def flush(self) -> None:
+        self._real.flush()
+
+    def text(self) -> str:
+        return self._keep.getvalue()
 
 
 GPU_BLOCKS = [b for p in PAGES for b in blocks_of(p) if "gpu" in _marks(b)]
@@ -179,3 +292,34 @@ def test_every_block_is_found():
     for page in PAGES:
         text = page.read_text()
         assert len(blocks_of(page)) == text.count("```python\n"), page
+
+
+COMMANDS = [(p, *c) for p in PAGES for c in command_outputs(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "line", "command", "shown"), COMMANDS,
+                         ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, *_ in COMMANDS])
+def test_command_output_is_what_the_page_shows(page, line, command, shown, tmp_path):
+    """The command as the page writes it, in a fresh folder (folders of its --output made)."""
+    words = shlex.split(command)
+    for i, word in enumerate(words[:-1]):
+        if word == "--output":
+            (tmp_path / words[i + 1]).parent.mkdir(parents=True, exist_ok=True)
+    exe = shutil.which(words[0], path=str(Path(sys.executable).parent)) or shutil.which(words[0])
+    assert exe, f"{page.name}:{line}: {words[0]} is not installed"
+    done = subprocess.run([exe, *words[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_output(shown, done.stdout, f"{page.name}:{line} ({command})")
+
+
+def test_expected_output_patterns():
+    """The matching rules themselves: spacing, ``...`` and ``~`` tokens; a wrong figure fails."""
+    assert_output("a   1.0  ~3.2s\nwritten to .../demo.png", "a 1.0 9.9s\nwritten to /x/y/demo.png", "t")
+    assert_output("[2. 2.] ...", "[2. 2.] anything", "t")
+    assert_output("---  -----", "--- ---", "t")
+    for wrong in ("a 1.1 3.2s", "a 1.0", "a 1.0 3.2s extra"):
+        with pytest.raises(AssertionError):
+            assert_output("a 1.0 ~3.2s", wrong, "t")
+    with pytest.raises(AssertionError):
+        assert_output("one\ntwo", "one", "t")

@@ -1,0 +1,120 @@
+"""One host read per applied step, counted at torch's dispatch level around public calls.
+
+The counter (``host_reads``, tests/conftest.py) sees every way a tensor's value reaches the host:
+``_local_scalar_dense`` (``.item()``, ``float``/``int``/``bool``/``__index__``), copies to the CPU,
+``.numpy()``/``np.asarray`` and ``.tolist()``. With a reducer, the agreement runs its GPU-side
+path (the fingerprint built and checked on the device) for device arrays; it is forced here on
+CPU tensors, as in tests/distributed/test_fingerprint.py. On CPU tensors the host path reads
+CPU scalars freely (no device to wait for), so counts are asserted on the device-side path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from polyamp.compat.paddle import GradScaler as PaddleGradScaler  # noqa: E402
+from polyamp.compat.torch import GradScaler, ShardedGradScaler  # noqa: E402
+
+from polyamp import LossScaleConfig, LossScaler  # noqa: E402
+from polyamp.distributed import Reducer  # noqa: E402
+
+
+class Twins(Reducer):
+    """Two ranks holding the same values: a sum is twice this rank's (exact), so ranks agree."""
+
+    def __init__(self):
+        super().__init__("twins", 0, 2, None)
+
+    def _prepare(self, array):
+        return array
+
+    def _allreduce(self, buffer, op):
+        if op == "sum":
+            buffer *= self.size
+
+    def _barrier(self):
+        pass
+
+
+@pytest.fixture
+def device_side(monkeypatch):
+    """The agreement's device-side path on CPU tensors (how tests/distributed/test_fingerprint.py
+    forces it; if the agreement module is renamed, update it there and here)."""
+    import polyamp._agreement as agreement
+
+    monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
+
+
+def test_the_counter_sees_every_kind_of_read(host_reads):
+    t, v = torch.tensor(3.0), torch.ones(3)
+    reads = {
+        "item": lambda: t.item(), "float": lambda: float(t), "int": lambda: int(t), "bool": lambda: bool(t),
+        "index": lambda: [0, 1, 2, 3][t.int()], "tolist": lambda: v.tolist(), "numpy": lambda: v.numpy(),
+        "asarray": lambda: np.asarray(v), "from meta": lambda: torch.empty(2, device="meta").to("cpu"),
+    }
+    for name, read in reads.items():
+        with host_reads() as counter:
+            try:
+                read()
+            except NotImplementedError:  # a meta tensor has no data: the copy is counted before that
+                pass
+        assert counter.count == 1, name
+    with host_reads() as counter:
+        (v * 2 + t).sum()
+        v.cpu()  # already on the CPU: no copy
+    assert counter.count == 0
+    assert v.tolist() == [1.0, 1.0, 1.0]  # the patches are gone
+
+
+def _grads():
+    return [torch.full((3,), 2.0), torch.ones(2, dtype=torch.float64)]
+
+
+def _engine_reads(host_reads, scaler, steps=4):
+    counts = []
+    for _ in range(steps):
+        with host_reads() as counter:
+            assert scaler.step(_grads(), lambda: None)
+        with host_reads() as in_update:
+            scaler.update()
+        counts.append((counter.count, in_update.count))
+    return counts
+
+
+def test_engine_reads_once_per_applied_step_on_the_device_side_agreement(host_reads, device_side):
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2), reducer=Twins())
+    assert _engine_reads(host_reads, scaler) == [(1, 0)] * 4  # growth steps included
+
+
+def test_engine_reads_once_per_applied_step_without_a_reducer(host_reads):
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2))
+    assert _engine_reads(host_reads, scaler) == [(1, 0)] * 4
+
+
+def _facade_reads(host_reads, scaler, steps=4):
+    torch.manual_seed(0)
+    single, double = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2).double()  # two dtypes
+    opt = torch.optim.SGD([*single.parameters(), *double.parameters()], lr=0.1)
+    counts = []
+    for _ in range(steps):
+        x = torch.ones(1, 3)
+        scaler.scale(single(x).sum() + double(x.double()).sum().float()).backward()
+        with host_reads() as in_step:
+            scaler.step(opt)
+        with host_reads() as in_update:
+            scaler.update()
+        opt.zero_grad()
+        counts.append((in_step.count, in_update.count))
+    return counts
+
+
+@pytest.mark.parametrize("make", [
+    lambda: GradScaler("cpu", init_scale=8.0, growth_interval=2),
+    lambda: ShardedGradScaler("cpu", init_scale=8.0, growth_interval=2, process_group=Twins()),
+    lambda: PaddleGradScaler(init_loss_scaling=8.0, incr_every_n_steps=2, reducer=Twins()),
+], ids=["torch", "torch-sharded", "paddle"])
+def test_facades_read_once_per_applied_step_on_the_device_side_agreement(host_reads, device_side, make):
+    assert _facade_reads(host_reads, make()) == [(1, 0)] * 4
