@@ -13,15 +13,18 @@ from polyamp._errors import ForeignArrayError
 from polyamp.adapters import iter_params
 from polyamp.backend import Backend
 
-_FP16: dict[Any, bool] = {}  # dtype -> is it float16; dtypes are few, so this stays tiny
+# (dtype type, dtype) -> is it float16; dtypes are few, so this stays tiny. Keyed by the type too, so a
+# lookup never compares the dtypes of two libraries (array-api-strict warns when one is compared).
+_FP16: dict[tuple[type, Any], bool] = {}
 
 
 def is_fp16(array_or_dtype: Any) -> bool:
     """Whether an array (or a dtype) is IEEE float16: torch.float16 or numpy/cupy float16."""
     dtype = getattr(array_or_dtype, "dtype", array_or_dtype)
-    known = _FP16.get(dtype)
+    key = (type(dtype), dtype)
+    known = _FP16.get(key)
     if known is None:
-        known = _FP16[dtype] = str(dtype).rsplit(".", 1)[-1] == "float16"
+        known = _FP16[key] = str(dtype).rsplit(".", 1)[-1] == "float16"
     return known
 
 

@@ -118,7 +118,7 @@ class ShardedMethods:
         """
         agreement, iteration = self._agreed(), self._engine.iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
-        return iteration.agree_flag(iteration.unscale(grads, check_only=check_only))  # 0 without grads
+        return iteration.agree_flag(iteration.unscale(grads, check_only=check_only, owned=True))  # 0 if none
 
     def _agree_own_flag(self, flag: Any) -> Any:
         """A flag an ``_unscale_grads_`` override computed itself, agreed over the group (one collective)."""

@@ -156,7 +156,9 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
 
         Unscales ``grads`` in place unless ``check_only``. ShardedGradScaler agrees here.
         """
-        return self._engine.iteration.unscale(grads, check_only=check_only) if grads else None
+        if not grads:
+            return None
+        return self._engine.iteration.unscale(grads, check_only=check_only, owned=True)  # by collect_grads
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""

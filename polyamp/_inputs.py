@@ -26,7 +26,8 @@ _NOT_IN_PLACE = (np.generic, np.matrix, int, float, complex)
 #: The dtypes a gradient may have, by the last word of ``str(dtype)`` (numpy, torch, paddle, ...).
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 _DTYPE = operator.attrgetter("dtype")
-_FLOATING_SEEN: set[Any] = set()  # dtype objects already found floating (hashable dtypes only)
+# (dtype type, dtype) already found floating; the type keeps two libraries' dtypes from being compared
+_FLOATING_SEEN: set[tuple[type, Any]] = set()
 
 
 def iterable(
@@ -65,10 +66,11 @@ def check_floating(arrays: list[Any], where: str) -> None:
     except (AttributeError, TypeError):  # not arrays, or unhashable dtypes: the backend refuses them
         return
     for dtype, grad in by_dtype.items():
-        if dtype in _FLOATING_SEEN:
+        key = (type(dtype), dtype)
+        if key in _FLOATING_SEEN:
             continue
         if short_name(dtype) in FLOATING:
-            _FLOATING_SEEN.add(dtype)  # a few dtypes: checked by name once each
+            _FLOATING_SEEN.add(key)  # a few dtypes: checked by name once each
         else:
             raise ForeignArrayError(
                 f"{where} got a gradient that is not floating-point ({describe(grad)}); loss scaling, "

@@ -140,21 +140,30 @@ class Iteration:
         self.checks = Checks()
 
     # -- checking -------------------------------------------------------------------------
-    def unscale(self, grads: Iterable[Any], *, check_only: bool = False, where: str = "unscale_()") -> Any:
+    def unscale(self, grads: Iterable[Any], *, check_only: bool = False, where: str = "unscale_()",
+                owned: bool = False) -> Any:
         """Divide one group of gradients by the scale in place (``check_only``: only check them);
         return the group's device flag, added to :attr:`checks`. No host synchronisation.
 
-        ``grads`` may be a mapping name -> gradient (names in reports).
+        ``grads`` may be a mapping name -> gradient (names in reports). ``owned``: a list of arrays
+        the caller has already found to be of the bound backend (the torch facade's
+        ``collect_grads``), so only their dtypes are checked here, not their types again.
         """
         self._refuse_after_agreement("unscale_()")
         given, names = (list(grads.values()), list(map(str, grads))) if isinstance(grads, Mapping) else (
             grads, None)
         if self.diagnose:
             given = list(given)  # read twice: checked here, named for the report below
-        arrays = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
+        if owned and self.backend is not None and self.state is not None:
+            arrays = given
+            _inputs.check_floating(arrays, where)
+        else:
+            arrays = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
+            owned = False
         if arrays:
             backend = self.bind(arrays[0])
-            _inputs.check_owned(arrays, backend, where)
+            if not owned:
+                _inputs.check_owned(arrays, backend, where)
             state = self.state
         else:
             backend, state = self.ready()

@@ -147,9 +147,6 @@ def _available(name):
     return any(i.name == name and i.available for i in polyamp.available_backends())
 
 
-# compat/_torch_grads.py caches is_fp16 by dtype object, so a NumPy dtype after an array-api-strict
-# one (or the reverse) compares the two and array_api_strict warns: test_dtype_cache_across_libraries.
-@pytest.mark.filterwarnings("ignore:You are comparing a array_api_strict dtype")
 @pytest.mark.parametrize("backend", [
     "array_api",
     pytest.param("numpy", marks=pytest.mark.skipif(not _available("numpy"), reason="no numpy backend")),
@@ -181,8 +178,6 @@ def test_the_plans_cover_what_they_claim():
     assert max(len(hits) for hits in plan("mixed", 4).values()) > 1
 
 
-@pytest.mark.xfail(strict=True, reason="bug: compat/_torch_grads.py's dtype cache compares dtypes of two "
-                   "libraries (key it by (type(dtype), dtype)); remove this mark once fixed")
 def test_dtype_cache_across_libraries():
     """The torch facade over array-api-strict arrays, then over NumPy arrays, in one process: no warning."""
     import warnings
