@@ -140,7 +140,7 @@ class Agreement:
         _, _, c1, c2 = self._config  # type: ignore[misc]  # the config's shares, made by _next
         d1, d2 = fp.shares(mine[1:], first=1)
         four_d = 4.0 * ((d1 + c1) % fp.P1 * 2**25 + (d2 + c2) % fp.P2)  # exact: below 2**52
-        f = 1.0 if float(found_inf) > 0 else 0.0  # 0-d, in host memory: no sync
+        f = 0.0 if float(found_inf) == 0 else 1.0  # non-zero (NaN too) as read_flag; 0-d on the host: no sync
         size = fp.HEAD + extras * red.size
         message = self._messages.get(size)
         if message is None:

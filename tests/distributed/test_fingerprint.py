@@ -300,3 +300,23 @@ def test_the_device_path_on_torch_tensors_raises_before_applying(monkeypatch):
     with pytest.raises(RankMismatchError, match="scale 2\\*\\*1 on this rank, scale 2\\*\\*3 on the other"):
         scaler.step([g.clone() for g in grads], lambda: applied.append(1))
     assert applied == [0]
+
+
+@pytest.mark.parametrize("flag", [float("nan"), -1.0, 0.5])
+def test_a_non_zero_recorded_flag_skips_alone_and_across_ranks(path, flag):
+    """Non-zero (NaN too) is a bad step, as the local read_flag says: on the host and device paths."""
+    def step(scaler: LossScaler, flag: float | None, applied: list[int]) -> bool:
+        if flag is not None:
+            scaler.record_found_inf(np.float32(flag))
+        skipped = scaler.step([np.full(3, 8.0, np.float32)], lambda: applied.append(1)).skipped
+        scaler.update()
+        return bool(skipped)
+
+    alone: list[int] = []
+    assert step(LossScaler(LossScaleConfig(init_scale=4.0)), flag, alone) and alone == []
+    peer = Recorder()
+    assert not step(LossScaler(LossScaleConfig(init_scale=4.0), reducer=peer), None, [])
+    applied: list[int] = []
+    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=PairedWith(peer))
+    assert step(scaler, flag, applied)
+    assert applied == [] and scaler.get_scale() == 2.0
