@@ -357,10 +357,12 @@ def _host_view(array: Any) -> np.ndarray | None:
 
 
 def _host(array: Any) -> Any:
+    """Host values of a host array: a view where one is free, else its backend's ``to_numpy``
+    (a bfloat16 or requires-grad CPU tensor has no NumPy view)."""
     if isinstance(array, bool):
         return float(array)
     view = _host_view(array)
-    return view if view is not None else array
+    return view if view is not None else backend_of(array).to_numpy(array)
 
 
 def _new_flag(like: Any, value: float) -> Any:

@@ -320,3 +320,16 @@ def test_a_non_zero_recorded_flag_skips_alone_and_across_ranks(path, flag):
     scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=PairedWith(peer))
     assert step(scaler, flag, applied)
     assert applied == [] and scaler.get_scale() == 2.0
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "requires_grad"])
+def test_extra_values_of_cpu_tensors_without_a_numpy_view_are_agreed(path, kind):
+    """A bfloat16 or requires-grad CPU tensor has no NumPy view: its values still travel."""
+    torch = pytest.importorskip("torch")
+    extra = torch.tensor([3.0, 4.0], dtype=torch.bfloat16 if kind == "bfloat16" else torch.float32,
+                         requires_grad=kind == "requires_grad") * 1
+    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=Recorder())
+    scaler.unscale_([torch.ones(2)])
+    agreed = scaler.agree_(extra=extra)
+    assert agreed.extra.dtype == extra.dtype and agreed.extra.tolist() == [3.0, 4.0]
+    assert float(agreed.found_inf) == 0.0
