@@ -140,7 +140,7 @@ class Agreement:
         _, _, c1, c2 = self._config  # type: ignore[misc]  # the config's shares, made by _next
         d1, d2 = fp.shares(mine[1:], first=1)
         four_d = 4.0 * ((d1 + c1) % fp.P1 * 2**25 + (d2 + c2) % fp.P2)  # exact: below 2**52
-        f = 1.0 if float(found_inf) > 0 else 0.0  # 0-d, in host memory: no sync
+        f = 0.0 if float(found_inf) == 0 else 1.0  # non-zero (NaN too) as read_flag; 0-d on the host: no sync
         size = fp.HEAD + extras * red.size
         message = self._messages.get(size)
         if message is None:
@@ -357,10 +357,12 @@ def _host_view(array: Any) -> np.ndarray | None:
 
 
 def _host(array: Any) -> Any:
+    """Host values of a host array: a view where one is free, else its backend's ``to_numpy``
+    (a bfloat16 or requires-grad CPU tensor has no NumPy view)."""
     if isinstance(array, bool):
         return float(array)
     view = _host_view(array)
-    return view if view is not None else array
+    return view if view is not None else backend_of(array).to_numpy(array)
 
 
 def _new_flag(like: Any, value: float) -> Any:

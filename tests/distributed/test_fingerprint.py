@@ -300,3 +300,38 @@ def test_the_device_path_on_torch_tensors_raises_before_applying(monkeypatch):
     with pytest.raises(RankMismatchError, match="scale 2\\*\\*1 on this rank, scale 2\\*\\*3 on the other"):
         scaler.step([g.clone() for g in grads], lambda: applied.append(1))
     assert applied == [0]
+
+
+@pytest.mark.parametrize("flag", [float("nan"), -1.0, 0.5])
+def test_a_non_zero_recorded_flag_skips_alone_and_across_ranks(path, flag):
+    """Non-zero (NaN too) is a bad step, as the local read_flag says: on the host and device paths."""
+    def step(scaler: LossScaler, flag: float | None, applied: list[int]) -> bool:
+        if flag is not None:
+            scaler.record_found_inf(np.float32(flag))
+        skipped = scaler.step([np.full(3, 8.0, np.float32)], lambda: applied.append(1)).skipped
+        scaler.update()
+        return bool(skipped)
+
+    alone: list[int] = []
+    assert step(LossScaler(LossScaleConfig(init_scale=4.0)), flag, alone) and alone == []
+    peer = Recorder()
+    assert not step(LossScaler(LossScaleConfig(init_scale=4.0), reducer=peer), None, [])
+    applied: list[int] = []
+    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=PairedWith(peer))
+    assert step(scaler, flag, applied)
+    assert applied == [] and scaler.get_scale() == 2.0
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "requires_grad"])
+def test_extra_values_of_cpu_tensors_without_a_numpy_view_are_agreed(path, kind):
+    """A bfloat16 or requires-grad CPU tensor has no NumPy view: its values still travel."""
+    torch = pytest.importorskip("torch")
+    if path == "device" and kind == "requires_grad":
+        pytest.skip("the device path keeps autograd on the message (this test's Recorder reads it as NumPy)")
+    extra = torch.tensor([3.0, 4.0], dtype=torch.bfloat16 if kind == "bfloat16" else torch.float32,
+                         requires_grad=kind == "requires_grad") * 1
+    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=Recorder())
+    scaler.unscale_([torch.ones(2)])
+    agreed = scaler.agree_(extra=extra)
+    assert agreed.extra.dtype == extra.dtype and agreed.extra.tolist() == [3.0, 4.0]
+    assert float(agreed.found_inf) == 0.0
