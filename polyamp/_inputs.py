@@ -164,26 +164,27 @@ def scale_value(value: Any) -> float:
     return check_scale("value", value)
 
 
-def flag_value(found_inf: Any, backend: Backend | None) -> Any:
+def flag_value(found_inf: Any, backend: Backend | None, where: str = "update()", name: str = "found_inf"
+               ) -> Any:
     """``found_inf`` as a host bool, or the array itself when ``backend`` (if bound) owns it."""
     if isinstance(found_inf, (bool, np.bool_)):
         return bool(found_inf)
     if not hasattr(found_inf, "shape"):
         raise TypeError(
-            f"update() needs found_inf to be True/False or a flag array, got "
-            f"found_inf={short_repr(found_inf)} ({type(found_inf).__name__}). "
-            "Fix: pass found_inf=True/False, or leave it out to use this iteration's checks."
+            f"{where} needs {name} to be True/False or a flag array, got "
+            f"{name}={short_repr(found_inf)} ({type(found_inf).__name__}). "
+            f"Fix: pass {name}=True/False or a one-element flag array (non-zero: a bad step)."
         )
     shape = tuple(found_inf.shape)
     if math.prod(shape) != 1:
         raise ConfigError(
-            f"update() needs found_inf to be True/False or a one-element flag array, got an array "
+            f"{where} needs {name} to be True/False or a one-element flag array, got an array "
             f"of shape {shape}. Fix: pass the flag unscale_() returned, or reduce yours first "
             "(e.g. flags.any())."
         )
     if backend is not None and not backend.owns_array(found_inf):
         raise ForeignArrayError(
-            f"update() got found_inf of type {type(found_inf).__module__}.{type(found_inf).__name__}, "
+            f"{where} got {name} of type {type(found_inf).__module__}.{type(found_inf).__name__}, "
             f"which is not an array of the bound backend {backend.name!r}. Fix: pass the flag "
             "unscale_() returned, or True/False."
         )

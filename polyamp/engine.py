@@ -221,7 +221,12 @@ class LossScaler:
         """Add a device flag (non-zero = bad step, e.g. a non-finite gradient norm) to the
         iteration's pending check, so the coming skip decision counts it. No host synchronisation.
         """
-        self._iteration.record(flag)
+        iteration = self._iteration
+        flag = _inputs.flag_value(flag, iteration.backend, "record_found_inf()", "flag")
+        if isinstance(flag, bool):  # on the state's device, as a flag array
+            backend, state = iteration.ready()
+            flag = backend.full(float(flag), "float32", state.scale)
+        iteration.record(flag)
 
     def agree_(self, extra: Any = None) -> Agreed:
         """Sum this iteration's overflow check over the ranks now, with ``extra`` in the same collective.
@@ -242,6 +247,12 @@ class LossScaler:
                 f"agree_() was called {when} in this iteration (global_norm and clip_grad_norm_ with a "
                 "distributed scaler= call it). Fix: call it once, after unscale_(grads) and before "
                 f"step() (the loop is `{_LOOP}`)."
+            )
+        if extra is not None and not hasattr(extra, "shape"):
+            raise TypeError(
+                "agree_() needs extra to be an array of at most two values (in the gradients' library, "
+                f"e.g. a sum of squares pair), got extra={_inputs.short_repr(extra)} "
+                f"({type(extra).__name__}). Fix: pass e.g. xp.stack([s, s / h**2]), or leave extra out."
             )
         return self._iteration.agree(extra)
 

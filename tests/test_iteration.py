@@ -118,3 +118,21 @@ def test_every_shell_drives_the_same_iteration_type():
     paddle_scaler = PaddleScaler()
     for shell in (LossScaler(), torch_scaler.engine, paddle_scaler.engine):
         assert type(shell.iteration) is Iteration
+
+
+@pytest.mark.parametrize("flag, error", [("x", TypeError), (None, TypeError), (np.ones(3), ValueError)])
+def test_record_found_inf_refuses_what_is_no_flag_naming_it(flag, error):
+    scaler = LossScaler(backend="numpy")
+    scaler.unscale_([np.ones(2, np.float32)])
+    with pytest.raises(error, match="record_found_inf\\(\\) needs flag"):
+        scaler.record_found_inf(flag)
+    scaler.record_found_inf(True)  # a host bool is a flag too
+    assert scaler.step([], lambda: None).skipped
+
+
+def test_agree_refuses_an_extra_that_is_no_array():
+    scaler = LossScaler(backend="numpy")
+    scaler.unscale_([np.ones(2, np.float32)])
+    with pytest.raises(TypeError, match="agree_\\(\\) needs extra to be an array"):
+        scaler.agree_(extra=[1.0])
+    assert scaler.agree_(extra=np.zeros(2)).extra is not None  # nothing changed: the call works after
