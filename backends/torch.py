@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 from polyamp._errors import install_hint
@@ -73,9 +74,12 @@ def group_by_device_and_dtype(tensors: list[Any]) -> list[tuple[Any, list[Any]]]
     return [(device, lists[0]) for (device, _), (lists, _) in grouped.items()]
 
 
+_IS_SPARSE = attrgetter("is_sparse")
+
+
 def _dense(grads: Sequence[Any]) -> list[Any]:
     """Sparse gradients replaced by their values (unscaled in place, as torch does)."""
-    if any([g.is_sparse for g in grads]):
+    if any(map(_IS_SPARSE, grads)):  # the per-gradient loop in C
         return [g._values() if g.is_sparse else g for g in grads]
     return grads if isinstance(grads, list) else list(grads)
 

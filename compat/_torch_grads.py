@@ -7,15 +7,19 @@ and grouping by (device, dtype) is left to the backend's C++ pass.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 from polyamp._errors import ForeignArrayError
+from polyamp._inputs import check_floating_dtypes
 from polyamp.adapters import iter_params
 from polyamp.backend import Backend
 
 # (dtype type, dtype) -> is it float16; dtypes are few, so this stays tiny. Keyed by the type too, so a
 # lookup never compares the dtypes of two libraries (array-api-strict warns when one is compared).
 _FP16: dict[tuple[type, Any], bool] = {}
+
+_GRAD, _DTYPE = attrgetter("grad"), attrgetter("dtype")
 
 
 def is_fp16(array_or_dtype: Any) -> bool:
@@ -48,9 +52,9 @@ def _not_a_parameter(optimizer: Any) -> AssertionError:
 def _all_grads(optimizer: Any) -> list[Any]:
     groups = getattr(optimizer, "param_groups", None)
     try:
-        if isinstance(groups, list):
-            return [p.grad for group in groups for p in group["params"]]
-        return [p.grad for p in iter_params(optimizer)]
+        if isinstance(groups, list):  # map with attrgetter: the per-parameter loop runs in C
+            return [g for group in groups for g in map(_GRAD, group["params"])]
+        return list(map(_GRAD, iter_params(optimizer)))
     except AttributeError:
         raise _not_a_parameter(optimizer) from None
 
@@ -104,9 +108,12 @@ def collect_grads(optimizer: Any, allow_fp16: bool, backend: Backend) -> list[An
     Every check comes before anything is changed.
     """
     grads = [g for g in _all_grads(optimizer) if g is not None]
-    if grads:
-        check_one_library(grads, backend)
-    if grads and any(is_fp16(dtype) for dtype in {g.dtype for g in grads}):
+    if not grads:
+        return grads
+    check_one_library(grads, backend)
+    dtypes = set(map(_DTYPE, grads))
+    check_floating_dtypes(dtypes, grads, "unscale_()")  # so the iteration need not read them again
+    if any(is_fp16(dtype) for dtype in dtypes):
         if not allow_fp16:
             raise ValueError("Attempting to unscale FP16 gradients.")
         _coalesce_sparse_fp16(optimizer)

@@ -62,16 +62,22 @@ def check_floating(arrays: list[Any], where: str) -> None:
     are defined for real floating values only (torch's kernel and a complex norm would fail or
     silently drop the imaginary part). Objects without a dtype are left to the backend."""
     try:
-        by_dtype = dict(zip(map(_DTYPE, arrays), arrays))
+        dtypes = set(map(_DTYPE, arrays))
     except (AttributeError, TypeError):  # not arrays, or unhashable dtypes: the backend refuses them
         return
-    for dtype, grad in by_dtype.items():
+    check_floating_dtypes(dtypes, arrays, where)
+
+
+def check_floating_dtypes(dtypes: set[Any], arrays: list[Any], where: str) -> None:
+    """:func:`check_floating` for a caller that has the set of ``arrays``' dtypes already."""
+    for dtype in dtypes:
         key = (type(dtype), dtype)
         if key in _FLOATING_SEEN:
             continue
         if short_name(dtype) in FLOATING:
             _FLOATING_SEEN.add(key)  # a few dtypes: checked by name once each
         else:
+            grad = next(a for a in arrays if a.dtype is dtype or a.dtype == dtype)
             raise ForeignArrayError(
                 f"{where} got a gradient that is not floating-point ({describe(grad)}); loss scaling, "
                 "norms and clipping work on real floating gradients only (float16, bfloat16, float32, "

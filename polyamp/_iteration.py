@@ -146,8 +146,8 @@ class Iteration:
         return the group's device flag, added to :attr:`checks`. No host synchronisation.
 
         ``grads`` may be a mapping name -> gradient (names in reports). ``owned``: a list of arrays
-        the caller has already found to be of the bound backend (the torch facade's
-        ``collect_grads``), so only their dtypes are checked here, not their types again.
+        the caller has already found to be floating arrays of the bound backend (the torch facade's
+        ``collect_grads``), so they are not read again here.
         """
         self._refuse_after_agreement("unscale_()")
         given, names = (list(grads.values()), list(map(str, grads))) if isinstance(grads, Mapping) else (
@@ -155,8 +155,7 @@ class Iteration:
         if self.diagnose:
             given = list(given)  # read twice: checked here, named for the report below
         if owned and self.backend is not None and self.state is not None:
-            arrays = given
-            _inputs.check_floating(arrays, where)
+            arrays = given  # the shell checked their library and dtypes (the torch facade's collect_grads)
         else:
             arrays = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
             owned = False
