@@ -10,6 +10,7 @@ The array work is the backends' (hooks ``finite_flags``, ``overflow_counts``, ``
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,7 +19,6 @@ from ._dtypes import short_name
 from ._inputs import FLOATING
 from ._registry import backend_of
 from .config import short_repr
-from .parameter import Parameter
 
 __all__ = ["OverflowReport", "TensorOverflow", "explain_overflow", "floor_note", "log_summary"]
 
@@ -206,7 +206,9 @@ def _gradient_of(item: Any) -> Any:
     a tensor whose ``stop_gradient`` is False) stands for its gradient."""
     if not hasattr(item, "grad"):
         return item
-    is_parameter = (isinstance(item, Parameter) or getattr(item, "requires_grad", False) is True
+    own = sys.modules.get("polyamp.parameter")  # not loaded: no polyamp.Parameter exists yet
+    is_parameter = ((own is not None and isinstance(item, own.Parameter))
+                    or getattr(item, "requires_grad", False) is True
                     or getattr(item, "stop_gradient", True) is False)
     if not is_parameter:
         return item
