@@ -157,7 +157,7 @@ class ScalerAccessors:
         extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL}
         return {"device": self._device, "backend": self._backend_name, "extra": extra,
                 "engine": self._engine.state_dict(), "skipped": self.skipped_steps,
-                "last_overflow": self._engine.last_overflow}
+                "last_overflow": self._engine.last_overflow, "window": self._engine.iteration.window}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state.get("extra", {}))  # a subclass's own attributes
@@ -167,6 +167,8 @@ class ScalerAccessors:
         self._engine.load_state_dict(state["engine"])
         last = state.get("last_overflow", self.__dict__.pop("_last_overflow", None))  # older copies: extra
         self._engine.iteration.last_overflow = last
+        if "window" in state:  # copies made before metrics() existed start a fresh window
+            self._engine.iteration.window = state["window"]
         self._stages, self._found, self._skipped_here = {}, {}, []
         self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
 
