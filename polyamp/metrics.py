@@ -71,7 +71,8 @@ def read_scale_and_flags(backend: Any, scale: Any, flags: Sequence[Any]) -> tupl
     return float(host[0]), [v != 0 for v in host[1:]]
 
 
-def measure(iteration: Any, steps: int, skipped_steps: int, *, diagnose: bool = False) -> dict[str, float | int]:
+def measure(iteration: Any, steps: int, skipped_steps: int, *,
+            diagnose: bool = False) -> dict[str, float | int]:
     """``metrics()`` of a shell over ``iteration`` (a :class:`polyamp._iteration.Iteration`) with the
     shell's counters: one host read of the scale (none before the state is on a device)."""
     check_diagnose_flag(diagnose)

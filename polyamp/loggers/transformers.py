@@ -2,9 +2,10 @@
 to the Trainer's logs (``on_log`` updates ``logs``, so every reporter and ``state.log_history`` get
 them; needs ``transformers``).
 
-transformers passes callbacks no scaler, so give the callback the scaler (``scaler=``) or the
-Trainer (``trainer=``: its ``accelerator.scaler`` is read at each log). One host read per log,
-none between logs.
+transformers passes callbacks no scaler, and calls them in order (the reporters of ``report_to``
+first, unless :meth:`ScalerMetricsCallback.attach` puts this one before them), so give the
+callback the scaler (``scaler=``) or the Trainer (``trainer=``: its ``accelerator.scaler`` is read
+at each log). One host read per log, none between logs.
 """
 
 from __future__ import annotations
@@ -36,4 +37,16 @@ class ScalerMetricsCallback(TrainerCallback):
         scaler = self.find_scaler()
         if scaler is None or logs is None:
             return
-        logs.update({self.prefix + key: value for key, value in scaler.metrics(diagnose=self.diagnose).items()})
+        values = {self.prefix + key: value for key, value in scaler.metrics(diagnose=self.diagnose).items()}
+        logs.update(values)
+        history = state.log_history  # the Trainer appended this log's copy before calling on_log
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(values)
+
+    @classmethod
+    def attach(cls, trainer: Any, **options: Any) -> ScalerMetricsCallback:
+        """A callback reading ``trainer``'s scaler, put FIRST among its callbacks so that the reporters
+        (``report_to``: TensorBoard, wandb, ...), called after it, see the keys. Returns it."""
+        callback = cls(trainer=trainer, **options)
+        trainer.callback_handler.callbacks.insert(0, callback)
+        return callback
