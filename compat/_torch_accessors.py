@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyamp import schedule
+from polyamp import metrics, schedule
 from polyamp._errors import ConfigError
 from polyamp.engine import LossScaler
 
@@ -35,8 +35,28 @@ class ScalerAccessors:
         if not self._unread:
             return
         read = self._engine.backend.read_flag
-        self._skipped_host += sum(bool(read(f)) for f in self._unread if not isinstance(f, int))
+        self._count_unread([not isinstance(f, int) and bool(read(f)) for f in self._unread])
+
+    def _count_unread(self, skipped: list[bool]) -> None:
+        """Count the fused optimizers' steps whose flags were just read, in the order they ran."""
+        tally = self._engine.iteration.tally
+        for one in skipped:
+            tally(one)
+        self._skipped_host += sum(skipped)
         self._unread.clear()
+
+    def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
+        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
+        the last overflow's top tensors) as plain numbers (:mod:`polyamp.metrics`). ONE host read:
+        the scale, with the pending flags of fused optimizers stacked beside it."""
+        metrics.check_diagnose_flag(diagnose)
+        iteration = self._engine.iteration
+        pending = [f for f in self._unread if not isinstance(f, int)]
+        scale, read = metrics.read_scale(iteration, pending)
+        flags = iter(read)
+        self._count_unread([not isinstance(f, int) and next(flags) for f in self._unread])
+        return metrics.scaler_metrics(scale, iteration.steps, self._skipped_host, iteration.window,
+                                      iteration.last_overflow, diagnose=diagnose)
 
     @property
     def skipped_steps(self) -> int:
@@ -137,7 +157,7 @@ class ScalerAccessors:
         extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL}
         return {"device": self._device, "backend": self._backend_name, "extra": extra,
                 "engine": self._engine.state_dict(), "skipped": self.skipped_steps,
-                "last_overflow": self._engine.last_overflow}
+                "last_overflow": self._engine.last_overflow, "window": self._engine.iteration.window}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state.get("extra", {}))  # a subclass's own attributes
@@ -147,6 +167,8 @@ class ScalerAccessors:
         self._engine.load_state_dict(state["engine"])
         last = state.get("last_overflow", self.__dict__.pop("_last_overflow", None))  # older copies: extra
         self._engine.iteration.last_overflow = last
+        if "window" in state:  # copies made before metrics() existed start a fresh window
+            self._engine.iteration.window = state["window"]
         self._stages, self._found, self._skipped_here = {}, {}, []
         self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
 

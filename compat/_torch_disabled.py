@@ -114,6 +114,10 @@ class DisabledMethods:
         """None: a disabled scaler does not track steps, so a scheduler always steps."""
         return None
 
+    def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
+        """Empty: a disabled scaler scales nothing and skips nothing, so it has no numbers to log."""
+        return {}
+
     @property
     def last_overflow(self) -> None:
         """None: a disabled scaler skips nothing, so it has nothing to report."""

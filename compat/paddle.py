@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from polyamp import schedule
+from polyamp import metrics, schedule
 from polyamp.engine import LossScaler
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
@@ -168,7 +168,14 @@ class AmpScaler:
             result = call() if ran else None
         self._cache_found_inf = self.last_step_skipped = found
         self.skipped_steps += found
+        iteration.tally(found)  # steps and the window of metrics()
         return ran, result
+
+    def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
+        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
+        the last overflow's top tensors) as plain numbers (:mod:`polyamp.metrics`). One host read."""
+        iteration = self._engine.iteration
+        return metrics.measure(iteration, iteration.steps, self.skipped_steps, diagnose=diagnose)
 
     # -- overflow forensics -----------------------------------------------------------
     @property

@@ -209,6 +209,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         retval = None if skipped else optimizer.step(*args, **kwargs)
         self._last_skipped = skipped
         self._skipped_host += skipped
+        self._engine.iteration.tally(skipped)  # steps and the window of metrics()
         if skipped:
             self._skipped_here.append(optimizer)
         return retval

@@ -27,6 +27,7 @@ from ._errors import ScalerStateError
 from ._skip_log import SkipLog
 from .backend import Backend
 from .config import SCALE_FLOOR, LossScaleConfig
+from .metrics import SkipWindow
 from .policy import HostState, LossScaleState, next_host_state
 
 logger = logging.getLogger("polyamp")
@@ -82,6 +83,7 @@ class Iteration:
         self.checks = Checks()
         self.steps = 0
         self.skipped_steps = 0
+        self.window = SkipWindow()  # the skips of the last steps, for metrics(); host-only
 
     # -- the state and its backend ------------------------------------------------------
     def bind(self, array: Any) -> Backend:
@@ -282,8 +284,14 @@ class Iteration:
     def count(self, skipped: bool) -> None:
         """Record a step's decision (the engine's step: counters and the pending update)."""
         self.checks = self.checks._replace(skipped=skipped)
+        self.tally(skipped)
+
+    def tally(self, skipped: bool) -> None:
+        """Count one optimizer step's host decision: steps, skipped steps, the window of recent skips
+        (every shell, for ``metrics()``; the facades keep their own ``skipped_steps`` beside it)."""
         self.steps += 1
         self.skipped_steps += skipped
+        self.window.record(skipped)
 
     def _report_or_warn(self, named: Callable[[], list[tuple[str, Any]]] | None = None, local: Any = None
                         ) -> overflow.OverflowReport | None:
@@ -406,6 +414,7 @@ class Iteration:
     def __setstate__(self, state: dict[str, Any]) -> None:
         name = state["backend"]
         backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
+        state.setdefault("window", SkipWindow())  # copies made before metrics() existed
         self.__dict__.update(state, backend=backend)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from . import _inputs, _registry, checkpoint, overflow
+from . import _inputs, _registry, checkpoint, metrics, overflow
 from ._agreement import LOOP as _LOOP
 from ._agreement import Agreed, Agreement
 from ._errors import ScalerStateError
@@ -150,6 +150,12 @@ class LossScaler:
         """The report on the last skipped step's gradients (``diagnose=True``); None after an
         applied step, and always None with ``diagnose=False``."""
         return self._iteration.last_overflow
+
+    def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
+        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
+        the last overflow's top tensors) as plain numbers: :mod:`polyamp.metrics`. One host read."""
+        iteration = self._iteration
+        return metrics.measure(iteration, iteration.steps, iteration.skipped_steps, diagnose=diagnose)
 
     def explain(self, grads: Any, *, names: Any = None, loss: Any = None) -> overflow.OverflowReport:
         """:func:`polyamp.explain_overflow` with this scaler's scale (one read of it).

@@ -1,0 +1,74 @@
+"""``ScalerMetricsWriter``: the scaler's ``metrics()`` in TensorBoard event files, for plain loops.
+
+Writes through ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package), else
+``tensorboardX.SummaryWriter``; a clear ImportError naming both when neither imports. Call
+:meth:`ScalerMetricsWriter.step` once per iteration: every ``every`` steps it reads the metrics
+(one host read) and adds one scalar per key; other steps read nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def summary_writer_class() -> type:
+    """``torch.utils.tensorboard.SummaryWriter``, else ``tensorboardX.SummaryWriter``."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(
+                "ScalerMetricsWriter needs torch.utils.tensorboard (the tensorboard package) or "
+                "tensorboardX, and neither imports here. Fix: pip install 'polyamp[tensorboard]' "
+                "(or pip install tensorboardX), or pass writer= an object with add_scalar()."
+            ) from exc
+    return SummaryWriter
+
+
+class ScalerMetricsWriter:
+    """Add ``scaler.metrics()`` to a TensorBoard event file every ``every`` steps.
+
+    ``log_dir`` opens a new ``SummaryWriter`` there (closed by :meth:`close`); ``writer=`` uses yours.
+    """
+
+    def __init__(self, scaler: Any, log_dir: str | None = None, *, every: int = 50, prefix: str = "scaler/",
+                 diagnose: bool = False, writer: Any = None) -> None:
+        if not callable(getattr(scaler, "metrics", None)):
+            raise TypeError(f"ScalerMetricsWriter(scaler=...) takes a polyamp scaler (with metrics()), got "
+                            f"{type(scaler).__name__}. Fix: pass a polyamp GradScaler or LossScaler.")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"ScalerMetricsWriter(every=...) must be an int >= 1, got every={every!r}. "
+                             "Fix: pass how many steps lie between two writes, e.g. every=50.")
+        self.scaler, self.every, self.prefix, self.diagnose = scaler, every, prefix, diagnose
+        self._owned = writer is None
+        self.writer = summary_writer_class()(log_dir) if writer is None else writer
+        self.steps = 0
+
+    def step(self) -> bool:
+        """Count one iteration; on every ``every``-th write the metrics (True when written)."""
+        self.steps += 1
+        if self.steps % self.every:
+            return False
+        self.write(self.steps)
+        return True
+
+    def write(self, global_step: int) -> dict[str, float | int]:
+        """Write the metrics now at ``global_step`` (one host read) and return them."""
+        values = self.scaler.metrics(diagnose=self.diagnose)
+        for key, value in values.items():
+            self.writer.add_scalar(self.prefix + key, value, global_step)
+        return values
+
+    def close(self) -> None:
+        """Flush, and close the writer this object opened."""
+        self.writer.flush()
+        if self._owned:
+            self.writer.close()
+
+    def __enter__(self) -> ScalerMetricsWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,120 @@
+"""A scaler's numbers for a logger, computed once for the engine and both facades.
+
+``scaler.metrics()`` returns plain Python numbers (a dict a logger takes as it is)::
+
+    scale                  the loss scale now                      (the one host read)
+    steps                  optimizer steps taken, applied or skipped
+    skipped_steps          steps skipped for inf/nan gradients
+    skipped_last_1000      skipped steps among the last WINDOW (1000) steps
+    last_overflow/<name>   diagnose=True: non-finite values of the last skipped step's top tensors
+
+The skips of the window are counted on the host from the decisions ``step()`` already read
+(:class:`SkipWindow`, fed by :meth:`polyamp._iteration.Iteration.tally`): between two calls nothing
+is read. A call reads the scale once; the torch facade's pending flags of fused optimizers (never
+read by ``step()``) ride in that same read.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from ._skip_log import WINDOW
+from .overflow import OverflowReport
+
+#: The tensors of the last overflow ``metrics(diagnose=True)`` names, most non-finite values first.
+TOP_TENSORS = 3
+#: The key of the window's count of skipped steps.
+WINDOW_KEY = f"skipped_last_{WINDOW}"
+
+
+class SkipWindow:
+    """The skipped steps among the last ``size`` step decisions, kept on the host (no device read).
+
+    Holds the step numbers of the skips still in the window: at most ``size`` integers.
+    """
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self.size = size
+        self.seen = 0  # decisions recorded
+        self._skips: deque[int] = deque()  # the decision numbers (1-based) of skips in the window
+
+    def record(self, skipped: bool) -> None:
+        """Add one step's decision (a host bool the caller already has)."""
+        self.seen += 1
+        if skipped:
+            self._skips.append(self.seen)
+        self._trim()
+
+    def _trim(self) -> None:
+        oldest = self.seen - self.size
+        while self._skips and self._skips[0] <= oldest:
+            self._skips.popleft()
+
+    @property
+    def skips(self) -> int:
+        """Skipped steps among the last ``size`` decisions."""
+        return len(self._skips)
+
+
+def read_scale_and_flags(backend: Any, scale: Any, flags: Sequence[Any]) -> tuple[float, list[bool]]:
+    """The scale and pending device flags as host values in ONE read: stacked on their device first
+    (through the array API). A host float scale with no flags reads nothing."""
+    if not flags:
+        return float(scale if isinstance(scale, (int, float)) else backend.to_host(scale)), []
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(scale, *flags)
+    values = [xp.astype(xp.reshape(v, (-1,))[:1], xp.float32) for v in (scale, *flags)]
+    host = backend.to_numpy(xp.concat(values)).tolist()  # the one read
+    return float(host[0]), [v != 0 for v in host[1:]]
+
+
+def measure(iteration: Any, steps: int, skipped_steps: int, *,
+            diagnose: bool = False) -> dict[str, float | int]:
+    """``metrics()`` of a shell over ``iteration`` (a :class:`polyamp._iteration.Iteration`) with the
+    shell's counters: one host read of the scale (none before the state is on a device)."""
+    check_diagnose_flag(diagnose)
+    scale, _ = read_scale(iteration)
+    return scaler_metrics(scale, steps, skipped_steps, iteration.window, iteration.last_overflow,
+                          diagnose=diagnose)
+
+
+def read_scale(iteration: Any, pending: Sequence[Any] = ()) -> tuple[float, list[bool]]:
+    """The iteration's scale (and ``pending`` device flags) on the host: ONE read, none before the
+    state has arrays. Only the scale is read, not the trackers."""
+    if iteration.state is None or iteration.backend is None:
+        return float(iteration.host.scale), []
+    return read_scale_and_flags(iteration.backend, iteration.state.scale, pending)
+
+
+def scaler_metrics(
+    scale: float, steps: int, skipped_steps: int, window: SkipWindow,
+    last_overflow: OverflowReport | None = None, *, diagnose: bool = False,
+) -> dict[str, float | int]:
+    """The dict ``metrics()`` returns, from numbers the shell has read (see the module docstring)."""
+    metrics: dict[str, float | int] = {
+        "scale": float(scale), "steps": int(steps), "skipped_steps": int(skipped_steps),
+        WINDOW_KEY: window.skips,
+    }
+    if diagnose:
+        metrics.update(overflow_metrics(last_overflow))
+    return metrics
+
+
+def overflow_metrics(report: OverflowReport | None, top: int = TOP_TENSORS) -> dict[str, int]:
+    """``last_overflow/<name>``: the non-finite values of the report's first ``top`` tensors, and
+    ``last_overflow/tensors``: how many tensors held any (0 without a report)."""
+    if report is None:
+        return {"last_overflow/tensors": 0}
+    counts = {f"last_overflow/{t.name}": t.nan + t.posinf + t.neginf for t in report.tensors[:top]}
+    return {"last_overflow/tensors": len(report.tensors), **counts}
+
+
+def check_diagnose_flag(diagnose: Any) -> bool:
+    """``diagnose`` must be a bool; TypeError naming the value and the fix otherwise."""
+    if not isinstance(diagnose, bool):
+        raise TypeError(f"metrics(diagnose=...) takes True or False, got diagnose={diagnose!r}. "
+                        "Fix: pass diagnose=True for the last overflow's tensors.")
+    return diagnose

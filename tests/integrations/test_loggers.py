@@ -1,0 +1,156 @@
+"""polyamp.loggers in real frameworks on CPU: what Lightning's loggers wrote, the Trainer's log
+history and a TensorBoard event file, read back; no host read between logging intervals."""
+
+from __future__ import annotations
+
+import csv
+import math
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+OVERFLOW_AT = 2  # the third step is skipped
+SCALE_AFTER_6 = 2.0**9  # 2**10 backed off once; growth_interval=100 grows nothing
+
+
+def _batches(n=6):
+    g = torch.Generator().manual_seed(0)
+    return [(x, x.sum(1, keepdim=True)) for x in (torch.randn(4, 8, generator=g) for _ in range(n))]
+
+
+def _lightning_fit(scaler, logger, tmp_path):
+    import lightning as L
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from polyamp.loggers.lightning import ScalerMetrics
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            return loss * math.inf if batch_idx == OVERFLOW_AT else loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=logger, log_every_n_steps=3,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path,
+                            callbacks=[ScalerMetrics()],  # finds the precision plugin's scaler
+                            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        trainer.fit(Net(), torch.utils.data.DataLoader(_batches(), batch_size=None))
+    return trainer
+
+
+def test_lightning_csv_logger_gets_the_metrics_every_log_interval(need, tmp_path):
+    need("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+    from polyamp.compat.torch import GradScaler
+
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
+    logger = CSVLogger(tmp_path, name="run")
+    _lightning_fit(scaler, logger, tmp_path)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("scaler/scale")]
+    assert [int(r["step"]) for r in rows] == [2, 5]  # Lightning's step column: global_step - 1
+    assert [float(r["scaler/steps"]) for r in rows] == [3.0, 6.0]
+    assert [float(r["scaler/skipped_steps"]) for r in rows] == [1.0, 1.0]
+    assert [float(r["scaler/skipped_last_1000"]) for r in rows] == [1.0, 1.0]
+    assert float(rows[-1]["scaler/scale"]) == SCALE_AFTER_6 == scaler.get_scale()
+
+
+def test_lightning_tensorboard_logger(need, tmp_path):
+    need("lightning")
+    pytest.importorskip("tensorboard", reason="tensorboard not installed: pip install 'polyamp[tensorboard]'")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from polyamp.compat.torch import GradScaler
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path, name="run")
+    _lightning_fit(GradScaler("cpu", init_scale=2.0**10, growth_interval=100), logger, tmp_path)
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    assert [e.value for e in events.Scalars("scaler/skipped_steps")] == [1.0, 1.0]
+    assert events.Scalars("scaler/scale")[-1].value == SCALE_AFTER_6
+
+
+def test_transformers_trainer_log_history_holds_the_metrics(need, tmp_path):
+    need("transformers")
+    from polyamp.compat.torch import GradScaler
+    from transformers import Trainer, TrainingArguments
+
+    from polyamp.loggers.transformers import ScalerMetricsCallback
+
+    class Regressor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+            self.calls = 0
+
+        def forward(self, x, labels):
+            self.calls += 1
+            loss = torch.nn.functional.mse_loss(self.layer(x), labels)
+            return {"loss": loss * math.inf if self.calls == OVERFLOW_AT + 1 else loss}
+
+    rows = [{"x": x, "labels": y} for xb, yb in _batches() for x, y in zip(xb, yb)]
+    args = TrainingArguments(str(tmp_path), max_steps=6, per_device_train_batch_size=4, learning_rate=0.01,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+                             logging_steps=3, optim="sgd")
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=rows)
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
+    trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
+    ScalerMetricsCallback.attach(trainer)  # first: the reporters after it see the keys
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    logged = [h for h in trainer.state.log_history if "scaler/scale" in h]
+    assert [h["step"] for h in logged][:2] == [3, 6]
+    assert [h["scaler/steps"] for h in logged][:2] == [3, 6]
+    assert [h["scaler/skipped_steps"] for h in logged][:2] == [1, 1]
+    assert logged[1]["scaler/scale"] == SCALE_AFTER_6
+
+
+def test_tensorboard_writer_event_file_and_no_read_between_writes(counting_host_reads, tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard not installed: pip install 'polyamp[tensorboard]'")
+    from polyamp.compat.torch import GradScaler
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from polyamp.loggers.tensorboard import ScalerMetricsWriter
+
+    w = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([w], lr=0.01)
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
+    reads_per_step = []
+    with ScalerMetricsWriter(scaler, str(tmp_path), every=3) as writer:
+        for i in range(6):
+            optimizer.zero_grad()
+            scaler.scale((w * w).sum() * (math.inf if i == OVERFLOW_AT else 1.0)).backward()
+            with counting_host_reads() as reads:
+                scaler.step(optimizer)
+                scaler.update()
+                writer.step()
+            reads_per_step.append(sum(reads.values()))
+    # the skip decision each step (and the log lines of the skip at step 2); the write adds one read
+    assert reads_per_step[0] == reads_per_step[1] == reads_per_step[3] == reads_per_step[4] == 1
+    assert reads_per_step[5] == 2
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("scaler/skipped_steps")] == [(3, 1.0), (6, 1.0)]
+    assert [e.value for e in events.Scalars("scaler/steps")] == [3.0, 6.0]
+    assert events.Scalars("scaler/scale")[-1].value == SCALE_AFTER_6
+
+
+def test_writer_refuses_bad_arguments():
+    from polyamp.loggers.tensorboard import ScalerMetricsWriter
+
+    with pytest.raises(TypeError, match="metrics"):
+        ScalerMetricsWriter(object(), writer=object())
+    with pytest.raises(ValueError, match="every=0"):
+        ScalerMetricsWriter(__import__("polyamp").LossScaler(), writer=object(), every=0)
