@@ -308,7 +308,8 @@ def _field(name: str, mine: int, other: int | None) -> str:
         label = "config fingerprint" if name == "config" else name
         return f"{v} values summed" if name == "payload" else f"{label} {v}"
 
-    there = "other values on the other ranks (which differ among themselves too)" if other is None \
+    # the others disagree among themselves: at least one differs from this rank, maybe not all
+    there = "another value on at least one other rank (the other ranks do not all agree)" if other is None \
         else f"{show(other)} on the other ranks"
     return f"rank states differ: {show(mine)} on this rank, {there}"
 
