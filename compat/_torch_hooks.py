@@ -59,12 +59,12 @@ class TorchHooks:
     _found: dict[int, Any]
     _last_skipped: Any
     _unread: list[Any]
-    _check_grads: Callable[[list[Any], bool], Any]  # the facade's: one group's flag, agreed if sharded
+    _check_grads: Callable[..., Any]  # the facade's: one optimizer's flag, agreed if sharded
     _found_inf_per_device: Callable[[Any], dict[Any, Any]]
     _maybe_opt_step: Callable[..., Any]
     _unscale_call: UnscaleCall | None = None  # set only while a hooked unscale is in flight
 
-    def _agree_own_flag(self, flag: Any) -> Any:
+    def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
         """A flag an ``_unscale_grads_`` override computed itself: as it is (sharded: agreed)."""
         return flag
 
@@ -73,7 +73,7 @@ class TorchHooks:
         or through a subclass's ``_unscale_grads_`` with torch's arguments. No sync."""
         if not overrides_unscale(type(self)):
             grads = collect_grads(optimizer, allow_fp16=allow_fp16, backend=self._engine.backend)
-            return self._check_grads(grads, check_only=check_only)
+            return self._check_grads(grads, check_only, optimizer)
         backend, scale = self._engine.backend, self._engine.state.scale
         one = backend.full(1.0, "float32", scale)
         inv_scale = one if check_only else one / scale  # == float32(1/float64(scale)): 53 >= 2*24+2 bits
@@ -84,7 +84,7 @@ class TorchHooks:
         finally:
             del self._unscale_call
         flag = combined(per_device)
-        return flag if call.ran else self._agree_own_flag(flag)
+        return flag if call.ran else self._agree_own_flag(flag, optimizer)
 
     def _opt_step_through_hook(self, optimizer: Any, stage: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """step()'s ``self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)``, as torch's.
@@ -124,5 +124,5 @@ class TorchHooks:
             )
         call.ran = True
         grads = collect_grads(optimizer, allow_fp16=allow_fp16, backend=self._engine.backend)
-        flag = self._check_grads(grads, check_only=call.check_only)
+        flag = self._check_grads(grads, call.check_only, optimizer)
         return {} if flag is None else {getattr(flag, "device", "cpu"): flag}

@@ -12,11 +12,15 @@ GradScaler. Importing it does not import torch.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import weakref
+import zlib
 from typing import Any
 
 from polyamp._agreement import Agreement
 from polyamp._errors import ConfigError
+from polyamp.adapters import iter_params
 from polyamp.config import short_repr
 from polyamp.distributed import Reducer, ReducerUnavailableError, reducer
 from polyamp.engine import LossScaler
@@ -52,6 +56,34 @@ def mesh_inside(mesh: Any, red: Reducer) -> bool:
         return False
     return set(mesh.mesh.flatten().tolist()) <= set(dist.get_process_group_ranks(group))
 
+
+
+def optimizer_identity(optimizer: Any) -> int:
+    """Whose flag a sharded step agrees: the number of parameters in each param group and their
+    dtypes, as every rank of a sharded job sees them (not their shapes, which differ between shards).
+
+    Remembered per optimizer while its groups keep their sizes (a per-parameter pass only then).
+    """
+    if optimizer is None:
+        return 0
+    groups = getattr(optimizer, "param_groups", None)
+    groups = groups if isinstance(groups, list) else [{"params": list(iter_params(optimizer))}]
+    sizes = tuple(len(group["params"]) for group in groups)
+    try:
+        known = _IDENTITIES.get(optimizer)
+    except TypeError:  # not weakly referenceable: computed each time
+        known = None
+    if known is not None and known[0] == sizes:
+        return known[1]
+    dtypes = tuple(tuple(sorted({str(p.dtype) for p in group["params"]})) for group in groups)
+    identity = zlib.crc32(repr((sizes, dtypes)).encode()) or 1  # 0 means "none named"
+    with contextlib.suppress(TypeError):
+        _IDENTITIES[optimizer] = (sizes, identity)
+    return identity
+
+
+#: optimizer -> (its groups' sizes, its identity); weak, so no optimizer is kept alive by it
+_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class ShardedMethods:
     """Mixin of :class:`polyamp.compat.torch.ShardedGradScaler`: torch's signature, the group,
@@ -110,20 +142,22 @@ class ShardedMethods:
             iteration.agreement = Agreement(build_reducer(self._group))
         return iteration.agreement
 
-    def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
+    def _check_grads(self, grads: list[Any], check_only: bool, optimizer: Any = None) -> Any:
         """Unscale (or check) ``grads`` and return the flag agreed over the group (1: some rank overflowed).
 
         Every rank issues the same collective, also one with no gradients (its flag is 0).
-        The same collective finds ranks whose config, state or collectives differ (RankMismatchError).
+        The same collective finds ranks whose config, state or collectives differ, or that step
+        another optimizer at this point (its shape: :func:`optimizer_identity`): RankMismatchError.
         """
         agreement, iteration = self._agreed(), self._engine.iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
-        return iteration.agree_flag(iteration.unscale(grads, check_only=check_only, owned=True))  # 0 if none
+        found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
+        return iteration.agree_flag(found, whose=optimizer_identity(optimizer))
 
-    def _agree_own_flag(self, flag: Any) -> Any:
+    def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
         """A flag an ``_unscale_grads_`` override computed itself, agreed over the group (one collective)."""
         self._agreed()
-        return self._engine.iteration.agree_flag(flag)
+        return self._engine.iteration.agree_flag(flag, whose=optimizer_identity(optimizer))
 
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag

@@ -151,7 +151,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         self._found[key] = self._unscale_optimizer(optimizer, check_only=False, allow_fp16=self._allow_fp16)
         self._stages[key] = UNSCALED
 
-    def _check_grads(self, grads: list[Any], check_only: bool) -> Any:
+    def _check_grads(self, grads: list[Any], check_only: bool, optimizer: Any = None) -> Any:
         """One optimizer's device overflow flag, None without gradients (no sync).
 
         Unscales ``grads`` in place unless ``check_only``. ShardedGradScaler agrees here.

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import struct
+import weakref
+import zlib
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import array_api_compat
@@ -31,6 +33,22 @@ LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
 #: Extra values one agreement carries at most (each rank sends them in slots of its own).
 MAX_EXTRA = 2
 
+
+#: group key -> how many agreements this process made on that group (weakly: a group may go)
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OWNERS_BY_ID: dict[int, list[Any]] = {}  # groups that take no weak reference: id -> [group, count]
+
+
+def _next_owner(group: Any) -> int:
+    """The number of agreements this process made on ``group`` so far (then one more)."""
+    try:
+        count = _OWNERS.get(group, 0)
+        _OWNERS[group] = count + 1
+        return count
+    except TypeError:  # not weakly referenceable (or unhashable): kept by id, with the group alive
+        entry = _OWNERS_BY_ID.setdefault(id(group), [group, 0])
+        entry[1] += 1
+        return entry[1] - 1
 
 class Agreed(NamedTuple):
     """What :meth:`polyamp.LossScaler.agree_` returns: device arrays, nothing read on the host.
@@ -72,6 +90,9 @@ class Agreement:
         from .distributed._agree import _on_device_of, _to_host, config_fingerprint
 
         self.reducer: Reducer = reducer(group)
+        # whose flags: the n-th agreement this process made on this group (ranks build their scalers
+        # alike), so two scalers on one group whose steps are swapped on one rank are found
+        self.owner = _next_owner(self.reducer.group_key())
         self.iteration = 0  # iterations ended (update() calls) since this agreement was made
         self.collective = 0  # agreements so far in this iteration
         self._fp, self._mismatch, self._crc = _fingerprint, RankMismatchError, config_fingerprint
@@ -104,12 +125,13 @@ class Agreement:
         self._sent.clear()
 
     # -- the one collective ---------------------------------------------------------
-    def flag(self, found_inf: Any, config: LossScaleConfig, state: Any) -> Any:
+    def flag(self, found_inf: Any, config: LossScaleConfig, state: Any, *, whose: int = 0) -> Any:
         """A new 0-d float32 array: 1 when ``found_inf`` is non-zero on some rank, else 0 (one collective)."""
-        return self.flag_and_extra(found_inf, None, config, state).found_inf
+        return self.flag_and_extra(found_inf, None, config, state, whose=whose).found_inf
 
     def flag_and_extra(
-        self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0
+        self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0,
+        whose: int = 0,
     ) -> Agreed:
         """Whether some rank found an inf/nan, and ``extra`` (at most 2 values) summed over ranks,
         in ONE collective.
@@ -126,7 +148,7 @@ class Agreement:
                 f"agree_(extra=...) carries at most {MAX_EXTRA} values in the step's collective, got "
                 f"{extras} (shape {tuple(extra.shape)}). Fix: send e.g. a sum of squares pair."
             )
-        host = self._next(config, payload, extras)
+        host = self._next(config, payload, extras, whose)
         like = found_inf if extra is None else extra
         if not _on_host(found_inf, extra, state):
             return self._on_device(found_inf, extra, host, state, like)
@@ -191,7 +213,8 @@ class Agreement:
             summed = summed + slots[r, ...]
         return Agreed(agreed, xp.reshape(xp.astype(summed, extra.dtype), extra.shape))
 
-    def sum_payload_(self, storage: Any, payload: int, config: LossScaleConfig, state: Any) -> Any:
+    def sum_payload_(self, storage: Any, payload: int, config: LossScaleConfig, state: Any, *,
+                     whose: int = 0) -> Any:
         """Sum ``storage`` in place: its first ``payload`` values and, after them, the fingerprint.
 
         For data-parallel gradients (the trainer's flat buffer with ``BITS`` spare values at
@@ -200,7 +223,7 @@ class Agreement:
         overflow check; :meth:`verify` names the difference after a skip).
         """
         fp = self._fp
-        host = self._next(config, payload, 0)
+        host = self._next(config, payload, 0, whose)
         view = _host_view(storage)
         if view is not None and _on_host(None, None, state):
             mine = fp.Fingerprint(*host, *_host_state(state))
@@ -276,14 +299,16 @@ class Agreement:
             "checkpoint, loaded on every rank)."
         )
 
-    def _next(self, config: LossScaleConfig, payload: int, extras: int) -> list[int]:
-        """The host fields of the next agreement: config, iteration, collective, sequence, payload, extras."""
+    def _next(self, config: LossScaleConfig, payload: int, extras: int, whose: int) -> list[int]:
+        """The host fields of the next agreement: config, iteration, collective, sequence, payload,
+        extras, and whose flag (this agreement's place among the process's, with the caller's ``whose``)."""
         known = self._config
         if known is None or known[0] is not config:
             crc = self._crc(config)
             known = self._config = (config, crc, *self._fp.shares([crc]))
         self.collective += 1
-        return [known[1], self.iteration, self.collective, self.reducer.collectives, payload, extras]
+        owner = self.owner if not whose else zlib.crc32(whose.to_bytes(8, "little"), self.owner)
+        return [known[1], self.iteration, self.collective, self.reducer.collectives, payload, extras, owner]
 
 
 def _fill_slots(slots: np.ndarray, mine: np.ndarray, rank: int) -> None:
@@ -303,6 +328,11 @@ def _fix(what: str) -> str:
         return "Fix: build the scaler with the same config on every rank."
     if "values summed" in what:
         return "Fix: every rank must train the same model (the same number of gradient values)."
+    if "the flag of scaler/optimizer" in what:
+        return ("Fix: every rank must step the same optimizers in the same order, build its scalers in the "
+                "same order, and give a data-parallel trainer the same max_grad_norm (two optimizers with the "
+                "same number of parameters per group and the same dtypes cannot be told apart: keep their "
+                "order the same on every rank).")
     if "extra values agreed" in what:
         return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none.")
     return ("Fix: load the same checkpoint on every rank (or none), and call set_scale, load_state_dict "

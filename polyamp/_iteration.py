@@ -213,23 +213,23 @@ class Iteration:
         if self.agreement is not None and pending:
             self.agree()
 
-    def check_payload(self, payload: int, like: Any) -> None:
+    def check_payload(self, payload: int, like: Any, *, whose: int = 0) -> None:
         """Check, in one fixed-size agreement, that every rank will sum ``payload`` values under
         the same config and state (a rank whose model differs is named instead of breaking the
         transport); one host read of the result on a GPU. ``like``: an array on the state's device."""
         backend = self.backend if self.backend is not None else _registry.backend_for_array(like)
         zero = backend.full(0.0, "float32", like)
         agreement = self._needs_agreement("check_payload")
-        agreement.flag_and_extra(zero, None, self.config, self._fingerprinted(), payload=payload)
+        agreement.flag_and_extra(zero, None, self.config, self._fingerprinted(), payload=payload, whose=whose)
         agreement.verify()
 
-    def sum_payload(self, storage: Any, payload: int) -> None:
+    def sum_payload(self, storage: Any, payload: int, *, whose: int = 0) -> None:
         """Sum ``storage`` (data-parallel gradients: ``payload`` values, the fingerprint after them)
         over the ranks in place: ONE collective for the whole step. Flags checked after it are the
         same on every rank, so the decision issues no other; ranks found to differ on the device
         join the check (the decision names them)."""
         agreement = self._needs_agreement("sum_payload")
-        off = agreement.sum_payload_(storage, payload, self.config, self._fingerprinted())
+        off = agreement.sum_payload_(storage, payload, self.config, self._fingerprinted(), whose=whose)
         checks = self.checks
         found = checks.found if off is None else _plus(checks.found, off)
         self.checks = checks._replace(summed=True, found=found)
@@ -243,7 +243,7 @@ class Iteration:
         """The state a fingerprint carries: the device arrays, or the host state before there are any."""
         return self.host if self.state is None else self.state
 
-    def agree_flag(self, found_inf: Any) -> Any:
+    def agree_flag(self, found_inf: Any, *, whose: int = 0) -> Any:
         """One group's flag summed over the ranks, as a new device array (one collective);
         None (a rank without gradients) sends 0 and a host bool 0 or 1. Without an agreement:
         ``found_inf`` as it is. The iteration's own checks are not touched."""
@@ -252,7 +252,7 @@ class Iteration:
         backend, state = self.ready()
         if found_inf is None or isinstance(found_inf, bool):
             found_inf = backend.full(float(bool(found_inf)), "float32", state.scale)
-        return self.agreement.flag(found_inf, self.config, state)
+        return self.agreement.flag(found_inf, self.config, state, whose=whose)
 
     def verify(self) -> None:
         """After a decision read a non-zero agreed flag: RankMismatchError if the ranks differ."""

@@ -21,6 +21,7 @@ collective.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -123,6 +124,7 @@ class MixedPrecisionTrainer:
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
+        self._clip_id = 0 if max_grad_norm is None else zlib.crc32(repr(float(max_grad_norm)).encode()) or 1
         if loss_scaling:
             self._scaler: Any = LossScaler(config, backend, reducer=reducer)
             self._iteration = self._scaler.iteration  # the one iteration: gradients summed, decided, updated
@@ -232,10 +234,11 @@ class MixedPrecisionTrainer:
         values under the same config.
         """
         size = int(grads.flat.shape[0])
+        whose = self._clip_id  # every rank must clip alike: the clip setting is part of what is agreed
         if not self._aligned_once:
-            self._iteration.check_payload(size, grads.flat)
+            self._iteration.check_payload(size, grads.flat, whose=whose)
             self._aligned_once = True
-        self._iteration.sum_payload(grads.storage, size)
+        self._iteration.sum_payload(grads.storage, size, whose=whose)
 
     def _check_norm(self, norm: Any) -> bool:
         """False when a non-finite norm must keep this step off the weights (loss scaling off).

@@ -43,9 +43,10 @@ def _head(values: list[float]) -> tuple[float, int]:
     return (a + b) / 2, int((a - b) / 8)
 
 
-def _digest(config, iteration, collective, sequence, scale, growth=0, extras=0) -> int:
+def _digest(config, iteration, collective, sequence, scale, growth=0, extras=0, whose=0) -> int:
+    """``whose``: the agreement's place among those made on its reducer's group (0: the first)."""
     return fp.digest(fp.Fingerprint(config_fingerprint(config), iteration, collective, sequence, 0, extras,
-                                    fp.scale_bits(scale), growth, 0))
+                                    whose, fp.scale_bits(scale), growth, 0))
 
 
 def _grads(bad: bool = False) -> list[np.ndarray]:
@@ -199,7 +200,7 @@ def test_copies_share_the_reducer_and_pickling_refuses_it():
     assert red.collectives == 2  # one per step, the copy's first included
     config, scale = twin.config, twin.get_scale()
     # a copy counts its own iterations
-    assert _head(red.sent[-1][3])[1] == _digest(config, 0, 1, 1, scale, growth=1)
+    assert _head(red.sent[-1][3])[1] == _digest(config, 0, 1, 1, scale, growth=1, whose=1)  # the 2nd on red
     with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
         pickle.dumps(scaler)
     plain = pickle.loads(pickle.dumps(LossScaler()))

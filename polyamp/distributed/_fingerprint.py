@@ -34,10 +34,13 @@ from .._skip_log import scale_text
 
 #: The fields of a fingerprint, in message order (32 bits each). ``extras``: how many extra
 #: values the agreement carries (a clip's sum of squares pair), so that ranks must agree on it too.
-FIELDS = ("config", "iteration", "collective", "sequence", "payload", "extras", "scale", "growth_tracker",
-          "backoff_tracker")
+#: ``whose``: whose flag this is: the scaler (its place among the agreements this process made) and
+#: what the caller names (the sharded facade: the optimizer's shape), so that swapped optimizers or
+#: scalers are found.
+FIELDS = ("config", "iteration", "collective", "sequence", "payload", "extras", "whose", "scale",
+          "growth_tracker", "backoff_tracker")
 #: Fields known on the host; the last three come from the scaler's state arrays.
-HOST_FIELDS = 6
+HOST_FIELDS = 7
 WIDTH = 32
 _MASK = 2**WIDTH - 1
 _F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
@@ -81,6 +84,7 @@ class Fingerprint(NamedTuple):
     sequence: int
     payload: int
     extras: int
+    whose: int
     scale: int
     growth_tracker: int
     backoff_tracker: int
@@ -283,7 +287,7 @@ def describe(sums: np.ndarray, ranks: int, mine: Fingerprint, encoding: Encoding
     parts = []
     if any(differs[FIELDS.index(f)] for f in ("iteration", "collective", "sequence")):
         parts.append(_position(mine, value))
-    for name in ("config", "payload", "extras", "scale", "growth_tracker", "backoff_tracker"):
+    for name in ("config", "payload", "extras", "whose", "scale", "growth_tracker", "backoff_tracker"):
         if differs[FIELDS.index(name)]:
             parts.append(_field(name, getattr(mine, name), value[name]))
     return "; ".join(parts) or "the ranks' fingerprints differ"
@@ -305,6 +309,8 @@ def _field(name: str, mine: int, other: int | None) -> str:
             return f"scale {scale_text(_from_bits(v))}"
         if name == "extras":
             return f"{v} extra values agreed (e.g. a global-norm clip's sum of squares)"
+        if name == "whose":
+            return f"the flag of scaler/optimizer {v:#010x}"
         label = "config fingerprint" if name == "config" else name
         return f"{v} values summed" if name == "payload" else f"{label} {v}"
 

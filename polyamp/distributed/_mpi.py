@@ -78,6 +78,10 @@ class MPIReducer(Reducer):
         self._abandoned: list[Any] = []  # (request, buffer) of timed-out collectives: MPI may still write
         super().__init__("mpi", comm.Get_rank(), comm.Get_size(), timeout or DEFAULT_TIMEOUT)
 
+    def group_key(self) -> Any:
+        """The communicator: reducers built on one (e.g. two on COMM_WORLD) share it."""
+        return self.comm
+
     def _prepare(self, array: Any) -> Any:
         cupy = sys.modules.get("cupy")
         if isinstance(array, np.ndarray):

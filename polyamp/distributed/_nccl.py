@@ -54,6 +54,10 @@ class NCCLReducer(Reducer):
         }
         super().__init__("cupy:nccl", comm.rank_id(), comm.size(), timeout or DEFAULT_TIMEOUT)
 
+    def group_key(self) -> Any:
+        """The NCCL communicator: reducers built on one share it."""
+        return self.comm
+
     def _prepare(self, array: Any) -> Any:
         cupy = sys.modules.get("cupy")
         if cupy is None or not isinstance(array, cupy.ndarray):

@@ -116,6 +116,11 @@ class Reducer(abc.ABC):
         self._retired: str | None = None
         self.on_fault: OnFault = "abort"
 
+    def group_key(self) -> Any:
+        """The object that stands for this reducer's group of ranks (the engine's communicator or
+        process group): two reducers with one key share its collectives. Default: the reducer."""
+        return self
+
     @property
     def collectives(self) -> int:
         """The number of collectives issued so far (a refused array issues none)."""

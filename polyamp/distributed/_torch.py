@@ -119,6 +119,10 @@ class TorchReducer(Reducer):
             )
         return group
 
+    def group_key(self) -> Any:
+        """The ProcessGroup: reducers built on one group (e.g. two on the default) share it."""
+        return self.group
+
     def _prepare(self, array: Any) -> Any:
         self.group  # noqa: B018 - refuse before anything is issued when the group is gone
         torch = self._torch

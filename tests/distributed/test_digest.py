@@ -30,7 +30,7 @@ def test_the_digest_primes_and_weights():
 
 
 def _print(**fields) -> fp.Fingerprint:
-    base = dict(config=3_000_000_000, iteration=12, collective=1, sequence=40, payload=0, extras=0,
+    base = dict(config=3_000_000_000, iteration=12, collective=1, sequence=40, payload=0, extras=0, whose=0,
                 scale=fp.scale_bits(65536.0), growth_tracker=1999, backoff_tracker=0)
     base.update(fields)
     return fp.Fingerprint(**base)
@@ -228,7 +228,7 @@ def test_a_host_state_is_checked_and_explained_on_either_path(monkeypatch, devic
         monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
     config = LossScaleConfig(init_scale=1.0, dynamic=False)
     payload = 7 if differs else 5
-    other = fp.Fingerprint(config_fingerprint(config), 0, 1, 0, payload, 0, fp.scale_bits(1.0), 0, 0)
+    other = fp.Fingerprint(config_fingerprint(config), 0, 1, 0, payload, 0, 0, fp.scale_bits(1.0), 0, 0)
     red = Peer(other)
     agreement_ = Agreement(red)
     if not differs:

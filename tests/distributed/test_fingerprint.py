@@ -24,7 +24,7 @@ ENCODINGS = [fp.BYTES, fp.BITS]
 @pytest.mark.parametrize("encoding", ENCODINGS, ids=["bytes", "bits"])
 @pytest.mark.parametrize("scale", SCALES)
 def test_the_device_encoding_equals_the_host_encoding(scale, encoding):
-    host = [123456789, 7, 2, 2**32 - 1, 10**9, 2]
+    host = [123456789, 7, 2, 2**32 - 1, 10**9, 2, 5]
     growth, backoff = 1999, 3
     device = fp.DeviceEncoder(np, "cpu", encoding)
     state = (np.array(scale, np.float32), np.array(growth, np.int32), np.array(backoff, np.int32))
@@ -35,7 +35,7 @@ def test_the_device_encoding_equals_the_host_encoding(scale, encoding):
 
 
 def test_bytes_and_squares_fit_the_message():
-    assert fp.BYTES.size == 2 * 4 * len(fp.FIELDS) == 72 and fp.HEAD == 2 and fp.BITS.size == 288
+    assert fp.BYTES.size == 2 * 4 * len(fp.FIELDS) == 80 and fp.HEAD == 2 and fp.BITS.size == 320
 
 
 def _sums(*prints: fp.Fingerprint, encoding=fp.BYTES) -> np.ndarray:
@@ -43,7 +43,7 @@ def _sums(*prints: fp.Fingerprint, encoding=fp.BYTES) -> np.ndarray:
 
 
 def _print(scale: float = 1024.0, **fields) -> fp.Fingerprint:
-    base = dict(config=5, iteration=3, collective=1, sequence=3, payload=0, extras=0,
+    base = dict(config=5, iteration=3, collective=1, sequence=3, payload=0, extras=0, whose=0,
                 scale=fp.scale_bits(scale), growth_tracker=0, backoff_tracker=0)
     base.update(fields)
     return fp.Fingerprint(**base)
@@ -146,7 +146,7 @@ class PairedWith(Reducer):
 
 def _peer(config: LossScaleConfig, iteration: int, sequence: int, scale: float, growth: int = 0):
     """The fingerprint of the peer's agreement (collective 1 of ``iteration``)."""
-    return fp.Fingerprint(config_fingerprint(config), iteration, 1, sequence, 0, 0, fp.scale_bits(scale),
+    return fp.Fingerprint(config_fingerprint(config), iteration, 1, sequence, 0, 0, 0, fp.scale_bits(scale),
                           growth, 0)
 
 
@@ -259,7 +259,7 @@ def test_the_device_encoding_runs_on_torch_tensors(encoding):
     device = fp.DeviceEncoder(xp, torch.device("cpu"), encoding)
     state = (torch.tensor(0.3, dtype=torch.float32), torch.tensor(17, dtype=torch.int32),
              torch.tensor(2, dtype=torch.int32))
-    host = [4, 3, 2, 1, 0, 2]
+    host = [4, 3, 2, 1, 0, 2, 0]
     got = device(host, *state)
     want = fp.encode(fp.Fingerprint(*host, fp.scale_bits(np.float32(0.3)), 17, 2), encoding)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
