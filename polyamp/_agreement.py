@@ -329,10 +329,10 @@ def _fix(what: str) -> str:
     if "values summed" in what:
         return "Fix: every rank must train the same model (the same number of gradient values)."
     if "the flag of scaler/optimizer" in what:
-        return ("Fix: every rank must step the same optimizers in the same order, build its scalers in the "
-                "same order, and give a data-parallel trainer the same max_grad_norm (two optimizers with the "
-                "same number of parameters per group and the same dtypes cannot be told apart: keep their "
-                "order the same on every rank).")
+        return ("Fix: every rank must step the same optimizers in the same order, build its scalers in "
+                "the same order, and give a data-parallel trainer the same max_grad_norm (two optimizers "
+                "with the same number of parameters per group and the same dtypes cannot be told apart: "
+                "keep their order the same on every rank).")
     if "extra values agreed" in what:
         return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none.")
     return ("Fix: load the same checkpoint on every rank (or none), and call set_scale, load_state_dict "
