@@ -126,3 +126,40 @@ def test_a_trainer_that_clips_on_one_rank_raises_everywhere_gloo(run_gloo):
 
 def test_a_trainer_that_clips_on_one_rank_raises_everywhere_mpi(run_mpi):
     check_clip(run_mpi(trainer_clips_on_one_rank, 3, "mpi").results())
+
+
+def clips_alone(rank: int, size: int, group: str) -> dict:
+    """LossScaler with a reducer; the last rank clips by the global norm (a longer agreement)."""
+    from polyamp import LossScaler, clip_grad_norm_
+
+    scaler = LossScaler(init_scale=8.0, reducer=group)
+    grads = [np.full(3, 16.0, np.float32)]
+    applied: list[int] = []
+
+    def step() -> None:
+        scaler.unscale_(grads)
+        if rank == size - 1:
+            clip_grad_norm_(grads, 1.0, scaler=scaler)
+        scaler.step(grads, lambda: applied.append(0))
+        scaler.update()
+
+    out = _outcome(step)
+    out["applied"] = applied
+    return out
+
+
+def check_clips_alone(job) -> None:
+    """Messages of different lengths fail in the transport (docs/distributed.md): every rank ends
+    with an error (or is ended), and none applies the step."""
+    finished = [r for r in job.ranks if r.finished]  # a rank ended by the transport (SIGABRT) did not
+    for outcome in finished:
+        assert outcome.value["type"] is not None, (outcome.rank, outcome.value)  # it raised
+        assert outcome.value["applied"] == [], (outcome.rank, outcome.value)  # and applied nothing
+
+
+def test_a_rank_that_clips_alone_fails_everywhere_and_applies_nothing_gloo(run_gloo):
+    check_clips_alone(run_gloo(clips_alone, 2, "torch", timeout=60))
+
+
+def test_a_rank_that_clips_alone_fails_everywhere_and_applies_nothing_mpi(run_mpi):
+    check_clips_alone(run_mpi(clips_alone, 3, "mpi", timeout=60))
