@@ -207,7 +207,7 @@ class AmpScaler:
         try:  # the scale moved: the iteration ends even if a log handler raises
             if self.is_use_dynamic_loss_scaling():
                 found = bool(self._cache_found_inf)
-                iteration.finish(found, skipped=found, describe=self._describe_change)
+                iteration.finish(found, skipped=found, describe=self._describe_change, exact=True)
             else:  # a fixed scale: only the checks end
                 iteration.end()
         finally:

@@ -320,14 +320,16 @@ class Iteration:
 
     # -- the update -----------------------------------------------------------------------
     def finish(self, found_inf: Any = None, *, skipped: bool | None = None,
-               describe: Describe | None = None) -> None:
+               describe: Describe | None = None, exact: bool = False) -> None:
         """Advance the scale with ``found_inf`` (default: the iteration's flag, agreed first), log
         the change (``describe``, default :meth:`describe_change`; the first skips at INFO, then a
         summary per window: :mod:`polyamp._skip_log`), warn once at the floor, end the iteration.
 
         ``skipped``: the host decision of the step(s), None when none was taken (an update
         without a step: with ``diagnose=True`` or a device-checked agreement the flag is read once).
-        Reads the scale only when a line is due.
+        Reads the scale only when a line is due. ``exact``: ``skipped`` is what the flag says (the
+        decision read this very flag), so the state after the update is the rule's on the host state
+        read before it, and is not read again.
         """
         if found_inf is None:
             self.agree_found()
@@ -347,9 +349,13 @@ class Iteration:
         log = self.log
         before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
         self._advance(flag)
+        read = self.host_state
+        if exact and before is not None:  # the device ran the rule on the same flag: no second read
+            after = next_host_state(before, bool(skipped), self.config)
+            read = lambda: after  # noqa: E731
         try:  # the scale has moved: the iteration ends even if a log handler raises
             if skipped is not None:
-                log.after_update(skipped, before, self.host_state, describe or self.describe_change,
+                log.after_update(skipped, before, read, describe or self.describe_change,
                                  overflow.log_summary(self.last_overflow))
             self.warn_if_at_floor(bool(skipped))
         finally:

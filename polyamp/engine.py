@@ -321,7 +321,8 @@ class LossScaler:
             found_inf = _inputs.flag_value(found_inf, iteration.backend)
             if not isinstance(found_inf, bool):
                 self.bind(found_inf)  # picks the backend if none; the state goes to the flag's device
-        iteration.finish(found_inf, skipped=iteration.checks.skipped)
+        skipped = iteration.checks.skipped
+        iteration.finish(found_inf, skipped=skipped, exact=found_inf is None and skipped is not None)
 
     def set_scale(self, value: Any) -> None:
         """Set the scale (a number, or a 1-element array read once to check it); trackers kept.

@@ -89,9 +89,9 @@ def test_at_debug_every_skipped_step_still_has_its_line(run, caplog):
 
 
 def test_logging_reads_the_scale_only_when_a_line_is_due(monkeypatch, caplog):
-    """Logging off: only the floor check's read on each skipped step (20). INFO on: two more for
-    each of the first 3 skips, one per window opened and one per window closed (5 + 4); none on
-    the steps in between."""
+    """Logging off: only the floor check's read on each skipped step (20). INFO on: one more for
+    each of the first 3 skips (the state before; the one after is the rule's on it, not read), one
+    per window opened and one per window closed (5 + 4); none on the steps in between."""
     reads = []
     real = Iteration.host_state  # every read of the state, the engine's and the facades' alike
     monkeypatch.setattr(Iteration, "host_state", lambda self: reads.append(1) or real(self))
@@ -101,7 +101,7 @@ def test_logging_reads_the_scale_only_when_a_line_is_due(monkeypatch, caplog):
     reads.clear()
     with caplog.at_level(logging.INFO, logger="polyamp"):
         engine_run()
-    assert len(reads) == STEPS // EVERY + 2 * 3 + 5 + 4
+    assert len(reads) == STEPS // EVERY + 3 + 5 + 4
 
 
 def test_the_torch_facade_logs_a_growth_at_debug(caplog):
@@ -149,3 +149,18 @@ def test_a_backoff_the_host_did_not_read_is_not_called_growth(caplog):
     assert scaler.get_scale() == 4.0
     assert records(caplog, logging.DEBUG) == [
         (logging.DEBUG, "overflow in gradients: loss scale backed off 8 -> 4")]
+
+
+def test_at_debug_an_applied_step_reads_the_state_once(monkeypatch, caplog):
+    """A growth line needs the state before the update; the one after is the rule's on it."""
+    reads = []
+    real = Iteration.host_state
+    monkeypatch.setattr(Iteration, "host_state", lambda self: reads.append(1) or real(self))
+    scaler = LossScaler(init_scale=8.0, growth_interval=2, backend="numpy")
+    with caplog.at_level(logging.DEBUG, logger="polyamp"):
+        for _ in range(4):
+            scaler.step([np.ones(2, np.float32)], lambda: None)
+            scaler.update()
+    assert len(reads) == 4  # one per update (it was two)
+    assert [r.getMessage() for r in caplog.records if r.name == "polyamp"] == [
+        "loss scale grew 8 -> 16", "loss scale grew 16 -> 32"]
