@@ -30,6 +30,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyamp._errors import install_hint
+
 # (module, attribute, kind): every place torch exports a scaler class. Kinds: "amp" is
 # torch.amp.GradScaler's signature, "cuda"/"cpu" the deprecated per-device ones (no device
 # argument), "sharded" FSDP's.
@@ -225,7 +227,7 @@ def _torch_targets() -> list[tuple[Any, str, str]]:
     except ImportError as exc:
         raise ImportError(
             f"polyamp.compat.torch.install() swaps torch's GradScaler classes, but torch does not "
-            f"import here ({exc}). Fix: pip install 'polyamp[torch]', or use polyamp's scalers "
+            f"import here ({exc}). Fix: {install_hint('torch')}, or use polyamp's scalers "
             "directly without install()"
         ) from exc
 

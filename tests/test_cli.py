@@ -150,7 +150,22 @@ def test_an_unavailable_backend_names_only_its_own_install_line():
     message = out.stdout.strip()
     assert message.startswith("backend 'torch' (asked for by backend=) is unavailable: torch is not ")
     assert message.count("pip install") == 1 and "pip install 'polyamp[torch]'" in message
-    assert "available here (numpy, array_api)" in message and len(message) < 300, message
+    assert "torch's CPU build first, from https://download.pytorch.org/whl/cpu" in message
+    assert "available here (numpy, array_api)" in message and len(message) < 400, message
+
+
+def test_demo_without_torch_says_to_install_the_cpu_build_first():
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from polyamp.cli import main\n"
+        "sys.exit(main(['demo', '--backend', 'torch', '--steps', '2']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    message = " ".join(out.stderr.split())
+    assert "pip install 'polyamp[torch]' (on a machine without an NVIDIA GPU, install torch's CPU " \
+           "build first, from https://download.pytorch.org/whl/cpu)" in message, message
 
 
 def test_every_install_hint_has_one_style():
