@@ -3,11 +3,19 @@
 The blocks of one page run in order in one namespace, as a reader pasting them in turn would
 run them, in a temporary folder. A block preceded by ``<!-- test: gpu -->`` needs a CUDA device:
 it runs on its own (so it must be self-contained) and skips with the reason where there is none.
-``<!-- test: processes=N -->`` runs the block in N processes on torch.distributed (gloo,
-127.0.0.1), as its page says to launch it. ``<!-- test: needs=lightning,timm -->`` marks a block
+``<!-- test: launch=train.py -->`` marks a complete multi-process script: it is written to
+``train.py`` in a temporary folder and started with the command of the one-line ``bash`` block the
+page shows after it (``torchrun --standalone --nproc-per-node 2 train.py``, or ``mpirun ... python
+train.py``), exactly as written, nothing added: the script initialises its own process group.
+(``torchrun`` runs as ``python -m torch.distributed.run``, what its console script does, and
+``python`` as this interpreter, so that the suite's environment is the one tested.)
+``<!-- test: processes=N -->`` is for a page that shows fragments to run after
+``init_process_group`` and says so (docs/distributed.md): the harness runs the block in N
+processes on torch.distributed (gloo, 127.0.0.1) after initialising the group itself.
+``<!-- test: needs=lightning,timm -->`` marks a block
 that needs trainer frameworks (the ``integrations`` extra): where one is absent the block is
 skipped and the page's test reports it skipped, with the reason, after running the others.
-Marks combine, space-separated: ``<!-- test: processes=2 needs=lightning -->``.
+Marks combine, space-separated: ``<!-- test: launch=train.py needs=lightning -->``.
 
 What a page shows a block printing is checked against what it prints, so no figure goes stale:
 a ``print(...)  # out`` line's comment is that call's output; a ``text`` block introduced by a
@@ -55,6 +63,7 @@ class Block:
     code: str
     mark: str
     output: str | None = None  # what the page shows the whole block printing ("prints" + text block)
+    end: int = 0  # where the block's closing fence ends in the page's text
 
 
 def blocks_of(page: Path) -> list[Block]:
@@ -66,8 +75,43 @@ def blocks_of(page: Path) -> list[Block]:
         before = [end for end, *_ in found if end <= m.start()]
         if m.group("lead").strip() in ("prints", "prints:") and before:
             shown[before[-1]] = m.group("out")
-    return [Block(page, text.count("\n", 0, start) + 1, code, mark, shown.get(end))
+    return [Block(page, text.count("\n", 0, start) + 1, code, mark, shown.get(end), end)
             for end, start, code, mark in found]
+
+
+def launch_command(block: Block, script: str) -> str:
+    """The one-line ``bash`` block after ``block`` (before the next python block) that runs ``script``."""
+    text = block.page.read_text()
+    nxt = text.find("```python\n", block.end)
+    after = text[block.end: None if nxt < 0 else nxt]
+    commands = [m.group("code").strip() for m in BASH.finditer(after)]
+    commands = [c.partition("  #")[0].strip() for c in commands if len(c.splitlines()) == 1]
+    found = [c for c in commands if script in shlex.split(c)]
+    assert found, f"{block.page.name}:{block.line}: no one-line bash block after it says how to launch {script}"
+    return found[0]
+
+
+def _launch(block: Block, script: str, tmp_path: Path) -> None:
+    """Write the block to ``script`` and run the page's launch command as written."""
+    (tmp_path / script).write_text(block.code)
+    command = launch_command(block, script)
+    words = shlex.split(command)
+    if words[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    elif words[0] == "mpirun":
+        launcher = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+        if launcher is None:
+            pytest.skip("mpirun is not installed")
+        argv = [launcher, *(sys.executable if w == "python" else w for w in words[1:])]
+    else:
+        raise AssertionError(f"{block.page.name}:{block.line}: launch with torchrun or mpirun, not {command!r}")
+    try:
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{block.page.name}:{block.line}: {command} ran past 300 s") from exc
+    assert done.returncode == 0, (
+        f"{block.page.name}:{block.line} failed under {command!r}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    )
 
 
 def command_outputs(page: Path) -> list[tuple[int, str, str]]:
@@ -205,6 +249,10 @@ def test_page_blocks_run(page: Path, tmp_path, monkeypatch, capsys, registry_res
             if reason:
                 skipped.append(f"{page.name}:{block.line}: {reason}")
                 continue
+        if "launch" in marks:
+            pytest.importorskip("torch.distributed")
+            _launch(block, marks["launch"], tmp_path)
+            continue
         if "processes" in marks:
             pytest.importorskip("torch.distributed")
             _run_in_processes(block, int(marks["processes"]), tmp_path)
@@ -217,7 +265,7 @@ def test_page_blocks_run(page: Path, tmp_path, monkeypatch, capsys, registry_res
 def _marks(block: Block) -> dict[str, str]:
     """A block's test marks, e.g. ``processes=2 needs=lightning`` -> {"processes": "2", ...}."""
     marks = dict(t.partition("=")[::2] for t in block.mark.split())
-    unknown = set(marks) - {"gpu", "processes", "needs"}
+    unknown = set(marks) - {"gpu", "processes", "launch", "needs"}
     assert not unknown, f"{block.page.name}:{block.line}: unknown test mark {block.mark!r}"
     return marks
 
