@@ -14,6 +14,7 @@ import sys
 import warnings
 from typing import Any
 
+from polyamp._caller import user_stacklevel
 from polyamp._registry import ENV_VAR
 
 CUDA_MISSING = (
@@ -40,7 +41,7 @@ def cuda_missing(device: str, backend: str | None) -> bool:
         import torch
     if not torch.cuda.amp.common.amp_definitely_not_available():
         return False
-    warnings.warn(CUDA_MISSING, stacklevel=3)
+    warnings.warn(CUDA_MISSING, stacklevel=user_stacklevel())
     return True
 
 

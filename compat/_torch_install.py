@@ -30,6 +30,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyamp._caller import user_stacklevel
+from polyamp._errors import install_hint
+
 # (module, attribute, kind): every place torch exports a scaler class. Kinds: "amp" is
 # torch.amp.GradScaler's signature, "cuda"/"cpu" the deprecated per-device ones (no device
 # argument), "sharded" FSDP's.
@@ -68,7 +71,8 @@ def _per_device_class(parent: type, torch_class: type, device: str) -> type:
                  **kwargs: Any) -> None:
         warnings.warn(  # torch's deprecation, as the class it stands in for gives it
             f"`torch.{device}.amp.GradScaler(args...)` is deprecated. Please use "
-            f"`torch.amp.GradScaler('{device}', args...)` instead.", FutureWarning, stacklevel=2)
+            f"`torch.amp.GradScaler('{device}', args...)` instead.", FutureWarning,
+            stacklevel=user_stacklevel())  # the user's line, as torch's warning names it
         super(cls_, self).__init__(device, init_scale, growth_factor, backoff_factor,
                                    growth_interval, enabled, **kwargs)
 
@@ -225,7 +229,7 @@ def _torch_targets() -> list[tuple[Any, str, str]]:
     except ImportError as exc:
         raise ImportError(
             f"polyamp.compat.torch.install() swaps torch's GradScaler classes, but torch does not "
-            f"import here ({exc}). Fix: pip install 'polyamp[torch]', or use polyamp's scalers "
+            f"import here ({exc}). Fix: {install_hint('torch')}, or use polyamp's scalers "
             "directly without install()"
         ) from exc
 

@@ -29,10 +29,20 @@ and what to do instead ("Fix: ..."); an optional part that is missing is named w
 
 from __future__ import annotations
 
+TORCH_CPU_ADVICE = (
+    "on a machine without an NVIDIA GPU, install torch's CPU build first, from "
+    "https://download.pytorch.org/whl/cpu"
+)
+
 
 def install_hint(extra: str) -> str:
-    """``pip install 'polyamp[extra]'``: how every message says to install an optional part."""
-    return f"pip install 'polyamp[{extra}]'"
+    """``pip install 'polyamp[extra]'``: how every message says to install an optional part.
+
+    torch's adds :data:`TORCH_CPU_ADVICE`, as README's "Install and test" does: else pip pulls
+    torch's default build and several GB of CUDA packages that a CPU cannot use.
+    """
+    hint = f"pip install 'polyamp[{extra}]'"
+    return f"{hint} ({TORCH_CPU_ADVICE})" if extra == "torch" else hint
 
 
 class PolyampError(Exception):

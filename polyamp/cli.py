@@ -53,7 +53,30 @@ def _info(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3])
+    print(_numpy_kernel_line())
     return 0
+
+
+def _numpy_kernel_line() -> str:
+    """Which NumPy unscale-and-check kernel runs here: numba's compiled one, or which and why not.
+
+    Imports numba (and compiles or loads the cached kernels) once to find out.
+    """
+    from ._errors import install_hint
+    from .backends import _numpy_kernels as kernels
+
+    try:
+        requested = kernels._requested()
+    except ValueError as exc:  # a POLYAMP_NUMPY_KERNEL that names no kernel
+        return f"numpy kernel: {exc}"
+    if requested != "compiled":
+        return f"numpy kernel: {requested} ({kernels.ENV_VAR}={requested}; the compiled one not asked for)"
+    if kernels.compiled_available():
+        import numba
+
+        return f"numpy kernel: compiled (numba {numba.__version__}), the fastest on CPU"
+    return (f"numpy kernel: blocked, not the compiled one ({kernels.compiled_error}). "
+            f"Fix: {install_hint('compiled')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,9 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="polyamp", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"polyamp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="list backends, their availability and versions").set_defaults(
-        func=_info
-    )
+    sub.add_parser(
+        "info", help="list backends, their availability and versions",
+        description="Print polyamp's version, the POLYAMP_BACKEND in effect, every backend found with "
+        "whether it can run here (and why not), its library's version, and which NumPy kernel runs: "
+        "the numba-compiled one (the 'compiled' extra) or the blocked NumPy loop, and why.",
+    ).set_defaults(func=_info)
     demo = sub.add_parser(
         "demo", help="train an MLP in float32, float16 without and with loss scaling; plot it",
         description="Train one MLP three ways (float32, float16 without loss scaling, float16 + "

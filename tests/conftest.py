@@ -42,18 +42,39 @@ def _to_numpy(a):
 
 
 BACKENDS = ["numpy", "torch", "array_api", "cupy", "paddle"]
+_LEFT_OUT: dict[str, str] = {}  # backend -> why the per-backend tests leave it out here
 
 
-@pytest.fixture(params=BACKENDS)
+def _runnable_backends() -> list[str]:
+    """The BACKENDS that can run here, read once (when a collected test asks for ``backend_name``)."""
+    if not hasattr(_runnable_backends, "names"):
+        infos = {i.name: i for i in polyamp.available_backends()}
+        for name in BACKENDS:
+            info = infos.get(name)
+            if info is None or not info.available:
+                _LEFT_OUT[name] = info.reason if info else "not installed"
+        _runnable_backends.names = [n for n in BACKENDS if n not in _LEFT_OUT]
+    return _runnable_backends.names
+
+
+def pytest_generate_tests(metafunc):
+    """A test taking ``backend_name`` runs once per backend that can run here. The others are
+    reported once at the end of the run, with the reason, not as one skip per test."""
+    if "backend_name" in metafunc.fixturenames:
+        metafunc.parametrize("backend_name", _runnable_backends(), indirect=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for name, reason in _LEFT_OUT.items():
+        terminalreporter.write_line(f"per-backend tests left out backend {name!r}: {reason}")
+
+
+@pytest.fixture
 def backend_name(request):
-    """Each backend that can run on this machine (others skip, saying why)."""
-    name = request.param
-    info = {i.name: i for i in polyamp.available_backends()}.get(name)
-    if info is None or not info.available:
-        pytest.skip(f"backend {name!r} unavailable: {info.reason if info else 'not installed'}")
-    if name == "cupy":
+    """Each backend that can run on this machine (``pytest_generate_tests`` picks them)."""
+    if request.param == "cupy":
         request.applymarker(pytest.mark.gpu)
-    return name
+    return request.param
 
 
 @pytest.fixture

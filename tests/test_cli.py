@@ -150,7 +150,22 @@ def test_an_unavailable_backend_names_only_its_own_install_line():
     message = out.stdout.strip()
     assert message.startswith("backend 'torch' (asked for by backend=) is unavailable: torch is not ")
     assert message.count("pip install") == 1 and "pip install 'polyamp[torch]'" in message
-    assert "available here (numpy, array_api)" in message and len(message) < 300, message
+    assert "torch's CPU build first, from https://download.pytorch.org/whl/cpu" in message
+    assert "available here (numpy, array_api)" in message and len(message) < 400, message
+
+
+def test_demo_without_torch_says_to_install_the_cpu_build_first():
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from polyamp.cli import main\n"
+        "sys.exit(main(['demo', '--backend', 'torch', '--steps', '2']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    message = " ".join(out.stderr.split())
+    assert "pip install 'polyamp[torch]' (on a machine without an NVIDIA GPU, install torch's CPU " \
+           "build first, from https://download.pytorch.org/whl/cpu)" in message, message
 
 
 def test_every_install_hint_has_one_style():
@@ -247,3 +262,26 @@ def test_demo_refuses_a_name_too_long_and_a_device_before_training(tmp_path):
         assert out.returncode == 2 and out.stdout == "", (output, out.stderr)
         assert says in out.stderr and "Fix:" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())  # nothing written, no probe left behind
+
+
+def test_info_says_which_numpy_kernel_runs():
+    """The compiled (numba) kernel when it imports; else the blocked loop, why, and the extra."""
+    pytest.importorskip("numba")
+    assert "numpy kernel: compiled (numba " in _run("info").stdout
+    naive = _run("info", env={"POLYAMP_NUMPY_KERNEL": "naive"}).stdout
+    assert "numpy kernel: naive (POLYAMP_NUMPY_KERNEL=naive" in naive
+    code = "import sys\nsys.modules['numba'] = None\nfrom polyamp.cli import main\nsys.exit(main(['info']))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("numpy kernel:")]
+    assert line.startswith("numpy kernel: blocked, not the compiled one (ModuleNotFoundError")
+    assert line.endswith("Fix: pip install 'polyamp[compiled]'")
+
+
+def test_info_help_has_a_description(capsys):
+    from polyamp.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["info", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "which NumPy kernel runs" in text and "POLYAMP_BACKEND" in text

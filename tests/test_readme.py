@@ -51,9 +51,29 @@ def test_every_python_block_is_tested_for_what_it_shows():
 
 
 def test_readme_test_command_is_what_ci_runs():
+    """The test command README shows (after ``&&``) is a line of .ci/run, after the same install."""
     ci = (README.parent / ".ci" / "run").read_text()
-    assert 'pip install -e ".[test]" && python -m pytest' in README.read_text()
-    assert 'pip install -q -c .ci/constraints.txt -e ".[test]"' in ci and "\npython -m pytest\n" in ci
+    (shown,) = re.findall(r'^pip install -e "\.\[test\]" && (.+)$', README.read_text(), re.M)
+    assert shown == "python -m pytest"
+    assert 'pip install -q -c .ci/constraints.txt -e ".[test]"' in ci and f"\n{shown}\n" in ci
+    assert ci.index('-e ".[test]"') < ci.index(f"\n{shown}\n")
+
+
+def test_readme_puts_the_cpu_build_of_torch_first():
+    """A literal reader without a GPU meets the CPU line before any ``.[test]`` install."""
+    text = README.read_text()
+    cpu = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert text.index(cpu) < text.index('pip install -e ".[test]"')
+    # every ``.[test]`` install README shows is in a block that starts with the CPU line
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        if '".[test]"' in block:
+            assert block.startswith(cpu), block
+
+
+def test_readme_says_what_the_test_extra_brings():
+    text = " ".join(README.read_text().split())
+    for name in ("paddlepaddle", "numba", "Open MPI", "matplotlib", "1.8 GB"):
+        assert name in text, name
 
 
 def test_readme_says_how_to_keep_a_cpu_install_small():

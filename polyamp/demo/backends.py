@@ -120,8 +120,8 @@ def get(name: str) -> Kit:
     if reason is not None:
         usable = [n for n in NAMES if n != name and _why_unavailable(n) is None]
         raise BackendUnavailableError(
-            f"demo backend {name!r} is not available here: {reason}. Fix: {install_hint(name)} "
-            f"(where it can run), or pass --backend with one available here: {', '.join(usable)}."
+            f"demo backend {name!r} is not available here: {reason}. Fix: where {name} can run, "
+            f"{install_hint(name)}; or pass --backend with one available here: {', '.join(usable)}."
         )
     if name == "torch":
         return _torch_kit()

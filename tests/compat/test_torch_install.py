@@ -147,6 +147,30 @@ def test_a_scaler_built_through_torch_trains_as_torch_does(clean):
     assert isinstance(scaler, pt.GradScaler)
 
 
+def test_per_device_warnings_point_at_the_users_line(clean):
+    """The deprecation (and, without CUDA, the disabling) warning names the line that built the scaler,
+    as torch's own do: not a line of polyamp's."""
+    import inspect
+
+    with pt.install(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        torch.cuda.amp.GradScaler(init_scale=4.0)
+        torch.cpu.amp.GradScaler()
+    with warnings.catch_warnings(record=True) as theirs:  # torch's own, for the same call
+        warnings.simplefilter("always")
+        torch.cpu.amp.GradScaler()
+    expected = [("cuda", "deprecated", line), ("cpu", "deprecated", line + 1)]
+    if not torch.cuda.is_available():
+        expected.append(("cuda", "CUDA is not available", line))
+    for device, says, lineno in expected:
+        (w,) = [w for w in caught if f"torch.{device}.amp.GradScaler" in str(w.message)
+                and says in str(w.message)]
+        assert (w.filename, w.lineno) == (__file__, lineno), (str(w.message), w.filename, w.lineno)
+    (torch_own,) = [w for w in theirs if issubclass(w.category, FutureWarning)]
+    assert torch_own.filename == __file__  # what torch does, which polyamp's stand-in matches
+
+
 def test_per_device_classes_keep_torch_signature_and_warnings(clean):
     with pt.install(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -48,10 +48,12 @@ class Linear:
 
     def forward(self, x, compute_dtype):
         self._x = x
-        return x @ self.w.data.astype(x.dtype)
+        with np.errstate(invalid="ignore", over="ignore"):  # the overflows the tests inject
+            return x @ self.w.data.astype(x.dtype)
 
     def backward(self, grad_output) -> None:
-        self.w.grad[...] = self._x.T @ grad_output
+        with np.errstate(invalid="ignore", over="ignore"):
+            self.w.grad[...] = self._x.T @ grad_output
 
 
 def half_mse(output, target):
