@@ -158,7 +158,7 @@ class Agreement:
                    like: Any) -> Agreed:
         """The message built, reduced and judged in host memory (NumPy, CPU tensors): no sync."""
         fp, red = self._fp, self.reducer
-        mine = fp.Fingerprint(*host, *_host_state(state))
+        mine = (*host, *_host_state(state))  # a Fingerprint's fields (built as one only to explain)
         _, _, c1, c2 = self._config  # type: ignore[misc]  # the config's shares, made by _next
         d1, d2 = fp.shares(mine[1:], first=1)
         four_d = 4.0 * ((d1 + c1) % fp.P1 * 2**25 + (d2 + c2) % fp.P2)  # exact: below 2**52
@@ -174,7 +174,7 @@ class Agreement:
         red.allreduce_max_(message)
         total = float(message[0]) + float(message[1])  # exact: integers below 2**53
         if not fp.verdict(total):
-            self._explain(mine, None)
+            self._explain(fp.Fingerprint(*mine), None)
         agreed = _new_flag(like, total / 2)
         if not extras:
             return Agreed(agreed, None)

@@ -125,6 +125,9 @@ class TorchReducer(Reducer):
 
     def _prepare(self, array: Any) -> Any:
         self.group  # noqa: B018 - refuse before anything is issued when the group is gone
+        cached = self._views.get(id(array))
+        if cached is not None and cached[0] is array:  # a reused message buffer, checked when first seen
+            return cached[1]
         torch = self._torch
         tensor = array if isinstance(array, torch.Tensor) else self._as_tensor(array)
         problem = None
@@ -141,11 +144,11 @@ class TorchReducer(Reducer):
 
     def _as_tensor(self, array: Any) -> Any:
         """A tensor sharing ``array``'s memory: NumPy through from_numpy, others through DLPack."""
-        what = f"a {type(array).__module__}.{type(array).__name__}"
-        if isinstance(array, np.ndarray) and not array.flags.writeable:
-            what = "a read-only NumPy array"
-        elif isinstance(array, np.ndarray):
+        if isinstance(array, np.ndarray) and array.flags.writeable:
             return self._numpy_view(array)
+        what = f"a {type(array).__module__}.{type(array).__name__}"
+        if isinstance(array, np.ndarray):
+            what = "a read-only NumPy array"
         elif hasattr(array, "__dlpack__"):
             try:
                 return self._torch.utils.dlpack.from_dlpack(array)
