@@ -190,9 +190,13 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
             return self._self_scaling_step(optimizer, stage, args, kwargs)
         if stage is READY:
             self.unscale_(optimizer)
-        if self._found[key] is None:
+        found = self._found[key]
+        if found is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        retval = self._opt_step_through_hook(optimizer, UNSCALED, args, kwargs)  # _maybe_opt_step
+        if overrides_opt_step(type(self)):  # a subclass's _maybe_opt_step, called as torch calls it
+            retval = self._opt_step_through_hook(optimizer, UNSCALED, args, kwargs)
+        else:  # polyamp's own: the same decision without building torch's optimizer_state
+            retval = self._decide_and_step(optimizer, found, args, kwargs)
         self._stages[key] = STEPPED
         return retval
 
@@ -202,6 +206,11 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         """torch's hook: ``optimizer.step(*args, **kwargs)`` unless ``optimizer_state``'s flags say
         overflow (the one host read; a report only when skipped). Those flags are what update() uses."""
         found = self._found[id(optimizer)] = combined(optimizer_state["found_inf_per_device"])
+        return self._decide_and_step(optimizer, found, args, kwargs)
+
+    def _decide_and_step(self, optimizer: Any, found: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """The skip decision on ``found`` (the one host read; a report only when skipped), then
+        ``optimizer.step(*args, **kwargs)`` unless it says skip."""
         skipped = self._engine.iteration.decide(
             False if found is None else found,
             named=lambda: self._named_grads([*self._skipped_here, optimizer]),
@@ -309,6 +318,12 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         named = torch_named_grads(obj, self._param_names)
         return build_report(named, loss=loss, scale=self.get_scale())
 
+
+
+@functools.cache
+def overrides_opt_step(cls: type) -> bool:
+    """Whether ``cls`` overrides ``_maybe_opt_step`` (then step goes through it, as torch's does)."""
+    return cls._maybe_opt_step is not GradScaler._maybe_opt_step
 
 class DisabledGradScaler(DisabledMethods, GradScaler):
     """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
