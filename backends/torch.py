@@ -24,9 +24,16 @@ _CASTS = ("float32", "float16", "bfloat16", "float64")
 
 
 def _torch() -> Any:
-    import torch
+    """torch, imported at the first call (never at plugin load), then a global read."""
+    global _TORCH_MODULE
+    if _TORCH_MODULE is None:
+        import torch
 
-    return torch
+        _TORCH_MODULE = torch
+    return _TORCH_MODULE
+
+
+_TORCH_MODULE: Any = None
 
 
 @hookimpl
@@ -112,7 +119,8 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
     torch._C._set_grad_enabled(False)  # torch.no_grad() without the context-manager cost
     try:
         groups = group_by_device_and_dtype(_dense(grads))
-        if any(device.type == "meta" for device, _ in groups):  # before any kernel: nothing changed
+        on_home = len(groups) == 1 and groups[0][0] == home  # the usual case: the state's device
+        if not on_home and any(device.type == "meta" for device, _ in groups):  # before any kernel
             refuse_meta(grads, "unscale_()/step()")
         for device, group in groups:
             if device == home:
