@@ -22,7 +22,7 @@ def summary_writer_class() -> type:
             raise ImportError(
                 "ScalerMetricsWriter needs torch.utils.tensorboard (the tensorboard package) or "
                 "tensorboardX, and neither imports here. Fix: pip install 'polyamp[tensorboard]' "
-                "(or pip install tensorboardX), or pass writer= an object with add_scalar()."
+                "(or install tensorboardX), or pass writer= an object with add_scalar()."
             ) from exc
     return SummaryWriter
 
