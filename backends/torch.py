@@ -161,7 +161,7 @@ def _torch_rule(config: Any) -> bool:
         and config.backoff_interval == 1
         and config.min_scale is None
         and config.max_scale is None
-        and config.product_dtype == "float64"
+        and config.rule == "torch" and config.products == "float64"
     )
 
 

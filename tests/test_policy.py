@@ -21,7 +21,7 @@ def model_run(config: LossScaleConfig, overflows: list[bool]) -> list[tuple[floa
     normal when min_scale is None (torch's rule would go on to subnormals and 0).
     """
     scale, growth, backoff = np.float32(config.init_scale), 0, 0
-    wide = np.float64 if config.product_dtype == "float64" else np.float32
+    wide = np.float64 if config.products == "float64" else np.float32
     floor = TINY if config.min_scale is None else np.float32(config.min_scale)
     out = []
     for found in overflows:

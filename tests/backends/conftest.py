@@ -48,7 +48,7 @@ def torch_amp_update():
     from polyamp.policy import HostState
 
     def update(state, found, config):
-        assert config.backoff_interval == 1 and config.product_dtype == "float64" and config.dynamic
+        assert config.backoff_interval == 1 and config.products == "float64" and config.dynamic
         scale = torch.tensor([state.scale], dtype=torch.float32)
         growth = torch.tensor([state.growth_tracker], dtype=torch.int32)
         torch._amp_update_scale_(scale, growth, torch.tensor([float(found)]),

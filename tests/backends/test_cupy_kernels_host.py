@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from polyamp.backends import _cupy_kernels as kern
 from polyamp.backends._cupy_launch import dtype_kind, group_by_kind
+from polyamp.backends._cupy_launch import update_flags as kernel_flags
 
 from polyamp import LossScaleConfig
 from polyamp.config import SCALE_CEILING, SCALE_FLOOR
@@ -216,9 +217,7 @@ def host_update(lib, state, found, config):
     growth = np.array(state.growth_tracker, np.int32)
     backoff = np.array(state.backoff_tracker, np.int32)
     flag = np.array(found, np.float32)
-    flags = ((kern.HAS_MIN if config.min_scale is not None else 0)
-             | (kern.HAS_MAX if config.max_scale is not None else 0)
-             | (kern.FLOAT32_PRODUCT if config.product_dtype == "float32" else 0))
+    flags = kernel_flags(config)
     with np.errstate(over="ignore"):
         lo, hi = np.float32(config.min_scale or 0.0), np.float32(config.max_scale or 0.0)
     lib.polyamp_host_update(scale.ctypes.data, growth.ctypes.data, backoff.ctypes.data,
