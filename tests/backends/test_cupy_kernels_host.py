@@ -9,8 +9,6 @@ the backend's own Python code. Results are held bitwise against torch's CPU
 from __future__ import annotations
 
 import ctypes
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,22 +33,9 @@ P, I64 = ctypes.c_void_p, ctypes.c_longlong
 
 
 @pytest.fixture(scope="module")
-def lib(nvcc, tmp_path_factory):
+def lib(cupy_host_lib):
     """The host harness built as a shared library (skips when nvcc is absent)."""
-    work = tmp_path_factory.mktemp("harness")
-    (work / "polyamp_cupy_kernels.cu").write_text(kern.ALL_SOURCE)
-    harness = Path(__file__).with_name("cupy_host_harness.cu")
-    so = work / "harness.so"
-    subprocess.run([nvcc, "-DPOLYAMP_HOST_ONLY", f"-I{work}", "-Xcompiler", "-fPIC", "-shared",
-                    "-o", str(so), str(harness)], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(so))
-    lib.polyamp_host_unscale.argtypes = [ctypes.c_int, P, ctypes.c_int, I64, ctypes.c_int, P, P,
-                                         ctypes.c_int, I64, I64]
-    lib.polyamp_host_unscale.restype = ctypes.c_int
-    lib.polyamp_host_update.argtypes = [P, P, P, P, ctypes.c_double, ctypes.c_double,
-                                        ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                        ctypes.c_float, ctypes.c_int]
-    return lib
+    return cupy_host_lib
 
 
 def host_unscale(lib, arrays, scale, found, *, check_only=False, chunk=64, threads=8,
@@ -212,17 +197,17 @@ def test_inv_scale_one_leaves_float_bits_untouched(lib, kind):
 
 
 def host_update(lib, state, found, config):
-    """One run of the device update kernel's body on the host."""
+    """One run of the device update kernel's body on the host, with the launcher's flags."""
     scale = np.array(state.scale, np.float32)
     growth = np.array(state.growth_tracker, np.int32)
     backoff = np.array(state.backoff_tracker, np.int32)
     flag = np.array(found, np.float32)
-    flags = kernel_flags(config)
     with np.errstate(over="ignore"):
         lo, hi = np.float32(config.min_scale or 0.0), np.float32(config.max_scale or 0.0)
     lib.polyamp_host_update(scale.ctypes.data, growth.ctypes.data, backoff.ctypes.data,
                             flag.ctypes.data, config.growth_factor, config.backoff_factor,
-                            config.growth_interval, config.backoff_interval, lo, hi, flags)
+                            config.growth_interval, config.backoff_interval, lo, hi,
+                            kernel_flags(config))
     return HostState(float(scale), int(growth), int(backoff))
 
 
