@@ -227,15 +227,15 @@ __host__ __device__ inline void update_state(float* scale, int* growth, int* bac
   const bool f32 = (flags & @FLOAT32_PRODUCT@) != 0;
   float s = *scale;
   if (*found_inf != 0.0f) {  // nan counts as an overflow, as in the policy
-    // the backoff count saturates at backoff_interval (it stays there only with KEEPS_COUNT)
-    int b = *backoff >= backoff_interval ? *backoff : (int)((unsigned)*backoff + 1u);
+    int b = (int)((unsigned)*backoff + 1u);
     if (b == backoff_interval) {
       s = scaled(s, backoff_factor, f32);
       // The floor: min_scale when set (never below SCALE_FLOOR), else SCALE_FLOOR = 2**-126,
       // so the scale never turns subnormal or 0. Python max(s, floor).
       const float floor = (flags & @HAS_MIN@) ? min_scale : @SCALE_FLOOR@;
       if (floor > s) s = floor;
-      if (!(flags & @KEEPS_COUNT@)) b = 0;
+      // a spent hysteresis stays spent with KEEPS_COUNT (megatron, deepspeed)
+      b = (flags & @KEEPS_COUNT@) ? backoff_interval - 1 : 0;
     }
     *growth = 0;
     *backoff = b;

@@ -3,11 +3,10 @@
 One rule with three parameters (:class:`RuleParams`) covers the four ``config.rule`` values
 (docs/rule.md states each engine's update and how it maps here)::
 
-    on overflow (found_inf): growth_tracker = 0
-        backoff_tracker = min(backoff_tracker + 1, backoff_interval)
+    on overflow (found_inf): growth_tracker = 0; backoff_tracker += 1
         if backoff_tracker == backoff_interval:
             scale = max(scale * backoff_factor, floor)
-            if not keeps_count: backoff_tracker = 0        # torch, paddle
+            backoff_tracker = backoff_interval - 1 if keeps_count else 0
     on a finite step:
         if finite_refills: backoff_tracker = 0           # torch, paddle, deepspeed+consecutive
         growth_tracker += 1
@@ -16,9 +15,11 @@ One rule with three parameters (:class:`RuleParams`) covers the four ``config.ru
             if new is finite: scale = min(new, max_scale)
             growth_tracker = growth_delay; backoff_tracker = 0
 
-``keeps_count`` (megatron, deepspeed): an exhausted hysteresis stays exhausted, so every further
-overflow backs off, until a growth refills it. ``growth_delay`` is 1 for deepspeed, whose window
-counts finite steps *after* the first one following an overflow, else 0. With
+``keeps_count`` (megatron, deepspeed): a spent hysteresis stays spent (the count stays one short
+of ``backoff_interval``), so every further overflow backs off until a growth (or, with
+``finite_refills``, a finite step) refills it; torch and paddle start counting again.
+``growth_delay`` is 1 for deepspeed, whose window counts finite steps *after* the first one
+following an overflow, else 0. With
 ``backoff_interval=1`` and ``rule="torch"`` this is torch's ``_amp_update_scale_``;
 ``backoff_interval=n`` is paddle's ``decr_every_n_nan_or_inf=n``.
 
@@ -67,8 +68,7 @@ def rule_params(config: LossScaleConfig) -> RuleParams:
 def tracker_limits(config: LossScaleConfig) -> tuple[int, int]:
     """The largest growth and backoff trackers the rule leaves (inclusive), for checkpoints."""
     params = rule_params(config)
-    return (config.growth_interval - 1 + params.growth_delay,
-            config.backoff_interval - (0 if params.keeps_count else 1))
+    return config.growth_interval - 1 + params.growth_delay, config.backoff_interval - 1
 
 
 class HostState(NamedTuple):
@@ -106,7 +106,7 @@ def scale_floor(config: LossScaleConfig) -> float:
 def backs_off_at_floor(state: HostState, config: LossScaleConfig) -> bool:
     """Whether an overflow now would back off a scale already at its floor (DeepSpeed's
     ``raise_error_at_min_scale`` condition: ``cur_scale == min_scale`` when hysteresis is spent)."""
-    spent = min(state.backoff_tracker + 1, config.backoff_interval) == config.backoff_interval
+    spent = state.backoff_tracker + 1 == config.backoff_interval
     return config.dynamic and spent and _float32(state.scale) == scale_floor(config)
 
 
@@ -117,11 +117,10 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
     params = rule_params(config)
     scale, growth, backoff = state
     if found_inf:
-        growth, backoff = 0, min(backoff + 1, config.backoff_interval)
+        growth, backoff = 0, backoff + 1
         if backoff == config.backoff_interval:
             scale = max(_product(scale, config.backoff_factor, config), scale_floor(config))
-            if not params.keeps_count:
-                backoff = 0
+            backoff = config.backoff_interval - 1 if params.keeps_count else 0
         return HostState(scale, growth, backoff)
     growth = growth + 1
     if params.finite_refills:
@@ -151,7 +150,7 @@ def next_state(
     scale, growth, backoff = state
     found = found_inf != 0
     zeros = xp.zeros_like(backoff)
-    counted = xp.where(backoff >= config.backoff_interval, backoff, backoff + 1)  # saturates
+    counted = backoff + 1
     growth_next = growth + 1
     do_backoff = found & (counted == config.backoff_interval)
     do_grow = ~found & (growth_next == config.growth_interval + params.growth_delay)
@@ -167,7 +166,7 @@ def next_state(
         grown = xp.minimum(grown, xp.asarray(config.max_scale, dtype=xp.float32))
 
     new_scale = xp.where(do_backoff, backed, xp.where(grow_ok, grown, scale))
-    on_found = counted if params.keeps_count else xp.where(do_backoff, zeros, counted)
+    on_found = xp.where(do_backoff, backoff if params.keeps_count else zeros, counted)
     on_finite = zeros if params.finite_refills else xp.where(do_grow, zeros, backoff)
     new_backoff = xp.where(found, on_found, on_finite)
     restart = xp.zeros_like(growth) + params.growth_delay  # after a growth: 0, or 1 for deepspeed
