@@ -14,11 +14,13 @@ range: polyamp refuses a non-finite scale where Megatron's float32 scale would b
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 import polyamp
-from polyamp import LossScaleConfig, LossScaleState
+from polyamp import LossScaleConfig, LossScaleState, MinScaleError
 from polyamp.config import SCALE_FLOOR
 from polyamp.policy import HostState, next_host_state
 
@@ -326,3 +328,147 @@ def test_cupy_kernel_is_the_engine_emulated(cupy_host_update, name):
         state = cupy_host_update(state, 1.0 if found else 0.0, config)
         got.append(state)
     assert_same_run(got, want, f"cupy (emulated) {name}")
+
+
+# -- through LossScaler: real inf gradients, skip decisions, checkpoints mid-hysteresis -------------
+SHORT = 600
+
+
+def _mid_hysteresis(states, config):
+    """A step after which an overflow has been absorbed (trackers mid-run): where to checkpoint."""
+    for i, s in enumerate(states[SHORT // 4:], SHORT // 4):
+        if 0 < s.backoff_tracker:
+            return i
+    pytest.fail(f"no absorbed overflow in the run of {config}")
+
+
+@pytest.mark.parametrize("name", ["paddle-odd", "megatron-odd", "deepspeed-default",
+                                  "deepspeed-consecutive", "deepspeed-min-not-f32"])
+def test_loss_scaler_follows_the_engine_and_resumes_mid_hysteresis(backend_name, make_array, tmp_path,
+                                                                   name):
+    """600 steps of LossScaler.step/update with inf gradients where the engine overflowed; at a step
+    with an absorbed overflow the scaler is saved, a new one loads the file and goes on."""
+    flags, want, config = reference_run(name, 3, SHORT)
+    cut = _mid_hysteresis(want, config)
+    scaler = polyamp.LossScaler(config, backend=backend_name)
+    applied = []
+    for i, found in enumerate(flags):
+        grads = [make_array(np.array([np.inf if found else 1.0, 2.0], np.float32))]
+        result = scaler.step(grads, lambda i=i: applied.append(i))
+        assert result.skipped == found and bool(result) == (not found)
+        scaler.update()
+        assert scaler.host_state() == want[i] or assert_same_run([scaler.host_state()], [want[i]], i)
+        if i == cut:
+            scaler.save(tmp_path / "scaler.json")
+            saved = json.loads((tmp_path / "scaler.json").read_text())
+            assert saved["config"]["rule"] == config.rule and saved["backoff_tracker"] > 0
+            scaler = polyamp.LossScaler(backend=backend_name)
+            scaler.load(tmp_path / "scaler.json")
+            assert scaler.config == config and scaler.host_state() == want[i]
+    assert applied == [i for i, found in enumerate(flags) if not found]
+
+
+def test_checkpoint_keeps_deepspeeds_growth_tracker_at_the_window():
+    """DeepSpeed's rule leaves growth_tracker == scale_window (the step before a growth): loadable."""
+    config = LossScaleConfig(rule="deepspeed", growth_interval=3)
+    scaler = polyamp.LossScaler(config, backend="numpy")
+    for _ in range(3):
+        scaler.update(found_inf=False)
+    assert scaler.host_state() == HostState(2.0**16, 3, 0)
+    other = polyamp.LossScaler(backend="numpy")
+    other.load_state_dict(scaler.state_dict())
+    other.update(found_inf=False)
+    assert other.host_state() == HostState(2.0**17, 1, 0)
+    with pytest.raises(polyamp.StateDictError, match=r"growth_tracker.*<= 2 .*rule='torch'"):
+        other.load_state_dict({**scaler.state_dict(), "config": {"growth_interval": 3}})
+
+
+def test_checkpoints_without_the_new_fields_load_as_before():
+    """A checkpoint written before ``rule`` existed: its config has product_dtype and no rule."""
+    old = {"format": "polyamp.LossScaler", "version": 1, "scale": 1024.0, "growth_tracker": 5,
+           "backoff_tracker": 1, "steps": 9, "skipped_steps": 2,
+           "config": {"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                      "growth_interval": 2000, "backoff_interval": 2, "min_scale": None,
+                      "max_scale": None, "dynamic": True, "product_dtype": "float32"}}
+    scaler = polyamp.LossScaler(backend="numpy")
+    scaler.load_state_dict(old)
+    assert scaler.config.rule == "torch" and scaler.config.products == "float32"
+    assert not scaler.config.consecutive_hysteresis and not scaler.config.raise_error_at_min_scale
+    assert scaler.host_state() == HostState(1024.0, 5, 1)
+
+
+# -- raise_error_at_min_scale ----------------------------------------------------------------------
+def test_min_scale_error_is_deepspeeds_exception_at_the_same_step(backend_name, make_array):
+    """The engine raises at the overflow that finds the scale at min_scale with hysteresis spent;
+    LossScaler raises MinScaleError from update() at that same step: skipped, weights and state
+    unchanged, and the scaler goes on when the caller does."""
+    update, _, config = deepspeed(2.0**4, 3, 1.0, 2, raise_error_at_min_scale=True)
+    flags = [False, True, False, True, True, True, True, False, True, True, True]
+    engine_raised_at = None
+    for i, found in enumerate(flags):
+        try:
+            update(found)
+        except Exception as exc:  # DeepSpeed raises a bare Exception
+            assert "already at minimum" in str(exc)
+            engine_raised_at = i
+            break
+    assert engine_raised_at is not None
+    scaler = polyamp.LossScaler(config, backend=backend_name)
+    weights = np.array([1.0, 2.0], np.float32)
+    for i, found in enumerate(flags):
+        grads = [make_array(np.array([np.inf if found else 0.5, 0.5], np.float32))]
+        before = weights.copy()
+        result = scaler.step(grads, lambda: weights.__isub__(0.25))
+        state = scaler.host_state()
+        if i < engine_raised_at:
+            scaler.update()
+            continue
+        assert result.skipped and np.array_equal(weights, before)
+        with pytest.raises(MinScaleError, match=r"already at its minimum 1 .*raise_error_at_min_scale=False"):
+            scaler.update()
+        assert scaler.host_state() == state and state.scale == 1.0
+        break
+    scaler.step([make_array(np.array([0.5], np.float32))], lambda: weights.__isub__(0.25))
+    scaler.update()  # the iteration ended with the error: the loop goes on
+    assert scaler.steps == engine_raised_at + 2
+
+
+def test_min_scale_error_not_raised_while_hysteresis_absorbs():
+    config = LossScaleConfig(rule="deepspeed", init_scale=1.0, min_scale=1.0, backoff_interval=3,
+                             raise_error_at_min_scale=True)
+    scaler = polyamp.LossScaler(config, backend="numpy")
+    for _ in range(2):  # absorbed by delayed_shift=3
+        scaler.step([np.array([np.inf], np.float32)], lambda: None)
+        scaler.update()
+    scaler.step([np.array([np.inf], np.float32)], lambda: None)
+    with pytest.raises(MinScaleError):
+        scaler.update()
+    scaler.update(found_inf=False)  # a finite update() without step() reads nothing extra
+    assert scaler.host_state() == HostState(1.0, 1, 2)
+    with pytest.raises(MinScaleError):  # an update() without step(): the flag is read
+        scaler.update(found_inf=True)
+
+
+# -- config ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"rule": "apex"}, r"rule must be one of 'torch', 'paddle', 'megatron', 'deepspeed', got rule='apex'"),
+    ({"rule": "megatron", "product_dtype": "float64"},
+     r"rule='megatron' forms scale\*factor in float32, got product_dtype='float64'\. Fix:"),
+    ({"rule": "deepspeed", "product_dtype": "float32"}, r"forms scale\*factor in float64"),
+    ({"rule": "paddle", "product_dtype": "float64"}, r"Fix: leave product_dtype unset"),
+    ({"consecutive_hysteresis": True},
+     r"consecutive_hysteresis is DeepSpeed's option, got consecutive_hysteresis=True with rule='torch'"),
+    ({"rule": "megatron", "raise_error_at_min_scale": True},
+     r"raise_error_at_min_scale is DeepSpeed's option.*Fix: pass rule='deepspeed'"),
+    ({"rule": "deepspeed", "consecutive_hysteresis": 1}, r"consecutive_hysteresis must be True or False"),
+])
+def test_config_refuses_rule_mismatches(fields, match):
+    with pytest.raises(polyamp.ConfigError, match=match):
+        LossScaleConfig(**fields)
+
+
+def test_products_default_to_the_rules_own():
+    assert [LossScaleConfig(rule=r).products for r in ("torch", "paddle", "megatron", "deepspeed")] == [
+        "float64", "float32", "float32", "float64"]
+    assert LossScaleConfig(product_dtype="float32").products == "float32"  # the paddle facade's config
+    assert LossScaleConfig().replace(rule="megatron").products == "float32"
