@@ -232,8 +232,21 @@ update_flags = st.one_of(
 )
 
 
+def _with_rule(config, rule, consecutive):
+    """``config`` under ``rule`` (its own product precision; consecutive_hysteresis for deepspeed)."""
+    if rule == "torch":
+        return config
+    return config.replace(rule=rule, product_dtype=None,
+                          consecutive_hysteresis=consecutive and rule == "deepspeed")
+
+
+configs_every_rule = st.builds(_with_rule, configs,
+                               st.sampled_from(["torch", "paddle", "megatron", "deepspeed"]),
+                               st.booleans())
+
+
 @settings(max_examples=300, deadline=None)
-@given(config=configs, flags=update_flags)
+@given(config=configs_every_rule, flags=update_flags)
 def test_update_kernel_agrees_with_the_policy(lib, config, flags):
     state = HostState(float(np.float32(config.init_scale)), 0, 0)
     for found in flags:
