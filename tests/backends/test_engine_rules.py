@@ -472,3 +472,23 @@ def test_products_default_to_the_rules_own():
         "float64", "float32", "float32", "float64"]
     assert LossScaleConfig(product_dtype="float32").products == "float32"  # the paddle facade's config
     assert LossScaleConfig().replace(rule="megatron").products == "float32"
+
+
+def test_trainer_raises_min_scale_error_with_the_weights_untouched():
+    """MixedPrecisionTrainer runs the same iteration: its skipped step leaves the model as it was."""
+    from polyamp import MixedPrecisionTrainer
+    from polyamp.demo import MLP, softmax_cross_entropy, spirals
+    from polyamp.optim import SGD
+
+    x, y = spirals(32, seed=0)
+    model = MLP([2, 8, 3], seed=0)
+    config = LossScaleConfig(rule="deepspeed", init_scale=1.0, min_scale=1.0, backoff_interval=1,
+                             raise_error_at_min_scale=True)
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16", config)
+    assert not trainer.train_step(x, y, softmax_cross_entropy).skipped
+    model.parameters()[0].data[...] = np.nan  # the forward pass turns NaN: gradients overflow
+    before = [p.data.copy() for p in model.parameters()]
+    with pytest.raises(MinScaleError):
+        trainer.train_step(x, y, softmax_cross_entropy)
+    for p, b in zip(model.parameters(), before, strict=True):
+        np.testing.assert_array_equal(p.data, b)
