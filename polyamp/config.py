@@ -118,7 +118,7 @@ class LossScaleConfig:
 
 def _check_rule(config: LossScaleConfig) -> None:
     """``rule`` is known, its product precision is the engine's, DeepSpeed's options only with it."""
-    if config.rule not in RULE_PRODUCTS:
+    if not isinstance(config.rule, str) or config.rule not in RULE_PRODUCTS:
         raise ConfigError(
             f"rule must be one of {', '.join(map(repr, RULE_PRODUCTS))}, got rule={short_repr(config.rule)}. "
             "Fix: pass e.g. rule='torch' (the default)."

@@ -169,6 +169,7 @@ def next_state(
     on_found = xp.where(do_backoff, backoff if params.keeps_count else zeros, counted)
     on_finite = zeros if params.finite_refills else xp.where(do_grow, zeros, backoff)
     new_backoff = xp.where(found, on_found, on_finite)
-    restart = xp.zeros_like(growth) + params.growth_delay  # after a growth: 0, or 1 for deepspeed
-    new_growth = xp.where(found, xp.zeros_like(growth), xp.where(do_grow, restart, growth_next))
+    growth_zeros = xp.zeros_like(growth)
+    restart = growth_zeros + params.growth_delay if params.growth_delay else growth_zeros  # deepspeed: 1
+    new_growth = xp.where(found, growth_zeros, xp.where(do_grow, restart, growth_next))
     return LossScaleState(new_scale, new_growth, new_backoff)

@@ -452,6 +452,7 @@ def test_min_scale_error_not_raised_while_hysteresis_absorbs():
 # -- config ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("fields", "match"), [
     ({"rule": "apex"}, r"rule must be one of 'torch', 'paddle', 'megatron', 'deepspeed', got rule='apex'"),
+    ({"rule": ["torch"]}, r"rule must be one of .* got rule=\['torch'\]\. Fix: pass e\.g\. rule='torch'"),
     ({"rule": "megatron", "product_dtype": "float64"},
      r"rule='megatron' forms scale\*factor in float32, got product_dtype='float64'\. Fix:"),
     ({"rule": "deepspeed", "product_dtype": "float32"}, r"forms scale\*factor in float64"),
