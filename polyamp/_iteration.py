@@ -346,10 +346,10 @@ class Iteration:
                 self.verify()  # ranks that differ: RankMismatchError before the scale moves
             if self.diagnose:
                 self.last_overflow = self._report_or_warn() if skips else None
-        if self.config.raise_error_at_min_scale and skipped is not False:
-            self.refuse_backoff_at_floor(flag)
         log = self.log
         before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
+        if self.config.raise_error_at_min_scale and skipped is not False:
+            self.refuse_backoff_at_floor(flag, before)
         self._advance(flag)
         read = self.host_state
         if exact and before is not None:  # the device ran the rule on the same flag: no second read
@@ -363,13 +363,14 @@ class Iteration:
         finally:
             self.end()
 
-    def refuse_backoff_at_floor(self, flag: Any) -> None:
+    def refuse_backoff_at_floor(self, flag: Any, state: HostState | None) -> None:
         """DeepSpeed's ``raise_error_at_min_scale``: MinScaleError, before the rule runs, when this
-        overflow would back off a scale already at its floor. Reads the flag and the scale, only
-        after a skipped step (or an update() without step()); the iteration ends, the state stays."""
+        overflow would back off a scale already at its floor. Reads the flag (and the state unless
+        ``state`` was read), only after a skipped step or an update() without step(); the
+        iteration ends, the state stays."""
         if not (flag if isinstance(flag, bool) else self.ready()[0].read_flag(flag)):
             return
-        state = self.host_state()
+        state = state or self.host_state()
         if backs_off_at_floor(state, self.config):
             self.end()
             raise MinScaleError(

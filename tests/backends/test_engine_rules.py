@@ -493,3 +493,37 @@ def test_trainer_raises_min_scale_error_with_the_weights_untouched():
         trainer.train_step(x, y, softmax_cross_entropy)
     for p, b in zip(model.parameters(), before, strict=True):
         np.testing.assert_array_equal(p.data, b)
+
+
+def _reads_per_step(host_reads, config):
+    """(reads in step(), reads in update()) for finite, finite, finite, overflow, finite steps."""
+    import torch
+
+    scaler = polyamp.LossScaler(config)
+    counts = []
+    for found in [False, False, False, True, False]:
+        grads = [torch.full((3,), np.inf if found else 2.0)]
+        with host_reads() as in_step:
+            scaler.step(grads, lambda: None)
+        with host_reads() as in_update:
+            scaler.update()
+        counts.append((in_step.count, in_update.count))
+    assert scaler.host_state().scale == 8.0  # grown to 16, backed off by the overflow
+    return counts
+
+
+@pytest.mark.parametrize("rule", ["megatron", "deepspeed"])
+def test_applied_steps_read_once_under_every_rule(host_reads, rule):
+    """The rules add no host read: one per applied step (the skip decision), none in update(), also
+    with raise_error_at_min_scale=True, whose check reads the flag and the state (scale and two
+    trackers) after a skipped step only. A skipped step's update otherwise reads what torch's rule
+    reads there (the floor check)."""
+    pytest.importorskip("torch")
+    base = LossScaleConfig(init_scale=8.0, growth_interval=2)
+    torch_rule = _reads_per_step(host_reads, base)
+    assert torch_rule[:3] + torch_rule[4:] == [(1, 0)] * 4
+    assert _reads_per_step(host_reads, base.replace(rule=rule)) == torch_rule
+    if rule == "deepspeed":
+        raising = _reads_per_step(host_reads, base.replace(rule=rule, raise_error_at_min_scale=True))
+        assert raising[:3] + raising[4:] == [(1, 0)] * 4
+        assert raising[3] == (1, torch_rule[3][1] + 1 + 3)
