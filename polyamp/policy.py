@@ -19,9 +19,8 @@ One rule with three parameters (:class:`RuleParams`) covers the four ``config.ru
 of ``backoff_interval``), so every further overflow backs off until a growth (or, with
 ``finite_refills``, a finite step) refills it; torch and paddle start counting again.
 ``growth_delay`` is 1 for deepspeed, whose window counts finite steps *after* the first one
-following an overflow, else 0. With
-``backoff_interval=1`` and ``rule="torch"`` this is torch's ``_amp_update_scale_``;
-``backoff_interval=n`` is paddle's ``decr_every_n_nan_or_inf=n``.
+following an overflow, else 0. With ``backoff_interval=1`` and ``rule="torch"`` this is torch's
+``_amp_update_scale_``; ``backoff_interval=n`` is paddle's ``decr_every_n_nan_or_inf=n``.
 
 ``floor`` is ``min_scale`` when set, else ``SCALE_FLOOR`` (2**-126, float32's smallest normal):
 the scale never becomes subnormal or 0, which torch's rule allows and which turns the unscaled
@@ -61,7 +60,7 @@ def rule_params(config: LossScaleConfig) -> RuleParams:
     if config.rule == "megatron":
         return RuleParams(keeps_count=True, finite_refills=False, growth_delay=0)
     if config.rule == "deepspeed":
-        return RuleParams(True, config.consecutive_hysteresis, 1)
+        return RuleParams(keeps_count=True, finite_refills=config.consecutive_hysteresis, growth_delay=1)
     return RuleParams(keeps_count=False, finite_refills=True, growth_delay=0)
 
 
