@@ -42,8 +42,9 @@ UNSCALE_KERNELS = {
     "bfloat16": "polyamp_unscale_bfloat16",
 }
 UPDATE_KERNEL = "polyamp_update_scale"
-# update_scale's flags argument
+# update_scale's flags argument; the last three are polyamp.policy.RuleParams
 HAS_MIN, HAS_MAX, FLOAT32_PRODUCT = 1, 2, 4
+KEEPS_COUNT, FINITE_REFILLS, GROWTH_DELAY = 8, 16, 32
 # polyamp.config.SCALE_FLOOR, repeated so that tools/check_cuda_kernels.py can load this file
 # without polyamp installed; tests/backends/test_cupy_kernels_host.py holds the two equal.
 SCALE_FLOOR = 2.0**-126
@@ -210,7 +211,7 @@ POLYAMP_UNSCALE_KERNEL(polyamp_unscale_bfloat16, __nv_bfloat16)
 """
 
 _UPDATE = r"""
-// polyamp cupy backend: the loss-scale rule of polyamp.policy.next_host_state, on the device.
+// polyamp cupy backend: the loss-scale rules of polyamp.policy.next_host_state, on the device.
 namespace polyamp {
 
 // scale * factor formed in float32 (paddle) or float64 (torch), rounded to float32.
@@ -233,22 +234,27 @@ __host__ __device__ inline void update_state(float* scale, int* growth, int* bac
       // so the scale never turns subnormal or 0. Python max(s, floor).
       const float floor = (flags & @HAS_MIN@) ? min_scale : @SCALE_FLOOR@;
       if (floor > s) s = floor;
-      b = 0;
+      // a spent hysteresis stays spent with KEEPS_COUNT (megatron, deepspeed)
+      b = (flags & @KEEPS_COUNT@) ? backoff_interval - 1 : 0;
     }
     *growth = 0;
     *backoff = b;
   } else {
-    int g = (int)((unsigned)*growth + 1u);
-    if (g == growth_interval) {
+    // unsigned: growth_interval + delay may be 2**31, beyond int
+    const unsigned delay = (flags & @GROWTH_DELAY@) ? 1u : 0u;
+    unsigned g = (unsigned)*growth + 1u;
+    int b = (flags & @FINITE_REFILLS@) ? 0 : *backoff;
+    if (g == (unsigned)growth_interval + delay) {
       float grown = scaled(s, growth_factor, f32);
       if (is_finite(grown)) {
         if ((flags & @HAS_MAX@) && max_scale < grown) grown = max_scale;
         s = grown;
       }
-      g = 0;
+      g = delay;
+      b = 0;
     }
-    *growth = g;
-    *backoff = 0;
+    *growth = (int)g;
+    *backoff = b;
   }
   *scale = s;
 }
@@ -273,7 +279,8 @@ def _fill(source: str) -> str:
     """Substitute the Python-side constants into a source template."""
     values = {
         "@BLOCK@": BLOCK_THREADS, "@UNROLL@": UNROLL, "@HAS_MIN@": HAS_MIN,
-        "@HAS_MAX@": HAS_MAX, "@FLOAT32_PRODUCT@": FLOAT32_PRODUCT,
+        "@HAS_MAX@": HAS_MAX, "@FLOAT32_PRODUCT@": FLOAT32_PRODUCT, "@KEEPS_COUNT@": KEEPS_COUNT,
+        "@FINITE_REFILLS@": FINITE_REFILLS, "@GROWTH_DELAY@": GROWTH_DELAY,
         "@SCALE_FLOOR@": f"{SCALE_FLOOR!r}f",  # 2**-126: its shortest repr rounds back exactly
     }
     for key, value in values.items():

@@ -20,12 +20,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from polyamp.policy import rule_params
+
 from ._cupy_kernels import (
     BLOCK_THREADS,
     CHUNK,
+    FINITE_REFILLS,
     FLOAT32_PRODUCT,
+    GROWTH_DELAY,
     HAS_MAX,
     HAS_MIN,
+    KEEPS_COUNT,
     MAX_BLOCKS_PER_SM,
     UNSCALE_KERNELS,
     UPDATE_KERNEL,
@@ -245,6 +250,17 @@ def all_finite(arrays: Sequence[Any]) -> Any:
         return flag == 0
 
 
+def update_flags(config: Any) -> int:
+    """The update kernel's ``flags``: bounds, product precision and the rule's parameters."""
+    params = rule_params(config)
+    return ((HAS_MIN if config.min_scale is not None else 0)
+            | (HAS_MAX if config.max_scale is not None else 0)
+            | (FLOAT32_PRODUCT if config.products == "float32" else 0)
+            | (KEEPS_COUNT if params.keeps_count else 0)
+            | (FINITE_REFILLS if params.finite_refills else 0)
+            | (GROWTH_DELAY if params.growth_delay else 0))
+
+
 def update_scale(scale: Any, growth: Any, backoff: Any, found_inf: Any, config: Any) -> None:
     """Run ``polyamp.policy``'s rule in place on the device: one single-thread launch."""
     import cupy
@@ -258,9 +274,7 @@ def update_scale(scale: Any, growth: Any, backoff: Any, found_inf: Any, config: 
             )
     if found_inf.dtype != cupy.float32:
         found_inf = found_inf.astype(cupy.float32)
-    flags = (HAS_MIN if config.min_scale is not None else 0) | (
-        HAS_MAX if config.max_scale is not None else 0
-    ) | (FLOAT32_PRODUCT if config.product_dtype == "float32" else 0)
+    flags = update_flags(config)
     device = scale.device.id
     with cupy.cuda.Device(device):
         kernel(UPDATE_KERNEL, device)((1,), (1,), (

@@ -7,7 +7,7 @@ float32. As in paddle, once that kernel meets an inf/nan it writes ``grad * 0`` 
 unscaled values; those gradients are discarded anyway, because the step is skipped.
 
 The scale update is :func:`polyamp.policy.next_state` over the small paddle namespace below,
-so the rule lives in one place. With ``product_dtype="float32"`` it is paddle's dygraph
+so the rule lives in one place. With ``rule="paddle"`` (float32 products) it is paddle's dygraph
 ``_update`` bit for bit (``scale * ratio`` on a float32 tensor), and it never reads the
 device. Importing this module does not import paddle.
 """

@@ -1,7 +1,7 @@
 """PyTorch backend: torch's own fused kernels, grouped per (device, dtype); torch imported lazily.
 
 ``torch._amp_foreach_non_finite_check_and_unscale_`` unscales a whole group in one call and
-``torch._amp_update_scale_`` runs torch's rule on the device when ``backoff_interval`` is 1,
+``torch._amp_update_scale_`` runs torch's rule on the device (``rule="torch"``, ``backoff_interval=1``),
 followed by an in-place clamp at ``SCALE_FLOOR`` (torch's own rule lets the scale reach 0); other
 configs run :func:`polyamp.policy.next_state` as tensor ops. Nothing here reads a
 device value back except :func:`read_flag` and :func:`to_host`.
@@ -161,7 +161,7 @@ def _torch_rule(config: Any) -> bool:
         and config.backoff_interval == 1
         and config.min_scale is None
         and config.max_scale is None
-        and config.product_dtype == "float64"
+        and config.rule == "torch" and config.products == "float64"
     )
 
 

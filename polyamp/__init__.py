@@ -12,6 +12,7 @@ from ._errors import (
     BackendUnavailableError,
     ConfigError,
     ForeignArrayError,
+    MinScaleError,
     PolyampError,
     StateDictError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "LossScaleConfig",
     "LossScaleState",
     "LossScaler",
+    "MinScaleError",
     "MixedPrecisionTrainer",
     "NoOpLossScaler",
     "OverflowReport",

@@ -23,12 +23,12 @@ from typing import Any, NamedTuple
 
 from . import _inputs, _registry, overflow
 from ._agreement import Agreed, Agreement
-from ._errors import ScalerStateError
+from ._errors import MinScaleError, ScalerStateError
 from ._skip_log import SkipLog
 from .backend import Backend
 from .config import SCALE_FLOOR, LossScaleConfig
 from .metrics import SkipWindow
-from .policy import HostState, LossScaleState, next_host_state
+from .policy import HostState, LossScaleState, backs_off_at_floor, next_host_state, scale_floor
 
 logger = logging.getLogger("polyamp")
 
@@ -348,6 +348,8 @@ class Iteration:
                 self.last_overflow = self._report_or_warn() if skips else None
         log = self.log
         before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
+        if self.config.raise_error_at_min_scale and skipped is not False:
+            self.refuse_backoff_at_floor(flag, before)
         self._advance(flag)
         read = self.host_state
         if exact and before is not None:  # the device ran the rule on the same flag: no second read
@@ -360,6 +362,25 @@ class Iteration:
             self.warn_if_at_floor(bool(skipped))
         finally:
             self.end()
+
+    def refuse_backoff_at_floor(self, flag: Any, state: HostState | None) -> None:
+        """DeepSpeed's ``raise_error_at_min_scale``: MinScaleError, before the rule runs, when this
+        overflow would back off a scale already at its floor. Reads the flag (and the state unless
+        ``state`` was read), only after a skipped step or an update() without step(); the
+        iteration ends, the state stays."""
+        if not (flag if isinstance(flag, bool) else self.ready()[0].read_flag(flag)):
+            return
+        state = state or self.host_state()
+        if backs_off_at_floor(state, self.config):
+            self.end()
+            raise MinScaleError(
+                f"gradients overflowed with the loss scale already at its minimum {state.scale:g} "
+                f"(min_scale={self.config.min_scale!r}, floor {scale_floor(self.config):g}) and "
+                f"hysteresis spent: it cannot back off further, and raise_error_at_min_scale=True "
+                "(DeepSpeed's behaviour). The step was skipped; the scale and trackers are unchanged. "
+                "Fix: find what overflows (diagnose=True, polyamp.explain_overflow), lower min_scale, "
+                "or pass raise_error_at_min_scale=False to keep skipping such steps."
+            )
 
     def _advance(self, flag: Any) -> None:
         """One step of the rule: on the device (no sync), or on the host before any array exists."""

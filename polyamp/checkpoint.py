@@ -18,7 +18,7 @@ from typing import IO, Any
 from ._atomic_file import atomic_write
 from ._errors import StateDictError
 from .config import LossScaleConfig, check_scale, short_repr
-from .policy import HostState
+from .policy import HostState, tracker_limits
 
 FORMAT = "polyamp.LossScaler"
 VERSION = 1
@@ -74,10 +74,13 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
     except (TypeError, ValueError, OverflowError) as exc:
         raise StateDictError(f"state_dict['config'] is invalid: {exc}") from exc
     scale = check_scale("state_dict['scale']", sd["scale"], StateDictError)
-    growth = _count(sd, "growth_tracker", min(config.growth_interval, TRACKER_LIMIT),
-                    f"below config growth_interval={config.growth_interval} and 2**31 (int32)")
-    backoff = _count(sd, "backoff_tracker", min(config.backoff_interval, TRACKER_LIMIT),
-                     f"below config backoff_interval={config.backoff_interval} and 2**31 (int32)")
+    most_growth, most_backoff = tracker_limits(config)  # the rule's largest trackers
+    growth = _count(sd, "growth_tracker", min(most_growth + 1, TRACKER_LIMIT),
+                    f"<= {most_growth} (config growth_interval={config.growth_interval}, "
+                    f"rule={config.rule!r}) and below 2**31 (int32)")
+    backoff = _count(sd, "backoff_tracker", min(most_backoff + 1, TRACKER_LIMIT),
+                     f"<= {most_backoff} (config backoff_interval={config.backoff_interval}, "
+                     f"rule={config.rule!r}) and below 2**31 (int32)")
     steps = _count(sd, "steps", COUNTER_LIMIT, "below 2**63", default=0)
     skipped = _count(sd, "skipped_steps", COUNTER_LIMIT, "below 2**63", default=0)
     if skipped > steps:

@@ -11,6 +11,12 @@ import numpy as np
 from ._errors import ConfigError
 
 ProductDtype = Literal["float64", "float32"]
+Rule = Literal["torch", "paddle", "megatron", "deepspeed"]
+
+#: Each rule's own precision of scale * factor (docs/rule.md): the engine's arithmetic.
+RULE_PRODUCTS: dict[str, ProductDtype] = {
+    "torch": "float64", "paddle": "float32", "megatron": "float32", "deepspeed": "float64",
+}
 
 #: The smallest scale polyamp ever holds: float32's smallest normal (2**-126). Backoff stops
 #: here, so the scale never becomes subnormal or 0 (0 would turn the unscaled weights into NaN).
@@ -21,11 +27,17 @@ SCALE_CEILING = float(np.finfo(np.float32).max)
 
 @dataclass(frozen=True)
 class LossScaleConfig:
-    """How the loss scale moves: torch's growth_interval and paddle's decr_every_n_nan_or_inf.
+    """How the loss scale moves: ``rule`` picks the fp16 engine whose update it is (docs/rule.md).
 
-    ``backoff_interval=1`` is torch's rule; ``backoff_interval=n`` is paddle's
-    ``decr_every_n_nan_or_inf=n``. ``product_dtype`` is the precision of scale*factor
-    before rounding to float32: "float64" as torch does, "float32" as paddle does.
+    ``rule``: "torch" (``backoff_interval=1`` is torch's GradScaler; ``n`` is paddle's
+    ``decr_every_n_nan_or_inf=n``), "paddle" (the same counters, products in float32),
+    "megatron" (Megatron-Core's ``DynamicGradScaler``: ``backoff_interval`` is its hysteresis)
+    or "deepspeed" (``DynamicLossScaler``: ``backoff_interval`` is ``delayed_shift``,
+    ``growth_interval`` is ``scale_window``). ``product_dtype`` is the precision of
+    scale*factor before rounding to float32: None for the rule's own (float64 for torch and
+    deepspeed, float32 for paddle and megatron); "float32" with rule "torch" is paddle's
+    arithmetic (what the paddle facade builds). ``consecutive_hysteresis`` and
+    ``raise_error_at_min_scale`` are DeepSpeed's options, refused with any other rule.
     """
 
     init_scale: float = 2.0**16
@@ -36,7 +48,10 @@ class LossScaleConfig:
     min_scale: float | None = None
     max_scale: float | None = None
     dynamic: bool = True
-    product_dtype: ProductDtype = "float64"
+    product_dtype: ProductDtype | None = None
+    rule: Rule = "torch"
+    consecutive_hysteresis: bool = False
+    raise_error_at_min_scale: bool = False
 
     def __post_init__(self) -> None:
         for name in _NUMBER_FIELDS:  # NumPy scalars stored as Python numbers: the config stays JSON-able
@@ -69,11 +84,17 @@ class LossScaleConfig:
             )
         if not isinstance(self.dynamic, bool):
             raise ConfigError(f"dynamic must be True or False, got dynamic={self.dynamic!r}")
-        if self.product_dtype not in ("float64", "float32"):
+        if self.product_dtype not in (None, "float64", "float32"):
             raise ConfigError(
-                "product_dtype must be 'float64' (torch) or 'float32' (paddle), "
-                f"got product_dtype={self.product_dtype!r}"
+                "product_dtype must be None (the rule's own), 'float64' (torch) or 'float32' "
+                f"(paddle), got product_dtype={self.product_dtype!r}"
             )
+        _check_rule(self)
+
+    @property
+    def products(self) -> ProductDtype:
+        """The precision scale*factor is formed in: ``product_dtype``, else the rule's own."""
+        return self.product_dtype or RULE_PRODUCTS[self.rule]
 
     def replace(self, **changes: Any) -> LossScaleConfig:
         """A copy with some fields changed, validated like a new config."""
@@ -93,6 +114,31 @@ class LossScaleConfig:
                 f"unknown LossScaleConfig field(s) {unknown}; expected some of {sorted(known)}"
             )
         return cls(**data)
+
+
+def _check_rule(config: LossScaleConfig) -> None:
+    """``rule`` is known, its product precision is the engine's, DeepSpeed's options only with it."""
+    if not isinstance(config.rule, str) or config.rule not in RULE_PRODUCTS:
+        raise ConfigError(
+            f"rule must be one of {', '.join(map(repr, RULE_PRODUCTS))}, got rule={short_repr(config.rule)}. "
+            "Fix: pass e.g. rule='torch' (the default)."
+        )
+    own = RULE_PRODUCTS[config.rule]
+    if config.rule != "torch" and config.product_dtype not in (None, own):
+        raise ConfigError(
+            f"rule={config.rule!r} forms scale*factor in {own}, got product_dtype={config.product_dtype!r}. "
+            f"Fix: leave product_dtype unset (None), or use rule='torch' with product_dtype="
+            f"{config.product_dtype!r}."
+        )
+    for name in ("consecutive_hysteresis", "raise_error_at_min_scale"):
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {name}={short_repr(value)}")
+        if value and config.rule != "deepspeed":
+            raise ConfigError(
+                f"{name} is DeepSpeed's option, got {name}=True with rule={config.rule!r}. "
+                f"Fix: pass rule='deepspeed', or leave {name}=False."
+            )
 
 
 def config_from(config: LossScaleConfig | None, fields_given: dict[str, Any], caller: str) -> LossScaleConfig:

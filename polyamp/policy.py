@@ -1,22 +1,33 @@
-"""The loss-scale rule, once in plain Python and once as branch-free array code.
+"""The loss-scale rules, once in plain Python and once as branch-free array code.
 
-The rule (``backoff_interval=1`` is torch's ``_amp_update_scale_``; ``backoff_interval=n``
-is paddle's ``decr_every_n_nan_or_inf=n`` with ``incr_every_n_steps=growth_interval``)::
+One rule with three parameters (:class:`RuleParams`) covers the four ``config.rule`` values
+(docs/rule.md states each engine's update and how it maps here)::
 
     on overflow (found_inf): growth_tracker = 0; backoff_tracker += 1
         if backoff_tracker == backoff_interval:
-            scale = max(scale * backoff_factor, floor); backoff_tracker = 0
-    on a finite step:        backoff_tracker = 0; growth_tracker += 1
-        if growth_tracker == growth_interval:
+            scale = max(scale * backoff_factor, floor)
+            backoff_tracker = backoff_interval - 1 if keeps_count else 0
+    on a finite step:
+        if finite_refills: backoff_tracker = 0           # torch, paddle, deepspeed+consecutive
+        growth_tracker += 1
+        if growth_tracker == growth_interval + growth_delay:
             new = scale * growth_factor
             if new is finite: scale = min(new, max_scale)
-            growth_tracker = 0
+            growth_tracker = growth_delay; backoff_tracker = 0
+
+``keeps_count`` (megatron, deepspeed): a spent hysteresis stays spent (the count stays one short
+of ``backoff_interval``), so every further overflow backs off until a growth (or, with
+``finite_refills``, a finite step) refills it; torch and paddle start counting again.
+``growth_delay`` is 1 for deepspeed, whose window counts finite steps *after* the first one
+following an overflow, else 0. With ``backoff_interval=1`` and ``rule="torch"`` this is torch's
+``_amp_update_scale_``; ``backoff_interval=n`` is paddle's ``decr_every_n_nan_or_inf=n``.
 
 ``floor`` is ``min_scale`` when set, else ``SCALE_FLOOR`` (2**-126, float32's smallest normal):
 the scale never becomes subnormal or 0, which torch's rule allows and which turns the unscaled
-gradients into NaN. Products are formed in ``config.product_dtype`` (float64 for torch, float32
-for paddle) and rounded to float32. With ``dynamic=False`` the state never changes. Backends' device
-kernels must agree with :func:`next_host_state`; the tests hold each one against it.
+gradients into NaN. Products are formed in ``config.products`` (float64 for torch and deepspeed,
+float32 for paddle and megatron) and rounded to float32. With ``dynamic=False`` the state never
+changes. Backends' device kernels must agree with :func:`next_host_state`; the tests hold each
+one against it.
 """
 
 from __future__ import annotations
@@ -36,6 +47,29 @@ class LossScaleState(NamedTuple):
     backoff_tracker: Any
 
 
+class RuleParams(NamedTuple):
+    """What distinguishes the rules: see the module docstring."""
+
+    keeps_count: bool
+    finite_refills: bool
+    growth_delay: int
+
+
+def rule_params(config: LossScaleConfig) -> RuleParams:
+    """The parameters of ``config.rule`` (and DeepSpeed's ``consecutive_hysteresis``)."""
+    if config.rule == "megatron":
+        return RuleParams(keeps_count=True, finite_refills=False, growth_delay=0)
+    if config.rule == "deepspeed":
+        return RuleParams(keeps_count=True, finite_refills=config.consecutive_hysteresis, growth_delay=1)
+    return RuleParams(keeps_count=False, finite_refills=True, growth_delay=0)
+
+
+def tracker_limits(config: LossScaleConfig) -> tuple[int, int]:
+    """The largest growth and backoff trackers the rule leaves (inclusive), for checkpoints."""
+    params = rule_params(config)
+    return config.growth_interval - 1 + params.growth_delay, config.backoff_interval - 1
+
+
 class HostState(NamedTuple):
     """The same state as Python numbers, for the readable rule and for checkpoints."""
 
@@ -47,7 +81,7 @@ class HostState(NamedTuple):
 def _product(scale: float, factor: float, config: LossScaleConfig) -> float:
     """scale * factor formed in the configured precision, rounded to float32 (inf past its max)."""
     with np.errstate(over="ignore"):  # growth past float32's max is expected; the rule checks it
-        if config.product_dtype == "float32":
+        if config.products == "float32":
             return float(np.float32(scale) * np.float32(factor))
         return float(np.float32(float(scale) * float(factor)))
 
@@ -68,25 +102,35 @@ def scale_floor(config: LossScaleConfig) -> float:
     return max(_float32(config.min_scale), SCALE_FLOOR)
 
 
+def backs_off_at_floor(state: HostState, config: LossScaleConfig) -> bool:
+    """Whether an overflow now would back off a scale already at its floor (DeepSpeed's
+    ``raise_error_at_min_scale`` condition: ``cur_scale == min_scale`` when hysteresis is spent)."""
+    spent = state.backoff_tracker + 1 == config.backoff_interval
+    return config.dynamic and spent and _float32(state.scale) == scale_floor(config)
+
+
 def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) -> HostState:
     """One update of the rule on Python numbers; the reference every kernel must match."""
     if not config.dynamic:
         return state
+    params = rule_params(config)
     scale, growth, backoff = state
     if found_inf:
         growth, backoff = 0, backoff + 1
         if backoff == config.backoff_interval:
             scale = max(_product(scale, config.backoff_factor, config), scale_floor(config))
-            backoff = 0
+            backoff = config.backoff_interval - 1 if params.keeps_count else 0
         return HostState(scale, growth, backoff)
-    growth, backoff = growth + 1, 0
-    if growth == config.growth_interval:
+    growth = growth + 1
+    if params.finite_refills:
+        backoff = 0
+    if growth == config.growth_interval + params.growth_delay:
         new = _product(scale, config.growth_factor, config)
         if np.isfinite(new):
             if config.max_scale is not None:
                 new = min(new, _float32(config.max_scale))
             scale = new
-        growth = 0
+        growth, backoff = params.growth_delay, 0
     return HostState(scale, growth, backoff)
 
 
@@ -96,18 +140,21 @@ def next_state(
     """The rule as branch-free array code (``xp.where``): new arrays, no host read.
 
     ``found_inf`` is a 0-d float32 array, non-zero when some gradient overflowed. ``xp`` is an
-    array-API namespace; works with immutable arrays (it never writes in place).
+    array-API namespace; works with immutable arrays (it never writes in place). The rule's
+    parameters pick expressions once per call; no value is read to choose a branch.
     """
     if not config.dynamic:
         return state
+    params = rule_params(config)
     scale, growth, backoff = state
     found = found_inf != 0
-    backoff_next = xp.where(found, backoff + 1, xp.zeros_like(backoff))
-    growth_next = xp.where(found, xp.zeros_like(growth), growth + 1)
-    do_backoff = found & (backoff_next == config.backoff_interval)
-    do_grow = ~found & (growth_next == config.growth_interval)
+    zeros = xp.zeros_like(backoff)
+    counted = backoff + 1
+    growth_next = growth + 1
+    do_backoff = found & (counted == config.backoff_interval)
+    do_grow = ~found & (growth_next == config.growth_interval + params.growth_delay)
 
-    wide = xp.float32 if config.product_dtype == "float32" else xp.float64
+    wide = xp.float32 if config.products == "float32" else xp.float64
     scale_w = xp.astype(scale, wide)
     backed = xp.astype(scale_w * float(config.backoff_factor), xp.float32)  # float: an int 10**30
     # factor would not convert to a float32 tensor scalar (torch: "int too big to convert")
@@ -118,6 +165,10 @@ def next_state(
         grown = xp.minimum(grown, xp.asarray(config.max_scale, dtype=xp.float32))
 
     new_scale = xp.where(do_backoff, backed, xp.where(grow_ok, grown, scale))
-    new_backoff = xp.where(do_backoff, xp.zeros_like(backoff), backoff_next)
-    new_growth = xp.where(do_grow, xp.zeros_like(growth), growth_next)
+    on_found = xp.where(do_backoff, backoff if params.keeps_count else zeros, counted)
+    on_finite = zeros if params.finite_refills else xp.where(do_grow, zeros, backoff)
+    new_backoff = xp.where(found, on_found, on_finite)
+    growth_zeros = xp.zeros_like(growth)
+    restart = growth_zeros + params.growth_delay if params.growth_delay else growth_zeros  # deepspeed: 1
+    new_growth = xp.where(found, growth_zeros, xp.where(do_grow, restart, growth_next))
     return LossScaleState(new_scale, new_growth, new_backoff)

@@ -48,7 +48,8 @@ def test_frozen_and_replace_validates():
 def test_round_trip_covers_every_field():
     config = LossScaleConfig(
         init_scale=3.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7,
-        backoff_interval=3, min_scale=1.0, max_scale=1024.0, dynamic=False, product_dtype="float32",
+        backoff_interval=3, min_scale=1.0, max_scale=1024.0, dynamic=False, product_dtype="float64",
+        rule="deepspeed", consecutive_hysteresis=True, raise_error_at_min_scale=True,
     )
     data = config.to_dict()
     assert set(data) == {f.name for f in dataclasses.fields(LossScaleConfig)}

@@ -21,7 +21,7 @@ def model_run(config: LossScaleConfig, overflows: list[bool]) -> list[tuple[floa
     normal when min_scale is None (torch's rule would go on to subnormals and 0).
     """
     scale, growth, backoff = np.float32(config.init_scale), 0, 0
-    wide = np.float64 if config.product_dtype == "float64" else np.float32
+    wide = np.float64 if config.products == "float64" else np.float32
     floor = TINY if config.min_scale is None else np.float32(config.min_scale)
     out = []
     for found in overflows:
@@ -126,6 +126,41 @@ def test_every_backend_kernel_matches_model(config, overflows):
             state = backend.update_scale(state, flag, config)
             got.append(tuple(backend.to_host(a) for a in state))
         assert got == model_run(config, overflows), info.name
+
+
+def _with_rule(config, rule, consecutive):
+    """``config`` under ``rule`` (its own product precision; consecutive_hysteresis for deepspeed)."""
+    if rule == "torch":
+        return config
+    return config.replace(rule=rule, product_dtype=None,
+                          consecutive_hysteresis=consecutive and rule == "deepspeed")
+
+
+every_rule = st.builds(_with_rule, configs(), st.sampled_from(["torch", "paddle", "megatron", "deepspeed"]),
+                       st.booleans())
+
+
+@settings(max_examples=40, deadline=None)
+@given(config=every_rule, overflows=overflow_seqs)
+def test_every_backend_kernel_matches_the_readable_rule_for_every_rule(config, overflows):
+    """Every backend's update kernel against next_host_state, for each LossScaleConfig.rule (the
+    engines themselves: tests/backends/test_engine_rules.py)."""
+    want, state = [], HostState(float(np.float32(config.init_scale)))
+    for found in overflows:
+        state = next_host_state(state, found, config)
+        want.append(tuple(state))
+    for info in polyamp.available_backends():
+        if not info.available:
+            continue
+        backend = polyamp.get_backend(info.name)
+        like = _like(info.name)
+        state = LossScaleState(backend.full(config.init_scale, "float32", like),
+                               backend.full(0, "int32", like), backend.full(0, "int32", like))
+        got = []
+        for found in overflows:
+            state = backend.update_scale(state, backend.full(float(found), "float32", like), config)
+            got.append(tuple(backend.to_host(a) for a in state))
+        assert got == want, (info.name, config)
 
 
 def _like(name):

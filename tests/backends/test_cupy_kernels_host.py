@@ -9,8 +9,6 @@ the backend's own Python code. Results are held bitwise against torch's CPU
 from __future__ import annotations
 
 import ctypes
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from polyamp.backends import _cupy_kernels as kern
 from polyamp.backends._cupy_launch import dtype_kind, group_by_kind
+from polyamp.backends._cupy_launch import update_flags as kernel_flags
 
 from polyamp import LossScaleConfig
 from polyamp.config import SCALE_CEILING, SCALE_FLOOR
@@ -34,22 +33,9 @@ P, I64 = ctypes.c_void_p, ctypes.c_longlong
 
 
 @pytest.fixture(scope="module")
-def lib(nvcc, tmp_path_factory):
+def lib(cupy_host_lib):
     """The host harness built as a shared library (skips when nvcc is absent)."""
-    work = tmp_path_factory.mktemp("harness")
-    (work / "polyamp_cupy_kernels.cu").write_text(kern.ALL_SOURCE)
-    harness = Path(__file__).with_name("cupy_host_harness.cu")
-    so = work / "harness.so"
-    subprocess.run([nvcc, "-DPOLYAMP_HOST_ONLY", f"-I{work}", "-Xcompiler", "-fPIC", "-shared",
-                    "-o", str(so), str(harness)], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(so))
-    lib.polyamp_host_unscale.argtypes = [ctypes.c_int, P, ctypes.c_int, I64, ctypes.c_int, P, P,
-                                         ctypes.c_int, I64, I64]
-    lib.polyamp_host_unscale.restype = ctypes.c_int
-    lib.polyamp_host_update.argtypes = [P, P, P, P, ctypes.c_double, ctypes.c_double,
-                                        ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                        ctypes.c_float, ctypes.c_int]
-    return lib
+    return cupy_host_lib
 
 
 def host_unscale(lib, arrays, scale, found, *, check_only=False, chunk=64, threads=8,
@@ -211,19 +197,17 @@ def test_inv_scale_one_leaves_float_bits_untouched(lib, kind):
 
 
 def host_update(lib, state, found, config):
-    """One run of the device update kernel's body on the host."""
+    """One run of the device update kernel's body on the host, with the launcher's flags."""
     scale = np.array(state.scale, np.float32)
     growth = np.array(state.growth_tracker, np.int32)
     backoff = np.array(state.backoff_tracker, np.int32)
     flag = np.array(found, np.float32)
-    flags = ((kern.HAS_MIN if config.min_scale is not None else 0)
-             | (kern.HAS_MAX if config.max_scale is not None else 0)
-             | (kern.FLOAT32_PRODUCT if config.product_dtype == "float32" else 0))
     with np.errstate(over="ignore"):
         lo, hi = np.float32(config.min_scale or 0.0), np.float32(config.max_scale or 0.0)
     lib.polyamp_host_update(scale.ctypes.data, growth.ctypes.data, backoff.ctypes.data,
                             flag.ctypes.data, config.growth_factor, config.backoff_factor,
-                            config.growth_interval, config.backoff_interval, lo, hi, flags)
+                            config.growth_interval, config.backoff_interval, lo, hi,
+                            kernel_flags(config))
     return HostState(float(scale), int(growth), int(backoff))
 
 
@@ -248,8 +232,21 @@ update_flags = st.one_of(
 )
 
 
+def _with_rule(config, rule, consecutive):
+    """``config`` under ``rule`` (its own product precision; consecutive_hysteresis for deepspeed)."""
+    if rule == "torch":
+        return config
+    return config.replace(rule=rule, product_dtype=None,
+                          consecutive_hysteresis=consecutive and rule == "deepspeed")
+
+
+configs_every_rule = st.builds(_with_rule, configs,
+                               st.sampled_from(["torch", "paddle", "megatron", "deepspeed"]),
+                               st.booleans())
+
+
 @settings(max_examples=300, deadline=None)
-@given(config=configs, flags=update_flags)
+@given(config=configs_every_rule, flags=update_flags)
 def test_update_kernel_agrees_with_the_policy(lib, config, flags):
     state = HostState(float(np.float32(config.init_scale)), 0, 0)
     for found in flags:
