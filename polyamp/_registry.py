@@ -81,8 +81,10 @@ def _summary() -> str:
 
 
 def _usable() -> str:
-    """The names of the backends that can run here."""
-    return ", ".join(i.name for i in available_backends() if i.available) or "none"
+    """The names of the backends a scaler can run here (not those of immutable arrays: JAX's)."""
+    manager = _plugins().manager
+    return ", ".join(i.name for i in available_backends() if i.available and
+                     manager.get_plugin(i.name).backend_info().get("in_place", True)) or "none"
 
 
 def get_backend(name: str, source: str = "backend=") -> Backend:
