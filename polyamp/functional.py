@@ -159,6 +159,13 @@ def _reciprocal(xp: Any, scale: Any) -> Any:
     return xp.astype(1.0 / xp.astype(scale, _wide_float(xp)), xp.float32)
 
 
+def _floating(xp: Any, dtype: Any) -> bool:
+    try:
+        return xp.isdtype(dtype, "real floating")
+    except TypeError:  # a dtype the namespace does not know: NumPy's bfloat16 (ml_dtypes)
+        return True
+
+
 def _times(xp: Any, array: Any, factor: Any, what: str) -> Any:
     """``array * factor`` (a 0-d float32) in ``array``'s dtype, as the NumPy engine computes it:
     float32 as is, float64 widened, narrower floats in float32 rounded back."""
@@ -167,7 +174,7 @@ def _times(xp: Any, array: Any, factor: Any, what: str) -> Any:
         return array * factor
     if _wide_kinds(xp)[0] and dtype == xp.float64:
         return array * xp.astype(factor, xp.float64)
-    if not xp.isdtype(dtype, "real floating"):
+    if not _floating(xp, dtype):
         raise TypeError(
             f"polyamp.functional needs floating-point {what}s, got an array of dtype={dtype}. "
             f"Fix: pass the floating-point {what} (e.g. cast it with astype(float32))"
