@@ -45,16 +45,22 @@ def owns_array(array: Any) -> bool:
 def full(value: Any, dtype: str, like: Any) -> Any:
     import jax.numpy as jnp
 
-    device = getattr(like, "device", None) if _concrete(like) else None
-    return jnp.full((), value, dtype=getattr(jnp, dtype), device=device)
+    return jnp.full((), value, dtype=getattr(jnp, dtype), device=_other_device(like))
 
 
-def _concrete(like: Any) -> bool:
-    """Whether ``like`` is a concrete array on one device (not a tracer, not sharded)."""
+def _other_device(like: Any) -> Any:
+    """``like``'s device when it is one device other than the default, else None: an array put on
+    the default device explicitly would be committed there, which ``pmap`` and sharded ``jit``
+    refuse to move (the state follows the computation instead)."""
     import jax
 
-    return isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and \
-        len(like.devices()) == 1
+    if not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer):
+        return None
+    devices = like.devices()
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return None if device == jax.devices()[0] else device
 
 
 @hookimpl
