@@ -39,7 +39,7 @@ def init(config: LossScaleConfig | None = None, *, like: Any = None) -> LossScal
     On ``like``'s library and device; without ``like``, on the backend ``POLYAMP_BACKEND`` names,
     else NumPy.
     """
-    config = _config(config)
+    config = config_or_default(config)
     if like is not None:
         backend = _registry.backend_for_array(like)
     else:
@@ -82,7 +82,7 @@ def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tupl
 def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None = None) -> LossScaleState:
     """The next state under ``config``'s rule (torch's by default): :func:`polyamp.policy.next_state`,
     branch-free, on the device. ``found_inf`` is :func:`unscale`'s flag."""
-    config = _config(config)
+    config = config_or_default(config)
     xp = _namespace(state.scale)
     return next_state(LossScaleState(*state), found_inf, _for_library(config, _wide_kinds(xp)), xp)
 
@@ -96,7 +96,8 @@ def where_finite(found_inf: Any, new: Any, old: Any) -> Any:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _config(config: LossScaleConfig | None) -> LossScaleConfig:
+def config_or_default(config: LossScaleConfig | None) -> LossScaleConfig:
+    """``config``, torch's defaults for None; anything else is refused naming the value."""
     if config is None:
         return LossScaleConfig()
     if not isinstance(config, LossScaleConfig):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,3 +87,34 @@ def ulp_of(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return np.spacing(magnitude.astype(np.float32)).astype(np.float64) * 2.0**16
     return np.spacing(magnitude.astype(dtype)).astype(np.float64)
+
+
+@pytest.fixture
+def make_step():
+    """``make_step(optimizer, config, traces)``: issue 24's hand-written functional training step
+    (test_jax_jit.py jits it; test_optax.py holds polyamp.optax against it)."""
+    jax = pytest.importorskip("jax", reason="jax is not installed (pip install 'polyamp[jax]')")
+    optax = pytest.importorskip("optax", reason="optax is not installed (pip install 'polyamp[optax]')")
+    import jax.numpy as jnp
+
+    from polyamp import functional as F
+
+    return functools.partial(_step, jax, jnp, optax, F)
+
+
+def _step(jax, jnp, optax, F, optimizer, config, traces: list):
+    def step(params, opt_state, ls, x, y, poison):
+        traces.append(1)  # a Python side effect: runs once per trace, never when the compiled step runs
+
+        def scaled_loss(p):
+            loss = jnp.mean((x @ p["w"] + p["b"] - y) ** 2) * poison
+            return F.scale(ls, loss)
+
+        scaled = jax.grad(scaled_loss)(params)
+        grads, found_inf = F.unscale(ls, scaled)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        params = F.where_finite(found_inf, optax.apply_updates(params, updates), params)
+        opt_state = F.where_finite(found_inf, new_opt_state, opt_state)
+        return params, opt_state, F.update(ls, found_inf, config), scaled, grads, found_inf
+
+    return step

@@ -35,31 +35,11 @@ def _data(steps: int, seed: int = 0):
     return x, y, poison
 
 
-def make_step(optimizer, config, traces: list):
-    """The hand-written functional step (also the reference of tests/functional/test_optax.py)."""
-
-    def step(params, opt_state, ls, x, y, poison):
-        traces.append(1)  # a Python side effect: runs once per trace, never when the compiled step runs
-
-        def scaled_loss(p):
-            loss = jnp.mean((x @ p["w"] + p["b"] - y) ** 2) * poison
-            return F.scale(ls, loss)
-
-        scaled = jax.grad(scaled_loss)(params)
-        grads, found_inf = F.unscale(ls, scaled)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        params = F.where_finite(found_inf, optax.apply_updates(params, updates), params)
-        opt_state = F.where_finite(found_inf, new_opt_state, opt_state)
-        return params, opt_state, F.update(ls, found_inf, config), scaled, grads, found_inf
-
-    return step
-
-
 def _params():
     return {"w": jnp.zeros(4, jnp.float32), "b": jnp.zeros((), jnp.float32)}
 
 
-def test_jitted_step_compiles_once_and_follows_the_numpy_engine():
+def test_jitted_step_compiles_once_and_follows_the_numpy_engine(make_step):
     optimizer = optax.adam(1e-2)
     traces: list = []
     step = jax.jit(make_step(optimizer, CONFIG, traces))
