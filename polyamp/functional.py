@@ -84,7 +84,10 @@ def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None
     branch-free, on the device. ``found_inf`` is :func:`unscale`'s flag."""
     config = config_or_default(config)
     xp = _namespace(state.scale)
-    return next_state(LossScaleState(*state), found_inf, _for_library(config, _wide_kinds(xp)), xp)
+    has_f64, has_i64 = _wide_kinds(xp)
+    if not (has_f64 and has_i64):  # JAX without x64 (torch, NumPy and CuPy use config as it is)
+        config = _for_library(config, has_f64, has_i64)
+    return next_state(LossScaleState(*state), found_inf, config, xp)
 
 
 def where_finite(found_inf: Any, new: Any, old: Any) -> Any:
@@ -137,10 +140,9 @@ def _wide_float(xp: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _for_library(config: LossScaleConfig, wide: tuple[bool, bool]) -> LossScaleConfig:
+def _for_library(config: LossScaleConfig, has_f64: bool, has_i64: bool) -> LossScaleConfig:
     """``config`` as a library without float64 / int64 can run it: products in float32, and
     intervals that its int32 trackers can be compared with (else a ConfigError naming the field)."""
-    has_f64, has_i64 = wide
     if not has_i64:
         for name in ("growth_interval", "backoff_interval"):
             value = getattr(config, name)
