@@ -1,9 +1,10 @@
 """Pytrees for :mod:`polyamp.functional`: nested dict / list / tuple (NamedTuples too) of arrays.
 
-Plain containers are walked here, so torch and NumPy code never reaches another library's tree
-code (``torch.compile`` traces this). Any other node is a leaf, unless JAX is already imported
-(looked up in ``sys.modules``, never imported here) and registers it as a pytree node: then
-``jax.tree_util`` maps it, so flax structs and other registered pytrees work under JAX.
+Plain containers are walked here and arrays are leaves, so torch and NumPy code never reaches
+another library's tree code (``torch.compile`` traces this, with jax imported or not). Any other
+object is a leaf, unless JAX is already imported (looked up in ``sys.modules``, never imported
+here) and registers it as a pytree node: then ``jax.tree_util`` maps it, so flax structs and
+other registered pytrees work under JAX.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
         return type(tree)(tree_map(fn, *parts) for parts in zip(tree, *rest))
     if tree is None:
         return None
+    if hasattr(tree, "dtype") or isinstance(tree, (int, float)):  # an array or a number: a leaf, never
+        return fn(tree, *rest)  # handed to jax (torch.compile cannot trace jax's C++ pytree registry)
     if _registered_node(tree):
         return sys.modules["jax"].tree_util.tree_map(fn, tree, *rest)
     return fn(tree, *rest)
