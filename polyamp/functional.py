@@ -55,7 +55,7 @@ def init(config: LossScaleConfig | None = None, *, like: Any = None) -> LossScal
 def scale(state: LossScaleState, loss: Any) -> Any:
     """``loss * scale`` in each loss's own dtype (a pytree of losses too); the scale is unchanged."""
     xp = _namespace(state.scale)
-    return _pytree.tree_map(lambda leaf: _times(xp, leaf, state.scale, "loss"), loss)
+    return _pytree.tree_map(lambda leaf: _times(xp, leaf, state.scale, "losses"), loss)
 
 
 def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tuple[Any, Any]:
@@ -76,7 +76,7 @@ def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tupl
         from jax import lax  # an axis name exists only under JAX's pmap / shard_map
 
         found_inf = lax.pmax(found_inf, axis_name)
-    return _pytree.tree_map(lambda g: _times(xp, g, inv, "gradient"), grads), found_inf
+    return _pytree.tree_map(lambda g: _times(xp, g, inv, "gradients"), grads), found_inf
 
 
 def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None = None) -> LossScaleState:
@@ -172,14 +172,20 @@ def _floating(xp: Any, dtype: Any) -> bool:
 def _times(xp: Any, array: Any, factor: Any, what: str) -> Any:
     """``array * factor`` (a 0-d float32) in ``array``'s dtype, as the NumPy engine computes it:
     float32 as is, float64 widened, narrower floats in float32 rounded back."""
-    dtype = array.dtype
+    dtype = getattr(array, "dtype", None)
+    if dtype is None:
+        raise TypeError(
+            f"polyamp.functional needs arrays as {what}, got a {type(array).__module__}."
+            f"{type(array).__name__} ({array!r:.40}). Fix: pass an array of the state's library, "
+            "e.g. xp.asarray(value, dtype=xp.float32)"
+        )
     if dtype == xp.float32:
         return array * factor
     if _wide_kinds(xp)[0] and dtype == xp.float64:
         return array * xp.astype(factor, xp.float64)
     if not _floating(xp, dtype):
         raise TypeError(
-            f"polyamp.functional needs floating-point {what}s, got an array of dtype={dtype}. "
-            f"Fix: pass the floating-point {what} (e.g. cast it with astype(float32))"
+            f"polyamp.functional needs floating-point {what}, got an array of dtype={dtype}. "
+            f"Fix: pass floating-point {what} (e.g. cast them with astype(float32))"
         )
     return xp.astype(xp.astype(array, xp.float32) * factor, dtype)

@@ -63,10 +63,26 @@ def _name(a: np.ndarray) -> str:
     return "bfloat16" if a.dtype == numpy_bfloat16() else a.dtype.name
 
 
-LIBRARIES = {"numpy": _numpy, "torch": _torch, "array_api_strict": _strict, "jax": _jax}
+def _cupy() -> Library:
+    import cupy as cp
+
+    return Library("cupy", lambda a: cp.asarray(a), lambda t: cp.asnumpy(t).astype(np.float64),
+                   ("float32", "float16", "float64"))
 
 
-@pytest.fixture(params=list(LIBRARIES))
+LIBRARIES = {"numpy": _numpy, "torch": _torch, "array_api_strict": _strict, "jax": _jax, "cupy": _cupy}
+
+
+def _params() -> list[str]:
+    """The libraries to hold the core to; CuPy only where its backend can run (a CUDA device):
+    tests/gpu and the per-backend tests report its absence once, not per test here."""
+    import polyamp
+
+    cupy_runs = any(i.name == "cupy" and i.available for i in polyamp.available_backends())
+    return [name for name in LIBRARIES if name != "cupy" or cupy_runs]
+
+
+@pytest.fixture(params=_params())
 def library(request) -> Library:
     """Each library the functional core is held to (skipped with the reason where one is absent)."""
     return LIBRARIES[request.param]()

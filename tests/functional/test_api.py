@@ -68,6 +68,8 @@ def test_bad_input_names_the_value_and_the_fix():
         F.init(3)
     with pytest.raises(TypeError, match=r"floating-point gradients, got an array of dtype=int32.*Fix:"):
         F.unscale(F.init(), [np.ones(2, np.int32)])
+    with pytest.raises(TypeError, match=r"needs arrays as losses, got a builtins.float \(2.5\)\. Fix:"):
+        F.scale(F.init(), 2.5)
     with pytest.raises(TypeError, match=r"expects the state's 0-d arrays, got a builtins.float.*Fix:"):
         F.unscale(polyamp.LossScaleState(1.0, 0, 0), [np.ones(2)])
 
