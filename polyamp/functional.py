@@ -55,18 +55,21 @@ def init(config: LossScaleConfig | None = None, *, like: Any = None) -> LossScal
 def scale(state: LossScaleState, loss: Any) -> Any:
     """``loss * scale`` in each loss's own dtype (a pytree of losses too); the scale is unchanged."""
     xp = _namespace(state.scale)
-    return _pytree.tree_map(lambda leaf: _times(xp, leaf, state.scale, "losses"), loss)
+    has_f64 = _wide_kinds(xp)[0]
+    return _pytree.tree_map(lambda leaf: _times(xp, has_f64, leaf, state.scale, "losses"), loss)
 
 
 def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tuple[Any, Any]:
     """``(grads / scale, found_inf)``: new gradients and a 0-d float32 flag, 1 when any value of any
-    gradient was inf or nan (counted before the division), else 0.
+    gradient was inf or nan (counted before the division), else 0. The reciprocal is
+    ``float32(1 / float64(scale))`` (float32 division where the library has no float64).
 
     ``axis_name`` (JAX ``pmap`` / ``shard_map``): the flag is agreed over that axis in one
     collective (``lax.pmax``), so every device skips together.
     """
     xp = _namespace(state.scale)
-    inv = _reciprocal(xp, state.scale)
+    has_f64 = _wide_kinds(xp)[0]
+    inv = xp.astype(1.0 / xp.astype(state.scale, xp.float64 if has_f64 else xp.float32), xp.float32)
     bad = None
     for leaf in _pytree.leaves(grads):  # one reduction per gradient; XLA fuses them under jit
         leaf_bad = xp.any(~xp.isfinite(leaf))
@@ -76,7 +79,7 @@ def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tupl
         from jax import lax  # an axis name exists only under JAX's pmap / shard_map
 
         found_inf = lax.pmax(found_inf, axis_name)
-    return _pytree.tree_map(lambda g: _times(xp, g, inv, "gradients"), grads), found_inf
+    return _pytree.tree_map(lambda g: _times(xp, has_f64, g, inv, "gradients"), grads), found_inf
 
 
 def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None = None) -> LossScaleState:
@@ -135,10 +138,6 @@ def _wide_kinds(xp: Any) -> tuple[bool, bool]:
     return "float64" in floats, "int64" in ints
 
 
-def _wide_float(xp: Any) -> Any:
-    return xp.float64 if _wide_kinds(xp)[0] else xp.float32
-
-
 @functools.lru_cache(maxsize=64)
 def _for_library(config: LossScaleConfig, has_f64: bool, has_i64: bool) -> LossScaleConfig:
     """``config`` as a library without float64 / int64 can run it: products in float32, and
@@ -157,11 +156,6 @@ def _for_library(config: LossScaleConfig, has_f64: bool, has_i64: bool) -> LossS
     return config
 
 
-def _reciprocal(xp: Any, scale: Any) -> Any:
-    """``float32(1 / float64(scale))`` (float32 division where the library has no float64)."""
-    return xp.astype(1.0 / xp.astype(scale, _wide_float(xp)), xp.float32)
-
-
 def _floating(xp: Any, dtype: Any) -> bool:
     try:
         return xp.isdtype(dtype, "real floating")
@@ -169,7 +163,7 @@ def _floating(xp: Any, dtype: Any) -> bool:
         return True
 
 
-def _times(xp: Any, array: Any, factor: Any, what: str) -> Any:
+def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str) -> Any:
     """``array * factor`` (a 0-d float32) in ``array``'s dtype, as the NumPy engine computes it:
     float32 as is, float64 widened, narrower floats in float32 rounded back."""
     dtype = getattr(array, "dtype", None)
@@ -181,7 +175,7 @@ def _times(xp: Any, array: Any, factor: Any, what: str) -> Any:
         )
     if dtype == xp.float32:
         return array * factor
-    if _wide_kinds(xp)[0] and dtype == xp.float64:
+    if has_f64 and dtype == xp.float64:
         return array * xp.astype(factor, xp.float64)
     if not _floating(xp, dtype):
         raise TypeError(
