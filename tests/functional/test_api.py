@@ -142,3 +142,23 @@ def test_import_polyamp_never_imports_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@jax_test
+def test_the_jax_plugin_hooks_agree_with_the_core():
+    import jax.numpy as jnp
+
+    backend = polyamp.get_backend("jax")
+    scale = backend.full(1024.0, "float32", None)
+    assert backend.to_host(scale) == 1024.0 and backend.full(0, "int32", scale).dtype == jnp.int32
+    assert backend.scale_array(jnp.asarray(2.0**-4, jnp.float16), scale).tolist() == 64.0
+    assert backend.cast(jnp.ones(2, jnp.float32), "bfloat16").dtype == jnp.bfloat16
+    config = CONFIG.replace(growth_interval=1)
+    state = polyamp.LossScaleState(scale, backend.full(0, "int32", scale), backend.full(0, "int32", scale))
+    for found in (0.0, 1.0, 1.0, 0.0):
+        host = polyamp.next_host_state(polyamp.HostState(*map(backend.to_host, state)), bool(found), config)
+        state = backend.update_scale(state, jnp.float32(found), config)
+        assert tuple(map(backend.to_host, state)) == tuple(host)
+        assert backend.read_flag(jnp.float32(found)) is bool(found)
+    with pytest.raises(polyamp.ForeignArrayError, match="immutable.*Fix: use polyamp.functional"):
+        backend.unscale_and_check([jnp.ones(2)], scale, jnp.zeros(()))
