@@ -162,3 +162,26 @@ def test_the_jax_plugin_hooks_agree_with_the_core():
         assert backend.read_flag(jnp.float32(found)) is bool(found)
     with pytest.raises(polyamp.ForeignArrayError, match="immutable.*Fix: use polyamp.functional"):
         backend.unscale_and_check([jnp.ones(2)], scale, jnp.zeros(()))
+
+
+@jax_test
+def test_any_registered_jax_pytree_is_mapped():
+    """A pytree node of the user's own (here a registered dataclass), not only dict/list/tuple."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Layer:
+        w: jax.Array
+        b: jax.Array
+
+    state = F.init(CONFIG, like=jnp.ones(()))
+    grads = {"layer": Layer(jnp.full(2, 2.0**17, jnp.float32), jnp.full(1, 2.0**15, jnp.bfloat16))}
+    new, found_inf = jax.jit(F.unscale)(state, grads)
+    assert isinstance(new["layer"], Layer) and float(found_inf) == 0.0
+    assert new["layer"].w.tolist() == [2.0, 2.0] and new["layer"].b.dtype == jnp.bfloat16
+    kept = F.where_finite(jnp.float32(1.0), new, grads)
+    assert kept["layer"].w.tolist() == [2.0**17] * 2
