@@ -1,4 +1,5 @@
-"""Item 3 of issue 24: polyamp.functional against polyamp.LossScaler on NumPy, step by step.
+"""Item 3 of issue 24: polyamp.functional against polyamp.LossScaler on NumPy, step by step:
+the state after each update, the unscaled gradients and the scaled losses of every dtype.
 
 Hypothesis draws configs (both rules through ``backoff_interval`` and ``product_dtype``, bounds,
 ``dynamic=False``) and overflow sequences. With power-of-two factors and scales the scale, the
@@ -75,12 +76,13 @@ def _engine(config: polyamp.LossScaleConfig, steps: list[list[np.ndarray]]):
     scaler = polyamp.LossScaler(config, backend="numpy")
     states, unscaled = [], []
     for grads in steps:
+        losses = [scaler.scale(g[1:2].copy()).astype(np.float64) for g in grads]  # one loss per dtype
         grads = [g.copy() for g in grads]
         scaler.step(grads, lambda: None)
         scaler.update()
         state = scaler.state
         states.append((float(state.scale), int(state.growth_tracker), int(state.backoff_tracker)))
-        unscaled.append([g.astype(np.float64) for g in grads])
+        unscaled.append([g.astype(np.float64) for g in grads] + losses)
     return states, unscaled
 
 
@@ -88,11 +90,12 @@ def _functional(library, config, steps):
     state = F.init(config, like=library.make(steps[0][0]))
     states, unscaled = [], []
     for grads in steps:
+        losses = [library.back(x) for x in F.scale(state, [library.make(g[1:2]) for g in grads])]
         tree = {"layer": [library.make(g) for g in grads]}
         new, found_inf = F.unscale(state, tree)
         state = F.update(state, found_inf, config)
         states.append((float(state.scale), int(state.growth_tracker), int(state.backoff_tracker)))
-        unscaled.append([library.back(g) for g in new["layer"]])
+        unscaled.append([library.back(g) for g in new["layer"]] + losses)
         assert [str(g.dtype) for g in new["layer"]] == [str(g.dtype) for g in tree["layer"]]
     return states, unscaled
 
@@ -101,6 +104,7 @@ def _assert_equal(ours, theirs):
     (states, grads), (ref_states, ref_grads) = ours, theirs
     assert states == ref_states
     for step, (mine, ref) in enumerate(zip(grads, ref_grads)):
+        assert len(mine) == len(ref)
         for a, b in zip(mine, ref):
             assert np.array_equal(a, b, equal_nan=True), (step, a, b)
 
