@@ -100,8 +100,8 @@ def __getattr__(name: str):  # lazy: the facade, polyamp.optim and the helpers s
         from polyamp.compat.torch import GradScaler
 
         return GradScaler
-    if name == "optim":  # as torch.optim after `import torch`
-        import importlib
+    if name in ("optim", "functional", "optax"):  # as torch.optim after `import torch`; optax
+        import importlib  # loads optax (and jax) only when asked for
 
-        return importlib.import_module("polyamp.optim")
+        return importlib.import_module(f"polyamp.{name}")
     raise AttributeError(f"module 'polyamp' has no attribute {name!r}")

@@ -46,6 +46,8 @@ def backend_info() -> dict[str, Any]:
     """Describe the backend: ``{"available": bool, "reason": str, "version": str | None}``.
 
     Called by ``available_backends()`` and when a scaler is built; may import the library.
+    Optional key ``"in_place"`` (default True): False for immutable arrays (JAX), which the
+    stateful scaler refuses, pointing to ``polyamp.functional``.
     """
 
 

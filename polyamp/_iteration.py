@@ -71,6 +71,8 @@ class Iteration:
         self, config: LossScaleConfig, backend: Backend | None, *, agreement: Agreement | None = None,
         diagnose: bool = False,
     ) -> None:
+        if backend is not None:
+            _registry.check_in_place(backend)
         self.config = config
         self.backend = backend
         self.state: LossScaleState | None = None  # device arrays, made on the first array seen
@@ -92,7 +94,9 @@ class Iteration:
             _inputs.check_array_device(array, "the scaler")  # before a backend or state is chosen by it
         backend = self.backend
         if backend is None:
-            backend = self.backend = _registry.backend_for_array(array)
+            backend = _registry.backend_for_array(array)
+            _registry.check_in_place(backend, array)  # before the scaler keeps it
+            self.backend = backend
         elif self.state is None:
             _registry.check_owned(backend, array, "the array given to the scaler")
         if self.state is None:

@@ -81,8 +81,10 @@ def _summary() -> str:
 
 
 def _usable() -> str:
-    """The names of the backends that can run here."""
-    return ", ".join(i.name for i in available_backends() if i.available) or "none"
+    """The names of the backends a scaler can run here (not those of immutable arrays: JAX's)."""
+    manager = _plugins().manager
+    return ", ".join(i.name for i in available_backends() if i.available and
+                     manager.get_plugin(i.name).backend_info().get("in_place", True)) or "none"
 
 
 def get_backend(name: str, source: str = "backend=") -> Backend:
@@ -184,6 +186,21 @@ def check_owned(backend: Backend, array: Any, what: str) -> None:
             f"{backend.name!r} cannot hold. Fix: pass backend= for that library "
             f"(installed: {_summary()}), or unset {ENV_VAR}."
         )
+
+
+def check_in_place(backend: Backend, array: Any = None) -> None:
+    """Raise ForeignArrayError when ``backend``'s arrays cannot be written in place (its
+    ``backend_info`` says ``in_place: False``, as JAX's): the stateful scaler unscales in place,
+    ``polyamp.functional`` serves such arrays. Asked once, when a scaler meets its backend."""
+    if backend.plugin.backend_info().get("in_place", True):
+        return
+    what = f"a {type(array).__module__}.{type(array).__name__}" if array is not None else "no array yet"
+    raise ForeignArrayError(
+        f"polyamp.LossScaler cannot use backend {backend.name!r} (given {what}): its arrays cannot "
+        "be changed in place, and the scaler unscales gradients in place. Fix: use "
+        "polyamp.functional (init, scale, unscale, update, where_finite: pure functions that trace "
+        "under jax.jit), or polyamp.optax.loss_scaled(optimizer) with optax."
+    )
 
 
 def first_array(tree: Iterable[Any] | Any) -> Any:

@@ -135,13 +135,14 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
 
 
 def next_state(
-    state: LossScaleState, found_inf: Any, config: LossScaleConfig, xp: Any
+    state: LossScaleState, found_inf: Any, config: LossScaleConfig, xp: Any, *, products: str | None = None
 ) -> LossScaleState:
     """The rule as branch-free array code (``xp.where``): new arrays, no host read.
 
     ``found_inf`` is a 0-d float32 array, non-zero when some gradient overflowed. ``xp`` is an
     array-API namespace; works with immutable arrays (it never writes in place). The rule's
-    parameters pick expressions once per call; no value is read to choose a branch.
+    parameters pick expressions once per call; no value is read to choose a branch. ``products``
+    overrides ``config.products`` for a library without float64 (JAX without x64: "float32").
     """
     if not config.dynamic:
         return state
@@ -154,7 +155,7 @@ def next_state(
     do_backoff = found & (counted == config.backoff_interval)
     do_grow = ~found & (growth_next == config.growth_interval + params.growth_delay)
 
-    wide = xp.float32 if config.products == "float32" else xp.float64
+    wide = xp.float32 if (products or config.products) == "float32" else xp.float64
     scale_w = xp.astype(scale, wide)
     backed = xp.astype(scale_w * float(config.backoff_factor), xp.float32)  # float: an int 10**30
     # factor would not convert to a float32 tensor scalar (torch: "int too big to convert")

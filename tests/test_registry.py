@@ -99,7 +99,7 @@ def test_import_is_cheap():
     code = (
         "import sys, numpy as np, polyamp; s = polyamp.LossScaler(); "
         "s.scale(np.ones(1, np.float32)); s.step([np.ones(1, np.float32)], lambda: None); "
-        "print(','.join(m for m in ('torch', 'cupy', 'paddle') if m in sys.modules))"
+        "print(','.join(m for m in ('torch', 'cupy', 'paddle', 'jax', 'optax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

@@ -18,14 +18,16 @@ import types
 
 EXTRA = "pip install -e '.[integrations]' (CI: see .ci/run)"
 MODULES = {"lightning": "lightning", "accelerate": "accelerate", "transformers": "transformers",
-           "timm": "timm"}
+           "timm": "timm", "jax": "jax", "optax": "optax"}
+#: Names installed by another extra than ``integrations`` (docs blocks marked ``needs=jax,optax``).
+OTHER_EXTRAS = {"jax": "pip install -e '.[jax]'", "optax": "pip install -e '.[optax]'"}
 
 
 def require(*names: str) -> str | None:
     """None when every framework named imports here, else why not (a skip reason)."""
     missing = [n for n in names if importlib.util.find_spec(MODULES[n]) is None]
     if missing:
-        return f"{', '.join(missing)} not installed: {EXTRA}"
+        return f"{', '.join(missing)} not installed: {OTHER_EXTRAS.get(missing[0], EXTRA)}"
     if "timm" in names:
         return _timm_reason()
     return None

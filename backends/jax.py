@@ -1,0 +1,97 @@
+"""JAX backend: JAX's immutable arrays, for :mod:`polyamp.functional` (and ``polyamp info``).
+
+JAX arrays cannot be written in place, so the stateful ``LossScaler`` refuses this backend (its
+``backend_info`` says ``in_place: False``) and points to ``polyamp.functional``, whose pure
+functions trace under ``jax.jit``. ``owns_array`` looks in ``sys.modules``: loading this plugin
+never imports jax.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from polyamp import functional
+from polyamp._errors import ForeignArrayError, install_hint
+from polyamp._hookspecs import hookimpl
+from polyamp.policy import LossScaleState
+
+#: What the stateful scaler says when given JAX arrays (the backend refuses in-place work).
+IMMUTABLE = (
+    "JAX arrays are immutable, and polyamp.LossScaler unscales gradients in place. Fix: use "
+    "polyamp.functional (init, scale, unscale, update, where_finite: pure functions that trace "
+    "under jax.jit), or polyamp.optax.loss_scaled(optimizer) with optax"
+)
+
+
+@hookimpl
+def backend_info() -> dict[str, Any]:
+    try:
+        import jax
+    except ImportError as exc:
+        return {"available": False, "reason": f"jax is not installed ({exc}). Fix: {install_hint('jax')}",
+                "version": None, "in_place": False}
+    return {"available": True, "reason": "", "version": jax.__version__, "in_place": False}
+
+
+@hookimpl
+def owns_array(array: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(array, jax.Array)
+
+
+@hookimpl
+def full(value: Any, dtype: str, like: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.full((), value, dtype=getattr(jnp, dtype), device=_other_device(like))
+
+
+def _other_device(like: Any) -> Any:
+    """``like``'s device when it is one device other than the default, else None: an array put on
+    the default device explicitly would be committed there, which ``pmap`` and sharded ``jit``
+    refuse to move (the state follows the computation instead)."""
+    import jax
+
+    if not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer):
+        return None
+    devices = like.devices()
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return None if device == jax.devices()[0] else device
+
+
+@hookimpl
+def scale_array(array: Any, scale: Any) -> Any:
+    return functional.scale(LossScaleState(scale, None, None), array)
+
+
+@hookimpl
+def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
+    raise ForeignArrayError(IMMUTABLE)
+
+
+@hookimpl
+def cast(array: Any, dtype: str) -> Any:
+    import jax.numpy as jnp
+
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}")
+    return array.astype(getattr(jnp, dtype))
+
+
+@hookimpl
+def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
+    return functional.update(LossScaleState(*state), found_inf, config)
+
+
+@hookimpl
+def read_flag(found_inf: Any) -> bool:
+    return bool(found_inf != 0)
+
+
+@hookimpl
+def to_host(array: Any) -> float | int:
+    return array.item()

@@ -1,0 +1,181 @@
+"""Loss scaling as pure functions over pytrees: no in-place write, no host read.
+
+For immutable arrays (JAX, under ``jax.jit``, ``pmap`` and ``shard_map``), optax
+(:mod:`polyamp.optax`), and a step with no host read on torch and CuPy (``torch.compile``)::
+
+    state = init(config, like=params_leaf)
+    grads = grad(lambda p: scale(state, loss_fn(p)))(params)
+    grads, found_inf = unscale(state, grads)          # found_inf: 0-d float32, non-zero on inf/nan
+    params = where_finite(found_inf, new_params, params)  # the skip, without a branch
+    state = update(state, found_inf, config)          # the rule: polyamp.policy.next_state
+
+The arithmetic is the engine's: gradients times ``float32(1 / float64(scale))`` in their own dtype
+(float16/bfloat16 multiplied in float32 and rounded back). Where the library has no float64 (JAX
+without ``jax_enable_x64``) the reciprocal and the scale products are formed in float32: the same
+bits for power-of-two factors and scales, within one float32 ulp otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import array_api_compat
+
+from . import _pytree, _registry
+from ._errors import ConfigError
+from .config import LossScaleConfig
+from .policy import LossScaleState, next_state
+
+__all__ = ["init", "scale", "unscale", "update", "where_finite"]
+
+#: The int32 trackers are compared with the intervals; a library without int64 compares in int32.
+_INT32_MAX = 2**31 - 1
+
+
+def init(config: LossScaleConfig | None = None, *, like: Any = None) -> LossScaleState:
+    """The first state: scale ``config.init_scale`` (float32), trackers 0 (int32), as 0-d arrays.
+
+    On ``like``'s library and device; without ``like``, on the backend ``POLYAMP_BACKEND`` names,
+    else NumPy.
+    """
+    config = config_or_default(config)
+    if like is not None:
+        backend = _registry.backend_for_array(like)
+    else:
+        name, source = _registry.requested_backend(None)
+        backend = _registry.get_backend(name or _registry.DEFAULT_BACKEND, source or "default")
+    return LossScaleState(
+        backend.full(float(config.init_scale), "float32", like),
+        backend.full(0, "int32", like),
+        backend.full(0, "int32", like),
+    )
+
+
+def scale(state: LossScaleState, loss: Any) -> Any:
+    """``loss * scale`` in each loss's own dtype (a pytree of losses too); the scale is unchanged."""
+    xp = _namespace(state.scale)
+    has_f64 = _wide_kinds(xp)[0]
+    return _pytree.tree_map(lambda leaf: _times(xp, has_f64, leaf, state.scale, "losses"), loss)
+
+
+def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tuple[Any, Any]:
+    """``(grads / scale, found_inf)``: new gradients and a 0-d float32 flag, 1 when any value of any
+    gradient was inf or nan (counted before the division), else 0. The reciprocal is
+    ``float32(1 / float64(scale))`` (float32 division where the library has no float64).
+
+    ``axis_name`` (JAX ``pmap`` / ``shard_map``): the flag is agreed over that axis in one
+    collective (``lax.pmax``), so every device skips together.
+    """
+    xp = _namespace(state.scale)
+    has_f64 = _wide_kinds(xp)[0]
+    inv = xp.astype(1.0 / xp.astype(state.scale, xp.float64 if has_f64 else xp.float32), xp.float32)
+    bad = None
+    for leaf in _pytree.leaves(grads):  # one reduction per gradient; XLA fuses them under jit
+        leaf_bad = xp.any(~xp.isfinite(leaf))
+        bad = leaf_bad if bad is None else bad | leaf_bad
+    found_inf = xp.zeros_like(state.scale) if bad is None else xp.astype(bad, xp.float32)
+    if axis_name is not None:
+        from jax import lax  # an axis name exists only under JAX's pmap / shard_map
+
+        found_inf = lax.pmax(found_inf, axis_name)
+    return _pytree.tree_map(lambda g: _times(xp, has_f64, g, inv, "gradients"), grads), found_inf
+
+
+def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None = None) -> LossScaleState:
+    """The next state under ``config``'s rule (torch's by default): :func:`polyamp.policy.next_state`,
+    branch-free, on the device. ``found_inf`` is :func:`unscale`'s flag."""
+    config = config_or_default(config)
+    xp = _namespace(state.scale)
+    has_f64, has_i64 = _wide_kinds(xp)
+    if not has_i64:  # JAX without x64 (torch, NumPy and CuPy use config as it is)
+        _check_intervals(config)
+    products = None if has_f64 else "float32"  # JAX without x64: float32 products (docs/functional.md)
+    return next_state(LossScaleState(*state), found_inf, config, xp, products=products)
+
+
+def where_finite(found_inf: Any, new: Any, old: Any) -> Any:
+    """Per leaf, ``new`` where ``found_inf`` is 0, else ``old``: a skipped step without a branch
+    (for parameters and optimizer state; ``new`` and ``old`` have the same structure)."""
+    xp = _namespace(found_inf)
+    skip = found_inf != 0
+    return _pytree.tree_map(lambda n, o: xp.where(skip, o, n), new, old)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def config_or_default(config: LossScaleConfig | None) -> LossScaleConfig:
+    """``config``, torch's defaults for None; anything else is refused naming the value."""
+    if config is None:
+        return LossScaleConfig()
+    if not isinstance(config, LossScaleConfig):
+        raise TypeError(
+            f"config must be a polyamp.LossScaleConfig or None, got config={config!r}. "
+            "Fix: build one with polyamp.LossScaleConfig(init_scale=..., ...)"
+        )
+    return config
+
+
+def _namespace(array: Any) -> Any:
+    """The array-API namespace of ``array`` (a state array or the flag)."""
+    try:
+        return array_api_compat.array_namespace(array)
+    except TypeError:
+        raise TypeError(
+            f"polyamp.functional expects the state's 0-d arrays, got a "
+            f"{type(array).__module__}.{type(array).__name__}. Fix: make the state with "
+            "polyamp.functional.init(config, like=...)"
+        ) from None
+
+
+def _wide_kinds(xp: Any) -> tuple[bool, bool]:
+    """Whether ``xp`` has float64 and int64 now (JAX: only with ``jax_enable_x64``, which may be
+    switched at run time, so it is asked each call; under ``jax.jit`` only when tracing)."""
+    try:
+        info = xp.__array_namespace_info__()
+        floats = info.dtypes(kind="real floating")
+        ints = info.dtypes(kind="signed integer")
+    except AttributeError:  # a namespace without the inspection API: assume both
+        return True, True
+    return "float64" in floats, "int64" in ints
+
+
+@functools.lru_cache(maxsize=64)
+def _check_intervals(config: LossScaleConfig) -> None:
+    """Refuse intervals that int32 trackers cannot be compared with (a library without int64)."""
+    for name in ("growth_interval", "backoff_interval"):
+        value = getattr(config, name)
+        if value > _INT32_MAX:
+            raise ConfigError(
+                f"{name} must be at most 2**31 - 1 where the array library has no int64 (JAX "
+                f"without jax_enable_x64), got {name}={value}. Fix: pass {name}=2**31 - 1, which "
+                "the int32 trackers reach only after as many steps, or enable jax_enable_x64."
+            )
+
+
+def _floating(xp: Any, dtype: Any) -> bool:
+    try:
+        return xp.isdtype(dtype, "real floating")
+    except TypeError:  # a dtype the namespace does not know: NumPy's bfloat16 (ml_dtypes)
+        return True
+
+
+def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str) -> Any:
+    """``array * factor`` (a 0-d float32) in ``array``'s dtype, as the NumPy engine computes it:
+    float32 as is, float64 widened, narrower floats in float32 rounded back."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is None:
+        raise TypeError(
+            f"polyamp.functional needs arrays as {what}, got a {type(array).__module__}."
+            f"{type(array).__name__} ({array!r:.40}). Fix: pass an array of the state's library, "
+            "e.g. xp.asarray(value, dtype=xp.float32)"
+        )
+    if dtype == xp.float32:
+        return array * factor
+    if has_f64 and dtype == xp.float64:
+        return array * xp.astype(factor, xp.float64)
+    if not _floating(xp, dtype):
+        raise TypeError(
+            f"polyamp.functional needs floating-point {what}, got an array of dtype={dtype}. "
+            f"Fix: pass floating-point {what} (e.g. cast them with astype(float32))"
+        )
+    return xp.astype(xp.astype(array, xp.float32) * factor, dtype)
