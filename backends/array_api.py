@@ -42,8 +42,15 @@ def full(value: Any, dtype: str, like: Any) -> Any:
 
 @hookimpl
 def scale_array(array: Any, scale: Any) -> Any:
+    """``array * scale`` in ``array``'s dtype; narrower floats through float32 (a float16 scale of
+    65536 would be inf), as the NumPy backend computes it."""
     xp = _xp(array)
-    return array * xp.astype(scale, array.dtype)
+    if array.dtype in (xp.float32, xp.float64):
+        return array * xp.astype(scale, array.dtype)
+    if not xp.isdtype(array.dtype, "real floating"):
+        raise TypeError(f"scale() needs a floating-point array, got dtype={array.dtype}; "
+                        "scale the loss, which is floating point")
+    return xp.astype(xp.astype(array, xp.float32) * xp.astype(scale, xp.float32), array.dtype)
 
 
 def _inv_scale(scale: Any) -> Any:

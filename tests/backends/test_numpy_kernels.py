@@ -588,3 +588,17 @@ def test_float16_without_hardware_conversion_takes_blocked(monkeypatch):
         assert check_against_torch([bits.view(np.float16)], 1 / 3) == 1.0
     finally:
         K.set_kernel(None)
+
+
+def test_the_generic_array_api_backend_scales_float16_through_float32():
+    """The generic backend (any array-API library without a plugin of its own) scales a float16 loss
+    by 65536 through float32, as the NumPy backend does: a float16 scale would be inf."""
+    import polyamp
+
+    generic = polyamp.get_backend("array_api")
+    scale = np.asarray(65536.0, dtype=np.float32)
+    half = generic.scale_array(np.asarray(2.0**-4, dtype=np.float16), scale)
+    assert half.dtype == np.float16 and float(half) == 4096.0
+    assert float(generic.scale_array(np.asarray(3.0), scale)) == 196608.0
+    with pytest.raises(TypeError, match="floating-point"):
+        generic.scale_array(np.asarray(3, dtype=np.int32), scale)
