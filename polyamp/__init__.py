@@ -14,11 +14,13 @@ from ._errors import (
     ForeignArrayError,
     PolyampError,
     StateDictError,
+    StepGuardError,
 )
 from ._registry import available_backends, get_backend, register_backend
 from .backend import Backend, BackendInfo
 from .config import LossScaleConfig
 from .engine import LossScaler, ScalerStateError, StepResult
+from .guard import GuardHistory, GuardReport, StepGuard
 from .noop import NoOpLossScaler
 from .overflow import OverflowReport, TensorOverflow, explain_overflow
 from .policy import HostState, LossScaleState, next_host_state, next_state
@@ -42,6 +44,8 @@ __all__ = [
     "ForeignArrayError",
     "GradBuffer",
     "GradScaler",
+    "GuardHistory",
+    "GuardReport",
     "HostState",
     "LossScaleConfig",
     "LossScaleState",
@@ -54,6 +58,8 @@ __all__ = [
     "ScaledGradientsError",
     "ScalerStateError",
     "StateDictError",
+    "StepGuard",
+    "StepGuardError",
     "StepMetrics",
     "StepResult",
     "TensorOverflow",

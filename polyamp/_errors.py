@@ -1,6 +1,6 @@
 """polyamp's exceptions, raised at the public boundary and worded for the user.
 
-Every class polyamp raises on purpose, where it is defined (17; ``checkpoint._DuplicateKey`` is
+Every class polyamp raises on purpose, where it is defined (18; ``checkpoint._DuplicateKey`` is
 internal and never leaves ``load``)::
 
     PolyampError                            base of everything polyamp raises on purpose
@@ -13,6 +13,7 @@ internal and never leaves ``load``)::
     ├── ForeignArrayError(TypeError)        arrays the chosen backend (or a reducer) cannot hold
     ├── ScalerStateError(RuntimeError)      a scaler method called out of order
     │   └── ScaledGradientsError            grads.py: a norm or clip of still-scaled gradients
+    ├── StepGuardError(RuntimeError)        a StepGuard's streak of skipped steps reached its limit
     ├── StateDictError(ValueError)          a state_dict or checkpoint that cannot be loaded
     │   ├── StateDictKeyError(KeyError)         compat/_torch_state.py: a torch state dict lacks a key
     │   └── PaddleStateDictError(KeyError)      compat/_paddle_state.py: a paddle state dict lacks keys
@@ -71,6 +72,10 @@ class ForeignArrayError(PolyampError, TypeError):
 
 class ScalerStateError(PolyampError, RuntimeError):
     """A method was called out of order (e.g. update() with no inf check recorded)."""
+
+
+class StepGuardError(PolyampError, RuntimeError):
+    """``StepGuard(max_consecutive_skips=N, on_streak="raise")``: N steps in a row were skipped."""
 
 
 class StateDictError(PolyampError, ValueError):

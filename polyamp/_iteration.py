@@ -21,8 +21,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from . import _inputs, _registry, overflow
-from ._agreement import Agreed, Agreement
+from . import _guard_values, _inputs, _registry, guard, overflow
+from ._agreement import Agreed, Agreement, check_extra
 from ._errors import ScalerStateError
 from ._skip_log import SkipLog
 from .backend import Backend
@@ -53,6 +53,10 @@ class Checks(NamedTuple):
     unscaled: bool = False
     skipped: bool | None = None
     checked: tuple[tuple[str, Any], ...] = ()
+    loss: Any = None  # the guard's: this rank's loss (0-d device array), the squares of its gradients,
+    sumsq: Any = None  # the values agreed with the flag (summed over ranks), the step's verdict
+    values: Any = None
+    verdict: guard.Verdict | None = None
 
     @property
     def flag(self) -> Any:
@@ -69,9 +73,13 @@ class Iteration:
 
     def __init__(
         self, config: LossScaleConfig, backend: Backend | None, *, agreement: Agreement | None = None,
-        diagnose: bool = False,
+        diagnose: bool = False, step_guard: guard.StepGuard | None = None,
     ) -> None:
         self.config = config
+        self.guard = step_guard  # None: no guard; else its histories and streak in self.history
+        self.history = guard.GuardHistory()
+        self.replicated = False  # the shell's gradients are already summed over the ranks (the norm's)
+        self.last_verdict: guard.Verdict | None = None
         self.backend = backend
         self.state: LossScaleState | None = None  # device arrays, made on the first array seen
         self.host = HostState(float(config.init_scale), 0, 0)  # the state until then
@@ -178,8 +186,43 @@ class Iteration:
         checked = checks.checked
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
-        self.checks = checks._replace(found=_plus(checks.found, found), unscaled=True, checked=checked)
+        sumsq = checks.sumsq
+        if arrays and self.guard is not None and self.guard.watches_norm:
+            sumsq = _plus(sumsq, _guard_values.squared_norm(arrays))
+        self.checks = checks._replace(found=_plus(checks.found, found), unscaled=True, checked=checked,
+                                      sumsq=sumsq)
         return found
+
+    def take_loss(self, loss: Any, where: str) -> None:
+        """Add ``loss`` to this iteration's loss for the guard (summed, as the facades' losses since
+        the last update); ignored without a guard. No sync (a number goes to the device)."""
+        if self.guard is None or loss is None:
+            return
+        self._refuse_after_agreement(f"{where} with loss=")
+        like = self.state.scale if self.state is not None else None
+        backend = self.backend
+        if like is None:  # no gradients yet: the loss's own library decides the backend
+            backend = self.bind(loss) if hasattr(loss, "shape") else self.ready()[0]
+            like = self.ready()[1].scale
+        value = _guard_values.loss_value(loss, backend, like, where)
+        self.checks = self.checks._replace(loss=_plus(self.checks.loss, value))
+
+    def require_loss(self, loss: Any, where: str) -> None:
+        """Refuse a step of a loss guard that was given no loss (before anything changes)."""
+        step_guard = self.guard
+        if step_guard is not None and step_guard.watches_loss and loss is None and self.checks.loss is None:
+            raise TypeError(
+                f"{where} got no loss, but the scaler's StepGuard(loss_zscore={step_guard.loss_zscore}) "
+                "judges the loss of every step. Fix: pass loss= (e.g. step(grads, step_fn, loss=loss)), "
+                "or build the guard without loss_zscore."
+            )
+
+    def _guard_sent(self) -> Any:
+        """This rank's guard values to agree (None without a guard or values)."""
+        if self.guard is None:
+            return None
+        checks = self.checks
+        return _guard_values.values(self.guard, checks.loss, checks.sumsq, self.ready()[1].scale)
 
     def record(self, flag: Any) -> None:
         """Add a device flag (non-zero: a bad step) to the iteration's check. No sync."""
@@ -200,11 +243,17 @@ class Iteration:
         """The iteration's flag (and ``extra``) agreed over the ranks in ONE collective; without
         an agreement the local values and nothing is sent. Once per iteration, after the checks."""
         found = self.checks.found
+        check_extra(extra)
+        sent = self._guard_sent()
         if self.agreement is None:
+            self.checks = self.checks._replace(values=sent)
             return Agreed(found, extra)
-        agreed = self.agreement.flag_and_extra(found, extra, self.config, self.state)
-        self.checks = self.checks._replace(agreed=agreed.found_inf)
-        return agreed
+        both, users = _guard_values.joined(extra, sent)
+        whose = 0 if self.guard is None else self.history.digest()
+        agreed = self.agreement.flag_and_extra(found, both, self.config, self.state, whose=whose)
+        theirs, values = _guard_values.split(agreed.extra, users, extra, sent)
+        self.checks = self.checks._replace(agreed=agreed.found_inf, values=values)
+        return Agreed(agreed.found_inf, theirs)
 
     def agree_found(self) -> None:
         """Agree the iteration's flag unless done, summed with the data, or there is no agreement."""
@@ -274,12 +323,27 @@ class Iteration:
             self.agree_found()
             flag = self.checks.flag
         backend = self.backend if self.backend is not None or isinstance(flag, bool) else self.bind(flag)
-        skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
+        if self.guard is not None and flag is self.checks.flag:
+            skipped = self._judge(backend, flag)
+        else:
+            skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
         if skipped:
             self.verify()  # ranks that differ: RankMismatchError before anything applies
         if self.diagnose and (skipped or not keep_report):
             self.last_overflow = self._report_or_warn(named, local) if skipped else None
         return skipped
+
+    def _judge(self, backend: Backend, flag: Any) -> bool:
+        """The guard's decision: the flag and the agreed values in the ONE host read, then the rule."""
+        checks = self.checks
+        sent = checks.values if checks.values is not None else self._guard_sent()
+        overflowed, host = _guard_values.read(backend, flag, sent)
+        ranks = 1 if self.agreement is None else self.agreement.reducer.size
+        loss, norm = _guard_values.unpack(self.guard, checks.loss is not None, host, ranks, self.replicated)
+        verdict = guard.judge(self.guard, self.history, overflow=overflowed, loss=loss, grad_norm=norm)
+        self.checks = checks._replace(verdict=verdict)
+        self.last_verdict = verdict
+        return verdict.reason is not None
 
     def count(self, skipped: bool) -> None:
         """Record a step's decision (the engine's step: counters and the pending update)."""
@@ -347,19 +411,41 @@ class Iteration:
             if self.diagnose:
                 self.last_overflow = self._report_or_warn() if skips else None
         log = self.log
+        verdict = self.checks.verdict
+        held = verdict is not None and verdict.reason not in (None, "overflow")  # the guard's skip
         before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
-        self._advance(flag)
+        if not held:  # a guard-skipped step leaves the scale state as it is
+            self._advance(flag)
         read = self.host_state
         if exact and before is not None:  # the device ran the rule on the same flag: no second read
-            after = next_host_state(before, bool(skipped), self.config)
+            after = before if held else next_host_state(before, bool(skipped), self.config)
             read = lambda: after  # noqa: E731
+        if held:
+            describe = self._describe_guarded(verdict)
+        report = self._advance_guard(verdict)
         try:  # the scale has moved: the iteration ends even if a log handler raises
             if skipped is not None:
                 log.after_update(skipped, before, read, describe or self.describe_change,
-                                 overflow.log_summary(self.last_overflow))
-            self.warn_if_at_floor(bool(skipped))
+                                 overflow.log_summary(self.last_overflow),
+                                 reason=None if verdict is None else verdict.reason)
+            self.warn_if_at_floor(bool(skipped) and not held)
         finally:
             self.end()
+        if report is not None:  # after the iteration ended: the hook may load a checkpoint
+            guard.act(self.guard, report)
+
+    def _advance_guard(self, verdict: guard.Verdict | None) -> guard.GuardReport | None:
+        """The guard's histories and streak after this step's verdict; the streak's report if due."""
+        if verdict is None or self.guard is None:
+            return None
+        self.history, report = guard.advance(self.guard, self.history, verdict)
+        return report
+
+    def _describe_guarded(self, verdict: guard.Verdict) -> Describe:
+        step_guard = self.guard
+        return lambda skipped, before, after: guard.describe(verdict, step_guard, before.scale,
+                                                             len(self.history.loss if verdict.reason ==
+                                                                 "loss_spike" else self.history.grad_norm))
 
     def _advance(self, flag: Any) -> None:
         """One step of the rule: on the device (no sync), or on the host before any array exists."""
@@ -421,6 +507,9 @@ class Iteration:
         name = state["backend"]
         backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
         state.setdefault("window", SkipWindow())  # copies made before metrics() existed
+        for name, value in (("guard", None), ("history", guard.GuardHistory()), ("replicated", False),
+                            ("last_verdict", None)):
+            state.setdefault(name, value)  # copies made before the step guard existed
         self.__dict__.update(state, backend=backend)
 
 
