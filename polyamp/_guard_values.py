@@ -1,6 +1,7 @@
 """The array side of the step guard: the loss and the squared gradient norm as device values, the
 vector they ride in through the step's one collective, and the one host read that brings them back
 with the skip flag. The rule itself is :mod:`polyamp.guard`'s (plain Python on the values read).
+Array work goes through the backend's hooks (``sum_of_squares``, ``pack``), so any library works.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from . import _dtypes
+from ._registry import backend_of
 from .backend import Backend
 from .config import short_repr
 from .guard import StepGuard
@@ -32,54 +33,42 @@ def loss_check(loss: Any, where: str) -> None:
 
 
 def loss_value(loss: Any, backend: Backend, like: Any, where: str) -> Any:
-    """``loss`` (a real number or a one-value array) as a 0-d float64 array on ``like``'s device."""
+    """``loss`` (a real number or a one-value array) as a 1-value array on ``like``'s device (no
+    sync, unless it comes from another library: then one read of it)."""
     loss_check(loss, where)
     if isinstance(loss, numbers.Real):
-        return backend.from_host(np.asarray(float(loss), np.float64), like, None)
+        return backend.from_host(np.asarray([float(loss)], np.float64), like, None)
     detach = getattr(loss, "detach", None)  # a tensor in an autograd graph: its value only
     value = detach() if callable(detach) else loss
-    xp = array_api_compat.array_namespace(value)
-    if array_api_compat.array_namespace(like) is not xp:  # another library: through the host (one read)
-        return backend.from_host(np.asarray(backend.to_numpy(value), np.float64).reshape(()), like, None)
-    return xp.reshape(_dtypes.cast(value, _wide(xp, like)), ())
+    if not backend.owns_array(value):
+        host = np.asarray(backend_of(value).to_numpy(value), np.float64).reshape(1)
+        return backend.from_host(host, like, None)
+    return backend.pack([value], like)
 
 
-def squared_norm(arrays: Sequence[Any]) -> Any:
+def squared_norm(backend: Backend, arrays: Sequence[Any]) -> Any:
     """The sum of squares of one group of unscaled gradients, 0-d on their device (no sync)."""
-    from .grads import squared_norm as squares  # polyamp.grads loads on first use only
-
-    return squares(arrays)
+    return backend.sum_of_squares(arrays)
 
 
-def _wide(xp: Any, like: Any) -> str:
-    return "float64" if _dtypes.computes_float64(xp, array_api_compat.device(like)) else "float32"
-
-
-def values(guard: StepGuard, loss: Any, sumsq: Any, like: Any) -> Any:
+def values(backend: Backend, guard: StepGuard, loss: Any, sumsq: Any, like: Any) -> Any:
     """This rank's guard values as one 1-d array on ``like``'s device: [loss?, sum of squares?]
     (the loss when given, the squares when a norm rule is set: 0 from a rank without gradients);
     None when there is nothing to send."""
-    xp = array_api_compat.array_namespace(like)
-    wide = _wide(xp, like)
     parts = [] if loss is None else [loss]
     if guard.watches_norm:
-        parts.append(xp.zeros((), dtype=_dtypes.resolve(xp, wide), device=array_api_compat.device(like))
-                     if sumsq is None else sumsq)
-    if not parts:
-        return None
-    return xp.stack([_dtypes.cast(p, wide) for p in parts])
+        parts.append(backend.full(0.0, "float32", like) if sumsq is None else sumsq)
+    return backend.pack(parts, like) if parts else None
 
 
 def read(backend: Backend, flag: Any, sent: Any) -> tuple[bool, list[float]]:
-    """The skip flag and the guard values in ONE host read (one small array built on the device)."""
+    """The skip flag and the guard values in ONE host read (one small array packed on the device)."""
     if sent is None:
         return (flag if isinstance(flag, bool) else bool(backend.read_flag(flag))), []
     if isinstance(flag, bool):
         host = np.asarray(backend.to_numpy(sent), np.float64).reshape(-1)
         return flag, [float(v) for v in host]
-    xp = array_api_compat.array_namespace(sent)
-    both = xp.concat([xp.reshape(xp.astype(flag, sent.dtype), (1,)), sent])
-    host = np.asarray(backend.to_numpy(both), np.float64).reshape(-1)
+    host = np.asarray(backend.to_numpy(backend.pack([flag, sent], sent)), np.float64).reshape(-1)
     return bool(host[0] != 0), [float(v) for v in host[1:]]
 
 
@@ -93,13 +82,13 @@ def unpack(guard: StepGuard, given_loss: bool, host: list[float], ranks: int, re
         loss, at = host[0] / ranks, 1
     if guard.watches_norm:
         squares = host[at] / ranks if replicated else host[at]
-        norm = math.sqrt(squares) if squares >= 0 or math.isnan(squares) else math.nan
+        norm = math.sqrt(squares) if not squares < 0 else math.nan
     return loss, norm
 
 
 def joined(extra: Any, sent: Any) -> tuple[Any, int]:
     """The user's ``extra`` (clipping's) then the guard's values, as one vector for the agreement;
-    and how many values are the user's."""
+    and how many values are the user's (array-API libraries: clipping works on those only)."""
     if sent is None or extra is None:
         return (sent if extra is None else extra), (0 if extra is None else math.prod(tuple(extra.shape)))
     xp = array_api_compat.array_namespace(sent)

@@ -188,7 +188,7 @@ class Iteration:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
         sumsq = checks.sumsq
         if arrays and self.guard is not None and self.guard.watches_norm:
-            sumsq = _plus(sumsq, _guard_values.squared_norm(arrays))
+            sumsq = _plus(sumsq, _guard_values.squared_norm(backend, arrays))
         self.checks = checks._replace(found=_plus(checks.found, found), unscaled=True, checked=checked,
                                       sumsq=sumsq)
         return found
@@ -222,7 +222,8 @@ class Iteration:
         if self.guard is None:
             return None
         checks = self.checks
-        return _guard_values.values(self.guard, checks.loss, checks.sumsq, self.ready()[1].scale)
+        backend, state = self.ready()
+        return _guard_values.values(backend, self.guard, checks.loss, checks.sumsq, state.scale)
 
     def record(self, flag: Any) -> None:
         """Add a device flag (non-zero: a bad step) to the iteration's check. No sync."""

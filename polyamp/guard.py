@@ -190,7 +190,7 @@ class GuardReport:
     zscores: dict[str, float] | None
 
     def __str__(self) -> str:
-        counts = ", ".join(f"{r} x{self.reasons.count(r)}" for r in REASONS if r in self.reasons)
+        counts = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))
         stats = "; ".join(f"{q} mean {self.mean[q]:.6g} std {self.std[q]:.6g}" for q in self.mean)
         return (f"{self.streak} steps skipped in a row ({counts}); last loss {_text(self.loss)}, last "
                 f"grad norm {_text(self.grad_norm)}" + (f"; history: {stats}" if stats else ""))
