@@ -328,7 +328,8 @@ class Iteration:
             skipped = self._judge(backend, flag)
         else:
             skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
-        if skipped:
+        verdict = self.checks.verdict
+        if skipped and (verdict is None or verdict.reason == "overflow"):  # a flag 0: the ranks align
             self.verify()  # ranks that differ: RankMismatchError before anything applies
         if self.diagnose and (skipped or not keep_report):
             self.last_overflow = self._report_or_warn(named, local) if skipped else None
