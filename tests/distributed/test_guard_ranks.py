@@ -1,0 +1,138 @@
+"""StepGuard across ranks: a spike on one rank is skipped by every rank, in the step's one collective.
+
+Real gloo process groups (2 and 3 ranks) and mpirun -n 3. Each rank holds a shard of one gradient
+vector (rank 2 of 3 none) and its own loss; the guard judges the mean of the ranks' losses and the
+norm of the whole vector. Every rank must take the same decisions, equal to one process judging the
+whole vector and the mean loss (plain-Python reference below); a rank whose guard history differs
+makes every rank raise before anything is applied.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+N = 40
+STEPS = 60
+LOSS_SPIKE = (30, 1)  # (step, rank): rank 1 alone reports a huge loss
+NORM_SPIKE = (41, 0)  # rank 0 alone has a huge gradient shard
+OVERFLOW = (50, 1)
+CLIP_FROM = 45  # from here on every rank also clips by the global norm (the user's extra values)
+THRESHOLD, WINDOW, MIN_HISTORY = 5.0, 20, 10
+
+
+def shard_of(rank: int) -> slice:
+    return [slice(0, N // 2), slice(N // 2, N), slice(0, 0)][rank]
+
+
+def true_grad(step: int) -> np.ndarray:
+    return np.random.default_rng(step).normal(size=N).astype(np.float32)
+
+
+def loss_of(step: int, rank: int) -> float:
+    value = 2.0 + 0.1 * np.random.default_rng(1000 + step * 7 + rank).normal()
+    return value + (100.0 if (step, rank) == LOSS_SPIKE else 0.0)
+
+
+def guard_run(rank: int, size: int, group: str) -> dict:
+    from polyamp import LossScaleConfig, LossScaler, StepGuard, clip_grad_norm_
+    from polyamp.distributed import reducer
+
+    red = reducer(group)
+    guard = StepGuard(loss_zscore=THRESHOLD, grad_norm_zscore=THRESHOLD, window=WINDOW,
+                      min_history=MIN_HISTORY)
+    scaler = LossScaler(LossScaleConfig(init_scale=2.0**3, growth_interval=1000), reducer=red, guard=guard)
+    out: dict = {"reasons": [], "counts": [], "losses": [], "norms": [], "clip_norms": []}
+    for step in range(STEPS):
+        full = true_grad(step) * np.float32(scaler.get_scale())
+        if (step, rank) == NORM_SPIKE:
+            full[shard_of(rank)] *= 50
+        if (step, rank) == OVERFLOW:
+            full[N - 1] = np.inf
+        grads = [full[shard_of(rank)].copy()] if rank < 2 else []
+        before = red.collectives
+        if step >= CLIP_FROM:
+            scaler.unscale_(grads, loss=loss_of(step, rank))
+            out["clip_norms"].append(float(clip_grad_norm_(grads, 1e6, scaler=scaler)))
+            result = scaler.step(grads, lambda: None)
+        else:
+            result = scaler.step(grads, lambda: None, loss=loss_of(step, rank))
+        scaler.update()
+        out["counts"].append(red.collectives - before)
+        out["reasons"].append(result.reason)
+        out["losses"].append(result.loss)
+        out["norms"].append(result.grad_norm)
+    out["history"] = scaler.guard_history
+    # a rank whose history differs (it resumed from another checkpoint): every rank raises
+    sd = scaler.state_dict()
+    if rank == size - 1:
+        sd["guard"]["loss"] = sd["guard"]["loss"][1:] + [sd["guard"]["loss"][-1]]
+        scaler.load_state_dict(sd)
+    applied = []
+    try:
+        scaler.step([np.ones(2, np.float32)] if rank < 2 else [], lambda: applied.append(1), loss=2.0)
+        out["mismatch"] = None
+    except Exception as exc:  # noqa: BLE001 - reported per rank
+        out["mismatch"] = f"{type(exc).__name__}: {exc}"
+    out["mismatch_applied"] = applied
+    return out
+
+
+def reference(size: int) -> dict:
+    """One process, item 4 written out: the mean loss, the whole vector's norm, applied histories."""
+    history: dict[str, list[float]] = {"loss": [], "grad_norm": []}
+    out: dict = {"reasons": [], "losses": [], "norms": []}
+    for step in range(STEPS):
+        full = true_grad(step)
+        if NORM_SPIKE[0] == step:
+            full[shard_of(NORM_SPIKE[1])] *= 50  # in float32, as the rank does
+        full = full.astype(np.float64)
+        loss = math.fsum(loss_of(step, r) for r in range(size)) / size
+        norm = math.inf if step == OVERFLOW[0] else math.sqrt(math.fsum(full * full))
+        z = {}
+        if len(history["loss"]) >= MIN_HISTORY:
+            for name, value in (("loss", loss), ("grad_norm", norm)):
+                z[name] = (value - statistics.mean(history[name])) / statistics.stdev(history[name])
+        reason = ("overflow" if step == OVERFLOW[0] else
+                  "grad_norm_spike" if z.get("grad_norm", 0) > THRESHOLD else
+                  "loss_spike" if z.get("loss", 0) > THRESHOLD else None)
+        if reason is None:
+            for name, value in (("loss", loss), ("grad_norm", norm)):
+                history[name] = (history[name] + [value])[-WINDOW:]
+        out["reasons"].append(reason)
+        out["losses"].append(loss)
+        out["norms"].append(norm)
+    return out
+
+
+def check(results: list[dict], size: int) -> None:
+    ref = reference(size)
+    assert ref["reasons"][LOSS_SPIKE[0]] == "loss_spike"
+    assert ref["reasons"][NORM_SPIKE[0]] == "grad_norm_spike"
+    assert ref["reasons"].count(None) == STEPS - 3
+    for rank, out in enumerate(results):
+        assert out["counts"] == [1] * STEPS, (rank, out["counts"])  # one collective, clipping included
+        assert out["reasons"] == ref["reasons"], (rank, out["reasons"])
+        assert out["losses"] == pytest.approx(ref["losses"], rel=1e-13)
+        finite = [i for i in range(STEPS) if i != OVERFLOW[0]]
+        assert [out["norms"][i] for i in finite] == pytest.approx([ref["norms"][i] for i in finite],
+                                                                  rel=1e-12)
+        clipped = [i for i in finite if i >= CLIP_FROM]  # the user's norm, agreed beside the guard's values
+        assert [out["clip_norms"][i - CLIP_FROM] for i in clipped] == pytest.approx(
+            [ref["norms"][i] for i in clipped], rel=1e-12)
+        assert math.isinf(out["clip_norms"][OVERFLOW[0] - CLIP_FROM])
+        assert out["history"] == results[0]["history"]  # identical on every rank, bitwise
+        assert (out["mismatch"] or "").startswith("RankMismatchError"), out["mismatch"]
+        assert "StepGuard history" in out["mismatch"] and out["mismatch_applied"] == []
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo, size):
+    check(run_gloo(guard_run, size, "torch").results(), size)
+
+
+def test_a_spike_on_one_rank_is_skipped_by_every_rank_mpi(run_mpi):
+    check(run_mpi(guard_run, 3, "mpi").results(), 3)
