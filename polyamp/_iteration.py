@@ -18,6 +18,7 @@ the device state, counters, the skip log) lives beside it on the :class:`Iterati
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -54,9 +55,14 @@ class Checks(NamedTuple):
     skipped: bool | None = None
     checked: tuple[tuple[str, Any], ...] = ()
     loss: Any = None  # the guard's: this rank's loss (0-d device array), the squares of its gradients,
-    sumsq: Any = None  # the values agreed with the flag (summed over ranks), the step's verdict
-    values: Any = None
-    verdict: guard.Verdict | None = None
+    sumsq: Any = None  # the values agreed with the flag (summed over ranks), the step's verdicts
+    values: Any = None  # (group -> verdict: one group per step, the torch facade's per optimizer)
+    verdicts: tuple[tuple[int, guard.Verdict], ...] = ()
+
+    @property
+    def verdict(self) -> guard.Verdict | None:
+        """The last verdict of this iteration (the engine's one step's), or None."""
+        return self.verdicts[-1][1] if self.verdicts else None
 
     @property
     def flag(self) -> Any:
@@ -76,8 +82,8 @@ class Iteration:
         diagnose: bool = False, step_guard: guard.StepGuard | None = None,
     ) -> None:
         self.config = config
-        self.guard = step_guard  # None: no guard; else its histories and streak in self.history
-        self.history = guard.GuardHistory()
+        self.guard = step_guard  # None: no guard; else its histories and streaks per group
+        self.histories: dict[int, guard.GuardHistory] = {}
         self.replicated = False  # the shell's gradients are already summed over the ranks (the norm's)
         self.last_verdict: guard.Verdict | None = None
         self.backend = backend
@@ -92,6 +98,15 @@ class Iteration:
         self.steps = 0
         self.skipped_steps = 0
         self.window = SkipWindow()  # the skips of the last steps, for metrics(); host-only
+
+    @property
+    def history(self) -> guard.GuardHistory:
+        """The guard's history of group 0 (the engine's only one)."""
+        return self.histories.get(0, guard.GuardHistory())
+
+    @history.setter
+    def history(self, value: guard.GuardHistory) -> None:
+        self.histories = {**self.histories, 0: value}
 
     # -- the state and its backend ------------------------------------------------------
     def bind(self, array: Any) -> Backend:
@@ -250,7 +265,7 @@ class Iteration:
             self.checks = self.checks._replace(values=sent)
             return Agreed(found, extra)
         both, users = _guard_values.joined(extra, sent)
-        whose = 0 if self.guard is None else self.history.digest()
+        whose = self._whose(0, 0)
         agreed = self.agreement.flag_and_extra(found, both, self.config, self.state, whose=whose)
         theirs, values = _guard_values.split(agreed.extra, users, extra, sent)
         self.checks = self.checks._replace(agreed=agreed.found_inf, values=values)
@@ -325,7 +340,8 @@ class Iteration:
             flag = self.checks.flag
         backend = self.backend if self.backend is not None or isinstance(flag, bool) else self.bind(flag)
         if self.guard is not None and flag is self.checks.flag:
-            skipped = self._judge(backend, flag)
+            skipped = self._judge(backend, flag, self.checks.values if self.checks.values is not None
+                                  else self._guard_sent(), 0)
         else:
             skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
         verdict = self.checks.verdict
@@ -335,17 +351,55 @@ class Iteration:
             self.last_overflow = self._report_or_warn(named, local) if skipped else None
         return skipped
 
-    def _judge(self, backend: Backend, flag: Any) -> bool:
+    def _judge(self, backend: Backend, flag: Any, sent: Any, group: int) -> bool:
         """The guard's decision: the flag and the agreed values in the ONE host read, then the rule."""
         checks = self.checks
-        sent = checks.values if checks.values is not None else self._guard_sent()
         overflowed, host = _guard_values.read(backend, flag, sent)
         ranks = 1 if self.agreement is None else self.agreement.reducer.size
         loss, norm = _guard_values.unpack(self.guard, checks.loss is not None, host, ranks, self.replicated)
-        verdict = guard.judge(self.guard, self.history, overflow=overflowed, loss=loss, grad_norm=norm)
-        self.checks = checks._replace(verdict=verdict)
+        history = self.histories.get(group, guard.GuardHistory())
+        verdict = guard.judge(self.guard, history, overflow=overflowed, loss=loss, grad_norm=norm)
+        self.checks = checks._replace(verdicts=(*checks.verdicts, (group, verdict)))
         self.last_verdict = verdict
         return verdict.reason is not None
+
+    def _whose(self, whose: int, group: int) -> int:
+        """``whose`` with the group's guard history folded in (a rank whose history differs is
+        a misaligned rank); ``whose`` itself without a guard."""
+        if self.guard is None:
+            return whose
+        history = self.histories.get(group, guard.GuardHistory())
+        return zlib.crc32(whose.to_bytes(8, "little"), history.digest())
+
+    # -- the guard, one group (the torch facade's optimizer) at a time -----------------------
+    def squares(self, backend: Backend, arrays: list[Any]) -> Any:
+        """One group's sum of squares when a norm rule is set, else None (no sync)."""
+        if self.guard is None or not self.guard.watches_norm or not arrays:
+            return None
+        return _guard_values.squared_norm(backend, arrays)
+
+    def agree_group(self, found: Any, squares: Any, group: int, *, whose: int = 0) -> Agreed:
+        """One group's flag and guard values (the iteration's loss, its squares) agreed over the
+        ranks in ONE collective (the sharded facade's per-optimizer agreement)."""
+        backend, state = self.ready()
+        if found is None or isinstance(found, bool):
+            found = backend.full(float(bool(found)), "float32", state.scale)
+        sent = _guard_values.values(backend, self.guard, self.checks.loss, squares, state.scale)
+        if self.agreement is None:
+            return Agreed(found, sent)
+        return self.agreement.flag_and_extra(found, sent, self.config, state, whose=self._whose(whose, group))
+
+    def decide_group(self, flag: Any, values: Any, group: int, *, named: Any = None,
+                     keep_report: bool = False) -> bool:
+        """One group's skip decision with the guard: ``flag`` and ``values`` (agreed, or this
+        rank's) read in ONE host read, judged against the group's history."""
+        backend = self.ready()[0]
+        skipped = self._judge(backend, flag, values, group)
+        if skipped and self.checks.verdict.reason == "overflow":
+            self.verify()
+        if self.diagnose and (skipped or not keep_report):
+            self.last_overflow = self._report_or_warn(named, None) if skipped else None
+        return skipped
 
     def count(self, skipped: bool) -> None:
         """Record a step's decision (the engine's step: counters and the pending update)."""
@@ -413,8 +467,9 @@ class Iteration:
             if self.diagnose:
                 self.last_overflow = self._report_or_warn() if skips else None
         log = self.log
-        verdict = self.checks.verdict
-        held = verdict is not None and verdict.reason not in (None, "overflow")  # the guard's skip
+        verdicts = self.checks.verdicts
+        reasons = {v.reason for _, v in verdicts}
+        held = "overflow" not in reasons and bool(reasons - {None})  # the guard's skip: the scale stays
         before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
         if not held:  # a guard-skipped step leaves the scale state as it is
             self._advance(flag)
@@ -423,25 +478,29 @@ class Iteration:
             after = before if held else next_host_state(before, bool(skipped), self.config)
             read = lambda: after  # noqa: E731
         if held:
-            describe = self._describe_guarded(verdict)
-        report = self._advance_guard(verdict)
+            describe = self._describe_guarded(next(v for _, v in verdicts if v.reason is not None))
+        reports = self._advance_guard(verdicts)
         try:  # the scale has moved: the iteration ends even if a log handler raises
             if skipped is not None:
                 log.after_update(skipped, before, read, describe or self.describe_change,
                                  overflow.log_summary(self.last_overflow),
-                                 reason=None if verdict is None else verdict.reason)
+                                 reason=_first_reason(reasons))
             self.warn_if_at_floor(bool(skipped) and not held)
         finally:
             self.end()
-        if report is not None:  # after the iteration ended: the hook may load a checkpoint
+        for report in reports:  # after the iteration ended: the hook may load a checkpoint
             guard.act(self.guard, report)
 
-    def _advance_guard(self, verdict: guard.Verdict | None) -> guard.GuardReport | None:
-        """The guard's histories and streak after this step's verdict; the streak's report if due."""
-        if verdict is None or self.guard is None:
-            return None
-        self.history, report = guard.advance(self.guard, self.history, verdict)
-        return report
+    def _advance_guard(self, verdicts: tuple[tuple[int, guard.Verdict], ...]) -> list[guard.GuardReport]:
+        """Each group's history and streak after its verdict; the streaks' reports that are due."""
+        reports, histories = [], dict(self.histories)
+        for group, verdict in verdicts:
+            histories[group], report = guard.advance(self.guard, histories.get(group, guard.GuardHistory()),
+                                                     verdict)
+            if report is not None:
+                reports.append(report)
+        self.histories = histories
+        return reports
 
     def _describe_guarded(self, verdict: guard.Verdict) -> Describe:
         step_guard = self.guard
@@ -509,10 +568,15 @@ class Iteration:
         name = state["backend"]
         backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
         state.setdefault("window", SkipWindow())  # copies made before metrics() existed
-        for name, value in (("guard", None), ("history", guard.GuardHistory()), ("replicated", False),
-                            ("last_verdict", None)):
+        defaults = (("guard", None), ("histories", {}), ("replicated", False), ("last_verdict", None))
+        for name, value in defaults:
             state.setdefault(name, value)  # copies made before the step guard existed
         self.__dict__.update(state, backend=backend)
+
+
+def _first_reason(reasons: set[str | None]) -> str | None:
+    """The first of :data:`polyamp.guard.REASONS` among ``reasons`` (None: none, or no guard)."""
+    return next((r for r in guard.REASONS if r in reasons), None)
 
 
 def _plus(total: Any, flag: Any) -> Any:
