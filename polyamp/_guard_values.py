@@ -32,6 +32,12 @@ def loss_check(loss: Any, where: str) -> None:
         )
 
 
+def one_value(array: Any) -> bool:
+    """Whether ``array`` holds exactly one value (a loss a facade's ``scale()`` may record)."""
+    shape = getattr(array, "shape", None)
+    return shape is not None and math.prod(tuple(shape)) == 1
+
+
 def loss_value(loss: Any, backend: Backend, like: Any, where: str) -> Any:
     """``loss`` (a real number or a one-value array) as a 1-value array on ``like``'s device (no
     sync, unless it comes from another library: then one read of it)."""
