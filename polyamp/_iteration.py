@@ -491,6 +491,14 @@ class Iteration:
         for report in reports:  # after the iteration ended: the hook may load a checkpoint
             guard.act(self.guard, report)
 
+    def settle_guard(self) -> None:
+        """End the iteration without a scale update (a fixed scale): the guard's histories and
+        streaks move on with its verdicts, and a streak's action runs."""
+        reports = self._advance_guard(self.checks.verdicts)
+        self.end()
+        for report in reports:
+            guard.act(self.guard, report)
+
     def _advance_guard(self, verdicts: tuple[tuple[int, guard.Verdict], ...]) -> list[guard.GuardReport]:
         """Each group's history and streak after its verdict; the streaks' reports that are due."""
         reports, histories = [], dict(self.histories)
