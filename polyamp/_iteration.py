@@ -340,8 +340,9 @@ class Iteration:
             flag = self.checks.flag
         backend = self.backend if self.backend is not None or isinstance(flag, bool) else self.bind(flag)
         if self.guard is not None and flag is self.checks.flag:
-            skipped = self._judge(backend, flag, self.checks.values if self.checks.values is not None
-                                  else self._guard_sent(), 0)
+            agreed = self.checks.agreed is not None  # else this rank's values (the trainer's are summed)
+            skipped = self._judge(backend, flag, self.checks.values if agreed else self._guard_sent(), 0,
+                                  agreed)
         else:
             skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
         verdict = self.checks.verdict
@@ -351,11 +352,12 @@ class Iteration:
             self.last_overflow = self._report_or_warn(named, local) if skipped else None
         return skipped
 
-    def _judge(self, backend: Backend, flag: Any, sent: Any, group: int) -> bool:
-        """The guard's decision: the flag and the agreed values in the ONE host read, then the rule."""
+    def _judge(self, backend: Backend, flag: Any, sent: Any, group: int, agreed: bool) -> bool:
+        """The guard's decision: the flag and the values (``agreed``: summed over the ranks) in the
+        ONE host read, then the rule."""
         checks = self.checks
         overflowed, host = _guard_values.read(backend, flag, sent)
-        ranks = 1 if self.agreement is None else self.agreement.reducer.size
+        ranks = self.agreement.reducer.size if agreed and self.agreement is not None else 1
         loss, norm = _guard_values.unpack(self.guard, checks.loss is not None, host, ranks, self.replicated)
         history = self.histories.get(group, guard.GuardHistory())
         verdict = guard.judge(self.guard, history, overflow=overflowed, loss=loss, grad_norm=norm)
@@ -394,7 +396,7 @@ class Iteration:
         """One group's skip decision with the guard: ``flag`` and ``values`` (agreed, or this
         rank's) read in ONE host read, judged against the group's history."""
         backend = self.ready()[0]
-        skipped = self._judge(backend, flag, values, group)
+        skipped = self._judge(backend, flag, values, group, self.agreement is not None)
         if skipped and self.checks.verdict.reason == "overflow":
             self.verify()
         if self.diagnose and (skipped or not keep_report):
