@@ -136,3 +136,102 @@ def test_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo, size):
 
 def test_a_spike_on_one_rank_is_skipped_by_every_rank_mpi(run_mpi):
     check(run_mpi(guard_run, 3, "mpi").results(), 3)
+
+
+# -- the shells: ShardedGradScaler and the data-parallel trainer -----------------------------------
+def sharded_run(rank: int, size: int) -> dict:
+    """Each rank owns a shard of the weights; rank 1's loss (and so its gradients) spikes once."""
+    import torch
+    from polyamp.compat.torch import ShardedGradScaler
+
+    from polyamp import StepGuard
+
+    torch.manual_seed(rank)
+    shard = torch.nn.Parameter(torch.full((4,), 0.5))
+    opt = torch.optim.SGD([shard], lr=0.01)
+    scaler = ShardedGradScaler("cpu", init_scale=8.0, guard=StepGuard(
+        loss_zscore=THRESHOLD, grad_norm_zscore=THRESHOLD, window=WINDOW, min_history=MIN_HISTORY))
+    out: dict = {"reasons": [], "counts": [], "weights": []}
+    for step in range(STEPS):
+        x = torch.from_numpy(true_grad(step)[:4].copy())
+        loss = ((shard * x).sum() - 1.0) ** 2 * (100.0 if (step, rank) == LOSS_SPIKE else 1.0)
+        scaler.scale(loss).backward()
+        before = scaler.reducer.collectives if step else 0
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out["counts"].append(scaler.reducer.collectives - before)
+        out["reasons"].append(scaler.last_skip_reason)
+    return out
+
+
+def check_sharded(results: list[dict]) -> None:
+    for rank, out in enumerate(results):
+        assert out["counts"][1:] == [1] * (STEPS - 1), (rank, out["counts"])
+        assert out["reasons"] == results[0]["reasons"]
+        assert out["reasons"][LOSS_SPIKE[0]] in ("grad_norm_spike", "loss_spike"), out["reasons"]
+        assert out["reasons"].count(None) == STEPS - 1, out["reasons"]
+
+
+def test_sharded_scaler_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo):
+    check_sharded(run_gloo(sharded_run, 2).results())
+
+
+def trainer_run(rank: int, size: int, group: str) -> dict:
+    """Data parallel: rank 1 alone gets a corrupted batch once; every rank skips that step."""
+    from polyamp import LossScaleConfig, MixedPrecisionTrainer, Parameter, StepGuard
+    from polyamp.distributed import reducer
+    from polyamp.optim import SGD
+
+    class Linear:
+        def __init__(self) -> None:
+            self.w = Parameter(np.full((4, 1), 0.1, np.float32))
+
+        def parameters(self):
+            return [self.w]
+
+        def forward(self, x, compute_dtype):
+            self.x = x.astype(np.float32)
+            return (self.x @ self.w.data).astype(compute_dtype)
+
+        def backward(self, grad_output):
+            self.w.grad[...] = self.x.T @ grad_output.astype(np.float32)
+
+    def mse(output, target):
+        err = output.astype(np.float32) - target
+        return np.mean(err * err), 2 * err / err.size
+
+    model = Linear()
+    red = reducer(group)
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.05), "float16",
+                                    LossScaleConfig(init_scale=2.0**4, growth_interval=7), reducer=red,
+                                    guard=StepGuard(loss_zscore=THRESHOLD, grad_norm_zscore=THRESHOLD,
+                                                    window=WINDOW, min_history=MIN_HISTORY))
+    out: dict = {"reasons": [], "counts": [], "losses": []}
+    for step in range(STEPS):
+        rng = np.random.default_rng(step * 10 + rank)
+        x = rng.standard_normal((8, 4)).astype(np.float32)
+        y = rng.standard_normal((8, 1)).astype(np.float32) * (10 if (step, rank) == LOSS_SPIKE else 1)
+        before = red.collectives
+        metrics = trainer.train_step(x, y, mse)
+        out["counts"].append(red.collectives - before)
+        out["reasons"].append(metrics.reason)
+    out["w"] = model.w.data.copy()
+    return out
+
+
+def check_trainer(results: list[dict]) -> None:
+    for rank, out in enumerate(results):
+        assert out["counts"] == [2] + [1] * (STEPS - 1), (rank, out["counts"])  # +1: the first step's check
+        assert out["reasons"] == results[0]["reasons"]
+        assert out["reasons"][LOSS_SPIKE[0]] in ("grad_norm_spike", "loss_spike"), out["reasons"]
+        assert out["reasons"].count(None) == STEPS - 1, out["reasons"]
+        np.testing.assert_array_equal(out["w"], results[0]["w"])  # the masters stay equal
+
+
+def test_trainer_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo):
+    check_trainer(run_gloo(trainer_run, 2, "torch").results())
+
+
+def test_trainer_a_spike_on_one_rank_is_skipped_by_every_rank_mpi(run_mpi):
+    check_trainer(run_mpi(trainer_run, 3, "mpi").results())
