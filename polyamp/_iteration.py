@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from . import _guard_values, _inputs, _registry, guard, overflow
@@ -437,6 +438,12 @@ class Iteration:
         if agreed and local is not None and not isinstance(local, bool):
             local = bool(self.ready()[0].read_flag(local))
         grads = named() if named is not None else list(self.checks.checked)
+        verdict = self.checks.verdict
+        if verdict is not None and verdict.reason not in (None, "overflow"):  # the guard's skip
+            report = overflow.build_report(grads, scale=self.host_state().scale)
+            line = guard.diagnosis(verdict, self.guard, self._judged(self.checks.verdicts[-1][0], verdict))
+            return replace(report, reason=verdict.reason, loss=verdict.loss, grad_norm=verdict.grad_norm,
+                           zscores=verdict.zscores, diagnosis=line)
         return overflow.build_report(grads, scale=self.host_state().scale, skipped=True, agreed=agreed,
                                      local_flag=None if not agreed or local is None else bool(local))
 
@@ -480,7 +487,7 @@ class Iteration:
             after = before if held else next_host_state(before, bool(skipped), self.config)
             read = lambda: after  # noqa: E731
         if held:
-            describe = self._describe_guarded(next(v for _, v in verdicts if v.reason is not None))
+            describe = self._describe_guarded(*next(gv for gv in verdicts if gv[1].reason is not None))
         reports = self._advance_guard(verdicts)
         try:  # the scale has moved: the iteration ends even if a log handler raises
             if skipped is not None:
@@ -512,11 +519,14 @@ class Iteration:
         self.histories = histories
         return reports
 
-    def _describe_guarded(self, verdict: guard.Verdict) -> Describe:
-        step_guard = self.guard
-        return lambda skipped, before, after: guard.describe(verdict, step_guard, before.scale,
-                                                             len(self.history.loss if verdict.reason ==
-                                                                 "loss_spike" else self.history.grad_norm))
+    def _judged(self, group: int, verdict: guard.Verdict) -> int:
+        """How many values the history that judged ``verdict`` holds (for its words)."""
+        history = self.histories.get(group, guard.GuardHistory())
+        return len(history.loss if verdict.reason == "loss_spike" else history.grad_norm)
+
+    def _describe_guarded(self, group: int, verdict: guard.Verdict) -> Describe:
+        held = self._judged(group, verdict)  # read now: the histories move on before the line is written
+        return lambda skipped, before, after: guard.describe(verdict, self.guard, before.scale, held)
 
     def _advance(self, flag: Any) -> None:
         """One step of the rule: on the device (no sync), or on the host before any array exists."""

@@ -337,3 +337,20 @@ def test_skip_log_counts_skips_per_reason(caplog):
     assert lines[0] == ("gradient norm limit: norm 7.07107 > max_grad_norm=1: step skipped, loss scale kept "
                         "at 1")
     assert "3 skipped steps (2 grad_norm_limit, 1 overflow) in the last 6 steps" in lines[1]
+
+
+def test_diagnose_reports_the_guards_values_on_a_guard_skip():
+    scaler = LossScaler(LossScaleConfig(init_scale=2.0), guard=StepGuard(loss_zscore=4.0, window=20,
+                                                                         min_history=20), diagnose=True)
+    rng = np.random.default_rng(0)
+    for step in range(21):
+        loss = 1.0 + 0.01 * rng.normal() + (1.0 if step == 20 else 0.0)
+        result = scaler.step({"w": np.full(3, 2.0, np.float32)}, lambda: None, loss=loss)
+        scaler.update()
+    report = scaler.last_overflow
+    assert result.reason == "loss_spike" and report is not None and not report.found
+    assert report.reason == "loss_spike" and report.loss == result.loss and report.zscores == result.zscores
+    assert report.diagnosis == f"loss spike: z = {result.zscores['loss']:.1f} over the last 20 applied steps"
+    assert "another rank" not in str(report)
+    bad = scaler.step({"w": np.array([np.inf], np.float32)}, lambda: None, loss=1.0)
+    assert bad.reason == "overflow" and scaler.last_overflow.reason is None and scaler.last_overflow.found
