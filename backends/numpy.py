@@ -58,6 +58,13 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
 
 
 @hookimpl
+def sum_of_squares(arrays: Sequence[Any]) -> Any:
+    from . import _numpy_squares
+
+    return _numpy_squares.sum_of_squares(arrays)
+
+
+@hookimpl
 def all_finite(arrays: Sequence[Any]) -> Any:
     return np.asarray(_numpy_kernels.all_finite(arrays))
 

@@ -216,7 +216,7 @@ def judge(guard: StepGuard, history: GuardHistory, *, overflow: bool, loss: floa
         if name in guard.thresholds() and len(past) >= guard.history_needed and value is not None:
             mean, std = mean_std(past)
             zscores = {} if zscores is None else zscores
-            if std > 0 and math.isfinite(value):
+            if std > 0 and not math.isnan(value):  # an inf (squares past float32's range) is a spike
                 zscores[name] = (value - mean) / std
     z = zscores or {}
     if overflow:

@@ -113,12 +113,13 @@ def test_the_rule_matches_a_plain_python_model_on_every_backend(backend_name, ma
         assert result.skipped is (expected is not None) and bool(result) is (expected is None)
         assert result.loss == pytest.approx(loss, rel=1e-15)
         if not inject:
-            assert result.grad_norm == pytest.approx(norm, rel=1e-12)
+            # torch squares in float32 before summing in float64: each square within 2**-24, the norm too
+            assert result.grad_norm == pytest.approx(norm, rel=2**-24)
             assert (result.zscores is None) is (z is None), step
             if z is not None:
                 assert result.zscores.keys() == z.keys()
                 for name in z:
-                    assert result.zscores[name] == pytest.approx(z[name], rel=1e-9, abs=1e-9)
+                    assert result.zscores[name] == pytest.approx(z[name], rel=2**-22, abs=1e-6)  # float32 squares
         model.after(expected, loss, norm)
         reasons.append(expected)
     assert ties == 0
