@@ -7,6 +7,7 @@ alternating); the table shows the median over repetitions of the time per iterat
 ratio guarded / unguarded (target: <= 1.1). Run:
 
     python benchmarks/guard_step.py [--tensors 100] [--size 1000000] [--reps 7] [--backends numpy,torch]
+                                    [--threads N]  (torch's intra-op threads; default: torch's own)
 """
 
 from __future__ import annotations
@@ -68,7 +69,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--backends", default="numpy,torch")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads and "torch" in args.backends:
+        import torch
+
+        torch.set_num_threads(args.threads)
     print(f"{args.tensors} x {args.size} float32 gradients, median of {args.reps} steps")
     print(f"{'backend':8} {'none (ms)':>10} {'guarded (ms)':>13} {'ratio':>6}")
     for backend in args.backends.split(","):
