@@ -20,6 +20,11 @@ from .config import short_repr
 from .guard import StepGuard
 
 
+def plus(total: Any, value: Any) -> Any:
+    """``total + value`` of optional device values (None: nothing yet), no sync."""
+    return value if total is None else total + value
+
+
 def loss_check(loss: Any, where: str) -> None:
     """Refuse a loss that is neither a real number nor an array holding one value (reads nothing)."""
     if isinstance(loss, numbers.Real) and not isinstance(loss, bool):

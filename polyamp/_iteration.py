@@ -10,6 +10,10 @@ order rules and messages; the work is here, once::
     decide(flag)                    -> bool             (the one host read; a report when skipped)
     finish(found_inf, skipped)      -> the scale update, its log line, the floor warning
 
+With a :class:`polyamp.StepGuard` the loss and the squared gradient norm travel with the flag
+(one collective, one host read) and each step's verdict moves the guard's histories; the guard's
+methods are :class:`polyamp._guard_steps.GuardSteps`', a base of :class:`Iteration`.
+
 What one iteration has checked so far is one immutable value, :class:`Checks`, replaced as the
 iteration moves on and reset by :meth:`Iteration.finish`. The persistent part (config, backend,
 the device state, counters, the skip log) lives beside it on the :class:`Iteration`.
@@ -18,7 +22,6 @@ the device state, counters, the skip log) lives beside it on the :class:`Iterati
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -26,6 +29,8 @@ from typing import Any, NamedTuple
 from . import _guard_values, _inputs, _registry, guard, overflow
 from ._agreement import Agreed, Agreement, check_extra
 from ._errors import ScalerStateError
+from ._guard_steps import GuardSteps
+from ._guard_values import plus
 from ._skip_log import SkipLog
 from .backend import Backend
 from .config import SCALE_FLOOR, LossScaleConfig
@@ -71,7 +76,7 @@ class Checks(NamedTuple):
         return self.found if self.agreed is None else self.agreed
 
 
-class Iteration:
+class Iteration(GuardSteps):
     """A scaler's state and the steps of its iteration (see the module docstring).
 
     ``agreement`` (a :class:`polyamp._agreement.Agreement`, or None) agrees flags across ranks;
@@ -99,15 +104,6 @@ class Iteration:
         self.steps = 0
         self.skipped_steps = 0
         self.window = SkipWindow()  # the skips of the last steps, for metrics(); host-only
-
-    @property
-    def history(self) -> guard.GuardHistory:
-        """The guard's history of group 0 (the engine's only one)."""
-        return self.histories.get(0, guard.GuardHistory())
-
-    @history.setter
-    def history(self, value: guard.GuardHistory) -> None:
-        self.histories = {**self.histories, 0: value}
 
     # -- the state and its backend ------------------------------------------------------
     def bind(self, array: Any) -> Backend:
@@ -204,47 +200,15 @@ class Iteration:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
         sumsq = checks.sumsq
         if arrays and self.guard is not None and self.guard.watches_norm:
-            sumsq = _plus(sumsq, _guard_values.squared_norm(backend, arrays))
-        self.checks = checks._replace(found=_plus(checks.found, found), unscaled=True, checked=checked,
+            sumsq = plus(sumsq, _guard_values.squared_norm(backend, arrays))
+        self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
                                       sumsq=sumsq)
         return found
-
-    def take_loss(self, loss: Any, where: str) -> None:
-        """Add ``loss`` to this iteration's loss for the guard (summed, as the facades' losses since
-        the last update); ignored without a guard. No sync (a number goes to the device)."""
-        if self.guard is None or loss is None:
-            return
-        self._refuse_after_agreement(f"{where} with loss=")
-        like = self.state.scale if self.state is not None else None
-        backend = self.backend
-        if like is None:  # no gradients yet: the loss's own library decides the backend
-            backend = self.bind(loss) if hasattr(loss, "shape") else self.ready()[0]
-            like = self.ready()[1].scale
-        value = _guard_values.loss_value(loss, backend, like, where)
-        self.checks = self.checks._replace(loss=_plus(self.checks.loss, value))
-
-    def require_loss(self, loss: Any, where: str) -> None:
-        """Refuse a step of a loss guard that was given no loss (before anything changes)."""
-        step_guard = self.guard
-        if step_guard is not None and step_guard.watches_loss and loss is None and self.checks.loss is None:
-            raise TypeError(
-                f"{where} got no loss, but the scaler's StepGuard(loss_zscore={step_guard.loss_zscore}) "
-                "judges the loss of every step. Fix: pass loss= (e.g. step(grads, step_fn, loss=loss)), "
-                "or build the guard without loss_zscore."
-            )
-
-    def _guard_sent(self) -> Any:
-        """This rank's guard values to agree (None without a guard or values)."""
-        if self.guard is None:
-            return None
-        checks = self.checks
-        backend, state = self.ready()
-        return _guard_values.values(backend, self.guard, checks.loss, checks.sumsq, state.scale)
 
     def record(self, flag: Any) -> None:
         """Add a device flag (non-zero: a bad step) to the iteration's check. No sync."""
         self._refuse_after_agreement("record_found_inf()")
-        self.checks = self.checks._replace(found=_plus(self.checks.found, flag))
+        self.checks = self.checks._replace(found=plus(self.checks.found, flag))
 
     def _refuse_after_agreement(self, what: str) -> None:
         if self.checks.agreed is not None:
@@ -297,7 +261,7 @@ class Iteration:
         agreement = self._needs_agreement("sum_payload")
         off = agreement.sum_payload_(storage, payload, self.config, self._fingerprinted(), whose=whose)
         checks = self.checks
-        found = checks.found if off is None else _plus(checks.found, off)
+        found = checks.found if off is None else plus(checks.found, off)
         self.checks = checks._replace(summed=True, found=found)
 
     def _needs_agreement(self, what: str) -> Agreement:
@@ -351,57 +315,6 @@ class Iteration:
             self.verify()  # ranks that differ: RankMismatchError before anything applies
         if self.diagnose and (skipped or not keep_report):
             self.last_overflow = self._report_or_warn(named, local) if skipped else None
-        return skipped
-
-    def _judge(self, backend: Backend, flag: Any, sent: Any, group: int, agreed: bool) -> bool:
-        """The guard's decision: the flag and the values (``agreed``: summed over the ranks) in the
-        ONE host read, then the rule."""
-        checks = self.checks
-        overflowed, host = _guard_values.read(backend, flag, sent)
-        ranks = self.agreement.reducer.size if agreed and self.agreement is not None else 1
-        loss, norm = _guard_values.unpack(self.guard, checks.loss is not None, host, ranks, self.replicated)
-        history = self.histories.get(group, guard.GuardHistory())
-        verdict = guard.judge(self.guard, history, overflow=overflowed, loss=loss, grad_norm=norm)
-        self.checks = checks._replace(verdicts=(*checks.verdicts, (group, verdict)))
-        self.last_verdict = verdict
-        return verdict.reason is not None
-
-    def _whose(self, whose: int, group: int) -> int:
-        """``whose`` with the group's guard history folded in (a rank whose history differs is
-        a misaligned rank); ``whose`` itself without a guard."""
-        if self.guard is None:
-            return whose
-        history = self.histories.get(group, guard.GuardHistory())
-        return zlib.crc32(whose.to_bytes(8, "little"), history.digest())
-
-    # -- the guard, one group (the torch facade's optimizer) at a time -----------------------
-    def squares(self, backend: Backend, arrays: list[Any]) -> Any:
-        """One group's sum of squares when a norm rule is set, else None (no sync)."""
-        if self.guard is None or not self.guard.watches_norm or not arrays:
-            return None
-        return _guard_values.squared_norm(backend, arrays)
-
-    def agree_group(self, found: Any, squares: Any, group: int, *, whose: int = 0) -> Agreed:
-        """One group's flag and guard values (the iteration's loss, its squares) agreed over the
-        ranks in ONE collective (the sharded facade's per-optimizer agreement)."""
-        backend, state = self.ready()
-        if found is None or isinstance(found, bool):
-            found = backend.full(float(bool(found)), "float32", state.scale)
-        sent = _guard_values.values(backend, self.guard, self.checks.loss, squares, state.scale)
-        if self.agreement is None:
-            return Agreed(found, sent)
-        return self.agreement.flag_and_extra(found, sent, self.config, state, whose=self._whose(whose, group))
-
-    def decide_group(self, flag: Any, values: Any, group: int, *, named: Any = None,
-                     keep_report: bool = False) -> bool:
-        """One group's skip decision with the guard: ``flag`` and ``values`` (agreed, or this
-        rank's) read in ONE host read, judged against the group's history."""
-        backend = self.ready()[0]
-        skipped = self._judge(backend, flag, values, group, self.agreement is not None)
-        if skipped and self.checks.verdict.reason == "overflow":
-            self.verify()
-        if self.diagnose and (skipped or not keep_report):
-            self.last_overflow = self._report_or_warn(named, None) if skipped else None
         return skipped
 
     def count(self, skipped: bool) -> None:
@@ -500,34 +413,6 @@ class Iteration:
         for report in reports:  # after the iteration ended: the hook may load a checkpoint
             guard.act(self.guard, report)
 
-    def settle_guard(self) -> None:
-        """End the iteration without a scale update (a fixed scale): the guard's histories and
-        streaks move on with its verdicts, and a streak's action runs."""
-        reports = self._advance_guard(self.checks.verdicts)
-        self.end()
-        for report in reports:
-            guard.act(self.guard, report)
-
-    def _advance_guard(self, verdicts: tuple[tuple[int, guard.Verdict], ...]) -> list[guard.GuardReport]:
-        """Each group's history and streak after its verdict; the streaks' reports that are due."""
-        reports, histories = [], dict(self.histories)
-        for group, verdict in verdicts:
-            histories[group], report = guard.advance(self.guard, histories.get(group, guard.GuardHistory()),
-                                                     verdict)
-            if report is not None:
-                reports.append(report)
-        self.histories = histories
-        return reports
-
-    def _judged(self, group: int, verdict: guard.Verdict) -> int:
-        """How many values the history that judged ``verdict`` holds (for its words)."""
-        history = self.histories.get(group, guard.GuardHistory())
-        return len(history.loss if verdict.reason == "loss_spike" else history.grad_norm)
-
-    def _describe_guarded(self, group: int, verdict: guard.Verdict) -> Describe:
-        held = self._judged(group, verdict)  # read now: the histories move on before the line is written
-        return lambda skipped, before, after: guard.describe(verdict, self.guard, before.scale, held)
-
     def _advance(self, flag: Any) -> None:
         """One step of the rule: on the device (no sync), or on the host before any array exists."""
         if isinstance(flag, bool) and self.state is None:
@@ -599,5 +484,3 @@ def _first_reason(reasons: set[str | None]) -> str | None:
     return next((r for r in guard.REASONS if r in reasons), None)
 
 
-def _plus(total: Any, flag: Any) -> Any:
-    return flag if total is None else total + flag
