@@ -208,3 +208,53 @@ def test_trainer_guard_needs_loss_scaling():
     with pytest.raises(ConfigError, match=r"guard=.*loss_scaling=True.*Fix: "):
         MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "bfloat16", loss_scaling=False,
                               guard=StepGuard(loss_zscore=3.0))
+
+
+def test_a_disabled_facade_takes_a_guard_and_does_nothing():
+    torch = pytest.importorskip("torch")
+    import polyamp
+    from polyamp.compat.paddle import GradScaler as PaddleGradScaler
+
+    scaler = polyamp.GradScaler("cpu", enabled=False, guard=StepGuard(loss_zscore=3.0))
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert p.tolist() == [0.5, 0.5] and scaler.last_skip_reason is None
+    assert not PaddleGradScaler(enable=False, guard=StepGuard(loss_zscore=3.0)).is_enable()
+
+
+def test_paddle_minimize_with_a_guard_skips_a_spike():
+    paddle = pytest.importorskip("paddle")
+    from polyamp.compat.paddle import AmpScaler
+
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 1)
+    opt = paddle.optimizer.SGD(learning_rate=0.05, parameters=model.parameters())
+    scaler = AmpScaler(init_loss_scaling=2.0**4, guard=StepGuard(max_grad_norm=50.0))
+    reasons = []
+    for x, y in _batches():
+        before = model.weight.numpy().copy()
+        loss = ((model(paddle.to_tensor(x)) - paddle.to_tensor(y)) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.minimize(opt, scaler.scale(loss) * 0)  # paddle's minimize(optimizer, loss) call shape
+        opt.clear_grad()
+        reasons.append(scaler.last_skip_reason)
+        if reasons[-1] is not None:
+            np.testing.assert_array_equal(before, model.weight.numpy())  # nothing applied
+    assert reasons[SPIKE] == "grad_norm_limit" and reasons.count(None) == len(reasons) - 1
+
+
+def test_a_pickled_engine_keeps_its_guard_and_histories():
+    import pickle
+
+    from polyamp import LossScaler
+
+    scaler = LossScaler(guard=StepGuard(grad_norm_zscore=3.0, window=4, min_history=2))
+    for value in (0.5, 0.25, 1.0):
+        scaler.step([np.full(2, value * 65536, np.float32)], lambda: None)
+        scaler.update()
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.guard == scaler.guard and copy.guard_history == scaler.guard_history
+    assert copy.guard_history.streak == 1 and len(copy.guard_history.grad_norm) == 2  # the third: a spike
