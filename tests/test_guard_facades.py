@@ -212,8 +212,9 @@ def test_trainer_guard_needs_loss_scaling():
 
 def test_a_disabled_facade_takes_a_guard_and_does_nothing():
     torch = pytest.importorskip("torch")
-    import polyamp
     from polyamp.compat.paddle import GradScaler as PaddleGradScaler
+
+    import polyamp
 
     scaler = polyamp.GradScaler("cpu", enabled=False, guard=StepGuard(loss_zscore=3.0))
     p = torch.nn.Parameter(torch.ones(2))
