@@ -189,17 +189,25 @@ class Iteration(GuardSteps):
         else:
             backend, state = self.ready()
         found = backend.full(0.0, "float32", state.scale)
+        squares = None
         if arrays:
             by = backend.full(1.0, "float32", state.scale) if check_only else state.scale
             # with diagnose=True, a kernel that overwrites an overflowing step's values must not
-            unscale = backend.unscale_and_check_keep if self.diagnose else backend.unscale_and_check
-            unscale(arrays, by, found)
+            fused = backend.unscale_and_squares
+            if fused is not None and self.guard is not None and self.guard.watches_norm and not (
+                    self.diagnose or check_only):  # the norm's squares in the unscale's pass
+                squares = fused(arrays, by, found)
+            else:
+                unscale = backend.unscale_and_check_keep if self.diagnose else backend.unscale_and_check
+                unscale(arrays, by, found)
         checks = self.checks
         checked = checks.checked
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
         sumsq = checks.sumsq
-        if arrays and self.guard is not None and self.guard.watches_norm:
+        if squares is not None:
+            sumsq = plus(sumsq, squares)
+        elif arrays and self.guard is not None and self.guard.watches_norm:
             sumsq = plus(sumsq, _guard_values.squared_norm(backend, arrays))
         self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
                                       sumsq=sumsq)
