@@ -235,3 +235,48 @@ def test_trainer_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo):
 
 def test_trainer_a_spike_on_one_rank_is_skipped_by_every_rank_mpi(run_mpi):
     check_trainer(run_mpi(trainer_run, 3, "mpi").results())
+
+
+def paddle_run(rank: int, size: int, group: str) -> dict:
+    """The paddle facade with reducer=: rank 1 alone sees a corrupted batch; both ranks skip it."""
+    import warnings
+
+    warnings.simplefilter("ignore")  # paddle's notices
+    import paddle
+    from polyamp.compat.paddle import GradScaler
+
+    from polyamp import StepGuard
+    from polyamp.distributed import reducer
+
+    red = reducer(group)
+    paddle.seed(rank)
+    model = paddle.nn.Linear(4, 1)
+    optimizer = paddle.optimizer.SGD(learning_rate=0.01, parameters=model.parameters())
+    scaler = GradScaler(init_loss_scaling=2.0**4, reducer=red, guard=StepGuard(
+        loss_zscore=THRESHOLD, grad_norm_zscore=THRESHOLD, window=WINDOW, min_history=MIN_HISTORY))
+    out: dict = {"counts": [], "reasons": [], "changed": []}
+    for step in range(STEPS):
+        rng = np.random.default_rng(step * 10 + rank)
+        x = rng.standard_normal((8, 4)).astype(np.float32)
+        y = rng.standard_normal((8, 1)).astype(np.float32) * (10 if (step, rank) == LOSS_SPIKE else 1)
+        before_weights = model.weight.numpy().copy()
+        before = red.collectives
+        loss = ((model(paddle.to_tensor(x)) - paddle.to_tensor(y)) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.clear_grad()
+        out["counts"].append(red.collectives - before)
+        out["reasons"].append(scaler.last_skip_reason)
+        out["changed"].append(bool((model.weight.numpy() != before_weights).any()))
+    return out
+
+
+def test_paddle_facade_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo):
+    results = run_gloo(paddle_run, 2, "torch").results()
+    for out in results:
+        assert out["counts"] == [1] * STEPS
+        assert out["reasons"] == results[0]["reasons"]
+        assert out["reasons"][LOSS_SPIKE[0]] in ("grad_norm_spike", "loss_spike")
+        assert out["reasons"].count(None) == STEPS - 1, out["reasons"]
+        assert out["changed"] == [step != LOSS_SPIKE[0] for step in range(STEPS)]  # nothing applied
