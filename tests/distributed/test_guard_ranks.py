@@ -177,7 +177,7 @@ def test_sharded_scaler_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gl
     check_sharded(run_gloo(sharded_run, 2).results())
 
 
-def trainer_run(rank: int, size: int, group: str) -> dict:
+def trainer_run(rank: int, size: int, group: str, guarded: bool = True) -> dict:
     """Data parallel: rank 1 alone gets a corrupted batch once; every rank skips that step."""
     from polyamp import LossScaleConfig, MixedPrecisionTrainer, Parameter, StepGuard
     from polyamp.distributed import reducer
@@ -206,9 +206,12 @@ def trainer_run(rank: int, size: int, group: str) -> dict:
     trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.05), "float16",
                                     LossScaleConfig(init_scale=2.0**4, growth_interval=7), reducer=red,
                                     guard=StepGuard(loss_zscore=THRESHOLD, grad_norm_zscore=THRESHOLD,
-                                                    window=WINDOW, min_history=MIN_HISTORY))
+                                                    window=WINDOW, min_history=MIN_HISTORY)
+                                    if guarded else None)
     out: dict = {"reasons": [], "counts": [], "losses": []}
     for step in range(STEPS):
+        if not guarded and step == LOSS_SPIKE[0]:  # the reference: that step left out on every rank
+            continue
         rng = np.random.default_rng(step * 10 + rank)
         x = rng.standard_normal((8, 4)).astype(np.float32)
         y = rng.standard_normal((8, 1)).astype(np.float32) * (10 if (step, rank) == LOSS_SPIKE else 1)
@@ -216,6 +219,7 @@ def trainer_run(rank: int, size: int, group: str) -> dict:
         metrics = trainer.train_step(x, y, mse)
         out["counts"].append(red.collectives - before)
         out["reasons"].append(metrics.reason)
+        out["losses"].append(metrics.loss)
     out["w"] = model.w.data.copy()
     return out
 
@@ -230,7 +234,14 @@ def check_trainer(results: list[dict]) -> None:
 
 
 def test_trainer_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo):
-    check_trainer(run_gloo(trainer_run, 2, "torch").results())
+    guarded = run_gloo(trainer_run, 2, "torch").results()
+    check_trainer(guarded)
+    # the loss curve stays on the course of a run that never saw the corrupted batch, bit for bit
+    clean = run_gloo(trainer_run, 2, "torch", False).results()
+    for mine, theirs in zip(guarded, clean):
+        kept = [loss for step, loss in enumerate(mine["losses"]) if step != LOSS_SPIKE[0]]
+        assert kept == theirs["losses"]
+        np.testing.assert_array_equal(mine["w"], theirs["w"])
 
 
 def test_trainer_a_spike_on_one_rank_is_skipped_by_every_rank_mpi(run_mpi):
