@@ -152,6 +152,8 @@ class ShardedMethods:
         """
         agreement, iteration = self._agreed(), self._engine.iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
+        iteration.require_loss(None, "ShardedGradScaler.step()",
+                               "scale the loss (a tensor holding one value) with scaler.scale(loss)")
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
         if iteration.guard is None:
             return iteration.agree_flag(found, whose=optimizer_identity(optimizer))

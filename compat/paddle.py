@@ -150,6 +150,8 @@ class AmpScaler:
     def _unscale(self, optimizer: Any) -> None:
         """Divide ``optimizer``'s gradients by the scale in place; keep this call's flag (no sync)."""
         check_unscale(self._stage(optimizer))
+        self._engine.iteration.require_loss(None, f"{type(self).__name__} step/minimize",
+                                            "scale the loss (one value) with scaler.scale(loss) first")
         grads = [grad for _, grad in param_grad_pairs(optimizer)]
         engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
         self._found_inf = engine.iteration.unscale(grads) if grads or engine.state is not None else None

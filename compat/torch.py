@@ -55,6 +55,9 @@ class OptState(Enum):
 READY, UNSCALED, STEPPED = OptState.READY, OptState.UNSCALED, OptState.STEPPED
 
 
+_GIVE_LOSS = "scale the loss (a tensor holding one value) with scaler.scale(loss) before backward()"
+
+
 @functools.lru_cache(maxsize=64)
 def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
     """Whether an optimizer's step accepts ``grad_scaler=`` (torch's deprecated protocol)."""
@@ -169,6 +172,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         if not grads:
             return None
         iteration = self._engine.iteration
+        iteration.require_loss(None, "GradScaler.step()", _GIVE_LOSS)
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # by collect_grads
         if iteration.guard is not None:  # this optimizer's values, judged at its step
             self._values[id(optimizer)] = iteration.agree_group(

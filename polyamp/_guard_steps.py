@@ -64,14 +64,15 @@ class GuardSteps:
         value = _guard_values.loss_value(loss, backend, like, where)
         self.checks = self.checks._replace(loss=plus(self.checks.loss, value))
 
-    def require_loss(self, loss: Any, where: str) -> None:
-        """Refuse a step of a loss guard that was given no loss (before anything changes)."""
+    def require_loss(self, loss: Any, where: str,
+                     give: str = "pass loss= (e.g. step(grads, step_fn, loss=loss))") -> None:
+        """Refuse a step of a loss guard that was given no loss (before anything changes);
+        ``give``: how the shell's user gives one."""
         step_guard = self.guard
         if step_guard is not None and step_guard.watches_loss and loss is None and self.checks.loss is None:
             raise TypeError(
                 f"{where} got no loss, but the scaler's StepGuard(loss_zscore={step_guard.loss_zscore}) "
-                "judges the loss of every step. Fix: pass loss= (e.g. step(grads, step_fn, loss=loss)), "
-                "or build the guard without loss_zscore."
+                f"judges the loss of every step. Fix: {give}, or build the guard without loss_zscore."
             )
 
     def _guard_sent(self) -> Any:

@@ -259,3 +259,17 @@ def test_a_pickled_engine_keeps_its_guard_and_histories():
     copy = pickle.loads(pickle.dumps(scaler))
     assert copy.guard == scaler.guard and copy.guard_history == scaler.guard_history
     assert copy.guard_history.streak == 1 and len(copy.guard_history.grad_norm) == 2  # the third: a spike
+
+
+def test_the_facades_refuse_a_loss_guard_without_a_scaled_loss():
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler = polyamp.GradScaler("cpu", init_scale=4.0, guard=StepGuard(loss_zscore=3.0))
+    scaler.scale(torch.ones(3))  # three values: no loss is recorded (the state exists now)
+    p.grad = torch.full((2,), 4.0)
+    with pytest.raises(TypeError, match=r"GradScaler.step\(\) got no loss.*Fix: scale the loss"):
+        scaler.step(opt)
+    assert p.grad.tolist() == [4.0, 4.0] and p.tolist() == [1.0, 1.0]  # nothing unscaled or applied
