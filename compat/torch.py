@@ -209,8 +209,8 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         key = id(optimizer)
         stage = self._stages.setdefault(key, READY)
         check_step(stage)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._self_scaling_step(optimizer, stage, args, kwargs)
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._engine.guard is None:
+            return self._self_scaling_step(optimizer, stage, args, kwargs)  # with a guard: decided here
         if stage is READY:
             self.unscale_(optimizer)
         found = self._found[key]

@@ -273,3 +273,20 @@ def test_the_facades_refuse_a_loss_guard_without_a_scaled_loss():
     with pytest.raises(TypeError, match=r"GradScaler.step\(\) got no loss.*Fix: scale the loss"):
         scaler.step(opt)
     assert p.grad.tolist() == [4.0, 4.0] and p.tolist() == [1.0, 1.0]  # nothing unscaled or applied
+
+
+def test_a_fused_optimizer_is_judged_by_the_guard_too():
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.Adam([p], lr=0.1, fused=True)  # takes grad_scale/found_inf itself without a guard
+    scaler = polyamp.GradScaler("cpu", init_scale=4.0, guard=StepGuard(max_grad_norm=10.0))
+    for value, expected in ((1.0, None), (100.0, "grad_norm_limit")):
+        before = p.detach().clone()
+        scaler.scale((p * value).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert scaler.last_skip_reason == expected
+        assert torch.equal(before, p.detach()) is (expected is not None)
