@@ -149,6 +149,22 @@ def from_host(values: Any, like: Any, dtype: Any) -> Any:
     return xp.asarray(values, dtype=kind, device=array_api_compat.device(like), copy=True)
 
 
+@hookimpl
+def sum_of_squares(arrays: Sequence[Any]) -> Any:
+    from polyamp.grads import squared_norm  # loaded on first use, as `import polyamp` leaves it
+
+    return squared_norm(arrays)
+
+
+@hookimpl
+def pack(values: Sequence[Any], like: Any) -> Any:
+    from polyamp import _dtypes
+
+    xp = _xp(like)
+    wide = "float64" if _dtypes.computes_float64(xp, array_api_compat.device(like)) else "float32"
+    return xp.concat([xp.reshape(_dtypes.cast(v, wide), (-1,)) for v in values])
+
+
 def group_by_device(arrays: Sequence[Any], device: Any) -> dict[str, list[int]]:
     """``{device: [index, ...]}`` of ``arrays`` in their order; ``device(array)`` names one."""
     groups: dict[str, list[int]] = {}

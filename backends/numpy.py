@@ -58,6 +58,20 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
 
 
 @hookimpl
+def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any:
+    from . import _numpy_squares
+
+    return _numpy_squares.unscale_and_squares(grads, np.float32(1.0 / np.float64(scale)), found_inf)
+
+
+@hookimpl
+def sum_of_squares(arrays: Sequence[Any]) -> Any:
+    from . import _numpy_squares
+
+    return _numpy_squares.sum_of_squares(arrays)
+
+
+@hookimpl
 def all_finite(arrays: Sequence[Any]) -> Any:
     return np.asarray(_numpy_kernels.all_finite(arrays))
 

@@ -216,6 +216,23 @@ def from_host(values: Any, like: Any, dtype: Any) -> Any:
     return _paddle().to_tensor(values, dtype=dtype, place=like.place)
 
 
+@hookimpl
+def sum_of_squares(arrays: Sequence[Any]) -> Any:
+    """float64 squares summed per tensor (paddle has no float64 dot of a float32 tensor)."""
+    paddle = _paddle()
+    total = None
+    for g in arrays:
+        part = paddle.sum(paddle.square(g.astype("float64")))
+        total = part if total is None else total + part
+    return total
+
+
+@hookimpl
+def pack(values: Sequence[Any], like: Any) -> Any:
+    paddle = _paddle()
+    return paddle.concat([v.astype("float64").reshape([-1]) for v in values])
+
+
 def _finite_stacked(tensors: list[Any]) -> Any:
     paddle = _paddle()
     return paddle.stack([paddle.isfinite(t).all() for t in tensors])

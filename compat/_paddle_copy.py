@@ -25,7 +25,8 @@ def facade_state(scaler: Any) -> dict[str, Any]:
     engine, flag = scaler._engine, scaler._found_inf
     backend = engine.backend
     state["_engine"] = {"backend": backend.name if backend else None, "state_dict": engine.state_dict(),
-                        "reducer": engine.reducer, "last_overflow": engine.last_overflow}
+                        "reducer": engine.reducer, "last_overflow": engine.last_overflow,
+                        "guard": engine.guard}
     if flag is not None and not isinstance(flag, bool):
         flag = bool(backend.read_flag(flag)) if scaler._stages else None  # stale once stages clear
     state["_found_inf"] = flag
@@ -37,7 +38,8 @@ def restore_facade(scaler: Any, state: dict[str, Any]) -> None:
     state = dict(state)
     saved = state.pop("_engine")
     engine = LossScaler(backend=saved["backend"], reducer=saved.get("reducer"),
-                        diagnose=bool(state.get("_diagnose", False)) and state.get("_enable", True))
+                        diagnose=bool(state.get("_diagnose", False)) and state.get("_enable", True),
+                        guard=saved.get("guard"))
     engine.load_state_dict(saved["state_dict"])
     engine.iteration.last_overflow = saved.get("last_overflow", state.pop("_last_overflow", None))
     scaler.__dict__.update(state, _engine=engine)

@@ -115,6 +115,8 @@ def to_paddle_state(engine: LossScaler) -> dict[str, Any]:
         "use_dynamic_loss_scaling": config.dynamic,
     }
     state.update({k: getattr(config, k) for k in _EXTRAS if getattr(config, k) is not None})
+    if engine.guard is not None:  # polyamp's: the StepGuard's histories and streak
+        state["guard"] = engine.guard_history.to_dict()
     return state
 
 
@@ -202,6 +204,9 @@ def load_paddle_state(
     config, scale, incr, decr = parse_paddle_state(state, engine.config, names)
     full = engine.state_dict()
     full.update(config=config.to_dict(), scale=scale, growth_tracker=incr, backoff_tracker=decr)
+    full.pop("guard", None)  # a state dict without histories (paddle's, older ones): empty ones
+    if "guard" in state:
+        full["guard"] = state["guard"]
     engine.load_state_dict(full)
     return scale
 

@@ -72,6 +72,14 @@ class ScalerAccessors:
             return None if last is None else bool(last)
         return bool(self._engine.backend.read_flag(last))
 
+    @property
+    def last_skip_reason(self) -> str | None:
+        """Why the last step() was skipped: None when applied (or before the first step), else
+        ``"overflow"``, ``"grad_norm_limit"``, ``"grad_norm_spike"`` or ``"loss_spike"`` (may sync)."""
+        if not self.last_step_skipped:
+            return None
+        return getattr(self, "_last_reason", None) or "overflow"
+
     def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
         """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped.
 
@@ -157,14 +165,17 @@ class ScalerAccessors:
         extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL}
         return {"device": self._device, "backend": self._backend_name, "extra": extra,
                 "engine": self._engine.state_dict(), "skipped": self.skipped_steps,
-                "last_overflow": self._engine.last_overflow, "window": self._engine.iteration.window}
+                "last_overflow": self._engine.last_overflow, "window": self._engine.iteration.window,
+                "guard": self._engine.guard, "histories": self._engine.iteration.histories}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state.get("extra", {}))  # a subclass's own attributes
         self._device, self._backend_name = state["device"], state["backend"]
         self._enabled = True
-        self._engine = LossScaler(backend=self._backend_name, diagnose=getattr(self, "_diagnose", False))
+        self._engine = LossScaler(backend=self._backend_name, diagnose=getattr(self, "_diagnose", False),
+                                  guard=state.get("guard"))
         self._engine.load_state_dict(state["engine"])
+        self._engine.iteration.histories = state.get("histories", {})
         last = state.get("last_overflow", self.__dict__.pop("_last_overflow", None))  # older copies: extra
         self._engine.iteration.last_overflow = last
         if "window" in state:  # copies made before metrics() existed start a fresh window

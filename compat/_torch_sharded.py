@@ -110,11 +110,12 @@ class ShardedMethods:
         min_scale: float | None = None,
         max_scale: float | None = None,
         diagnose: bool = False,
+        guard: Any = None,
     ) -> None:
         super().__init__(  # type: ignore[call-arg]  # GradScaler's order: growth_factor first
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
             backend=backend, backoff_interval=backoff_interval, min_scale=min_scale,
-            max_scale=max_scale, diagnose=diagnose,
+            max_scale=max_scale, diagnose=diagnose, guard=guard,
         )
         self.process_group = process_group
 
@@ -151,8 +152,16 @@ class ShardedMethods:
         """
         agreement, iteration = self._agreed(), self._engine.iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
+        iteration.require_loss(None, "ShardedGradScaler.step()",
+                               "scale the loss (a tensor holding one value) with scaler.scale(loss)")
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
-        return iteration.agree_flag(found, whose=optimizer_identity(optimizer))
+        if iteration.guard is None:
+            return iteration.agree_flag(found, whose=optimizer_identity(optimizer))
+        # the guard's values (the loss, these shards' squares) ride in the same collective
+        agreed = iteration.agree_group(found, iteration.squares(iteration.backend, grads),
+                                       self._group_of(optimizer), whose=optimizer_identity(optimizer))
+        self._values[id(optimizer)] = agreed.extra
+        return agreed.found_inf
 
     def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
         """A flag an ``_unscale_grads_`` override computed itself, agreed over the group (one collective)."""

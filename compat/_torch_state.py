@@ -18,6 +18,7 @@ from polyamp import checkpoint
 from polyamp._errors import ConfigError, StateDictError
 from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
+from polyamp.guard import GuardHistory
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 INTERVAL_LIMIT = 2**63 - 1  # torch's _amp_update_scale_ takes growth_interval as an int64
@@ -51,6 +52,10 @@ def to_torch_state(engine: LossScaler) -> dict[str, Any]:
         state["min_scale"] = config.min_scale
     if config.max_scale is not None:
         state["max_scale"] = config.max_scale
+    if engine.guard is not None:  # polyamp's: each optimizer's StepGuard history, in step order
+        histories = engine.iteration.histories
+        groups = range(max(histories, default=-1) + 1)
+        state["guard"] = [histories.get(g, GuardHistory()).to_dict() for g in groups]
     return state
 
 
@@ -68,6 +73,7 @@ def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> None:
     if state.get("format") == checkpoint.FORMAT:
         engine.load_state_dict(dict(state))
         return
+    histories = _guard_histories(state)
     missing = [k for k in TORCH_KEYS if k not in state]
     if missing:
         raise StateDictKeyError(
@@ -82,6 +88,18 @@ def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> None:
             "GradScaler.state_dict(), or correct that value; the scaler is unchanged."
         ) from None
     engine.load_state_dict(full)
+    if engine.guard is not None:  # a state dict without histories (torch's, older ones): empty ones
+        engine.iteration.histories = {g: h.fitted(engine.guard.window) for g, h in enumerate(histories)}
+
+
+def _guard_histories(state: Mapping[str, Any]) -> list[GuardHistory]:
+    """The StepGuard histories under ``"guard"`` (polyamp's key), validated; [] without it."""
+    given = state.get("guard", [])
+    if not isinstance(given, list):
+        raise StateDictError(f"GradScaler state_dict['guard'] must be a list of StepGuard histories, got "
+                             f"{short_repr(given)}. Fix: load a state dict written by "
+                             "GradScaler.state_dict().")
+    return [GuardHistory.from_dict(h, f"state_dict['guard'][{g}]") for g, h in enumerate(given)]
 
 
 def _engine_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[str, Any]:

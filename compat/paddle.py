@@ -42,8 +42,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from polyamp import _guard_values as guard_values
 from polyamp import metrics, schedule
 from polyamp.engine import LossScaler
+from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
 from ._explain import paddle_named_grads
@@ -97,6 +99,7 @@ class AmpScaler:
         max_scale: float | None = None,
         reducer: Any = None,
         diagnose: bool = False,
+        guard: StepGuard | None = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
         config = make_config(
@@ -106,12 +109,13 @@ class AmpScaler:
         self._init_loss_scaling = init_loss_scaling if self._enable else 1.0
         enabled = self._enable  # a disabled scaler steps on every rank: nothing to agree
         self._engine = LossScaler(config, backend if enabled else None, reducer=reducer if enabled else None,
-                                  diagnose=self._diagnose and enabled)
+                                  diagnose=self._diagnose and enabled, guard=guard if enabled else None)
         self._stages: dict[int, OptimizerState] = {}
         self._found_inf: Any = None  # the last unscale's device flag, whichever optimizer
         self._cache_found_inf: bool | None = None  # the last step's decision
         self.skipped_steps = 0
         self.last_step_skipped: bool | None = None
+        self.last_skip_reason: str | None = None  # None when applied; else why (see polyamp.StepGuard)
 
     # -- scaling and stepping ---------------------------------------------------------
     def scale(self, var: Any) -> Any:
@@ -122,7 +126,10 @@ class AmpScaler:
                 f"numpy, torch, cupy), but received {type(var)}. Fix: scale the loss tensor."
             )
         backend = self._engine.bind(var)
-        return backend.scale_array(var, self._engine.iteration.ready()[1].scale)
+        scaled = backend.scale_array(var, self._engine.iteration.ready()[1].scale)
+        if self._engine.guard is not None and guard_values.one_value(var):  # the losses since update()
+            self._engine.iteration.take_loss(var, "scale()")
+        return scaled
 
     def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless unscale_ ran), ``optimizer.minimize(...)`` unless inf/nan, update the scale.
@@ -143,6 +150,8 @@ class AmpScaler:
     def _unscale(self, optimizer: Any) -> None:
         """Divide ``optimizer``'s gradients by the scale in place; keep this call's flag (no sync)."""
         check_unscale(self._stage(optimizer))
+        self._engine.iteration.require_loss(None, f"{type(self).__name__} step/minimize",
+                                            "scale the loss (one value) with scaler.scale(loss) first")
         grads = [grad for _, grad in param_grad_pairs(optimizer)]
         engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
         self._found_inf = engine.iteration.unscale(grads) if grads or engine.state is not None else None
@@ -154,12 +163,16 @@ class AmpScaler:
         """
         flag = local = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
         iteration = self._engine.iteration
-        if iteration.agreement is not None:
-            flag = self._agreed(flag)
         named = lambda: paddle_named_grads(optimizer)  # noqa: E731  # only for a report
-        # the one host read, before the optimizer runs: ranks that differ raise (nothing applied),
-        # and a report sees the gradients before paddle's kernel of a skipped step writes grad * 0
-        found = iteration.decide(False if flag is None else flag, named=named, local=local)
+        if iteration.guard is not None:  # the flag and the guard's values: one collective, one read
+            found, flag = self._guarded(named, local)
+        else:
+            if iteration.agreement is not None:
+                flag = self._agreed(flag)
+            # the one host read, before the optimizer runs: ranks that differ raise (nothing applied),
+            # and a report sees the gradients before paddle's kernel of a skipped step writes grad * 0
+            found = iteration.decide(False if flag is None else flag, named=named, local=local)
+            self.last_skip_reason = "overflow" if found else None
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
             ran, result = True, call()  # paddle's optimizers take the flag and skip themselves
@@ -170,6 +183,18 @@ class AmpScaler:
         self.skipped_steps += found
         iteration.tally(found)  # steps and the window of metrics()
         return ran, result
+
+    def _guarded(self, named: Callable[[], Any], local: Any) -> tuple[bool, Any]:
+        """The guard's decision on this iteration's checks (the engine's path: the flag and the
+        values agreed in one collective, read in one host read); (skipped, the flag to give a
+        paddle optimizer: True when the guard skips a step with finite gradients)."""
+        iteration = self._engine.iteration
+        if iteration.checks.found is None:  # no gradients on this rank: it still takes part
+            backend, state = iteration.ready()
+            iteration.record(backend.full(0.0, "float32", state.scale))
+        found = iteration.decide(named=named, local=local)
+        self.last_skip_reason = iteration.checks.verdict.reason
+        return found, (True if found else iteration.checks.flag)
 
     def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
         """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
@@ -208,8 +233,8 @@ class AmpScaler:
             if self.is_use_dynamic_loss_scaling():
                 found = bool(self._cache_found_inf)
                 iteration.finish(found, skipped=found, describe=self._describe_change, exact=True)
-            else:  # a fixed scale: only the checks end
-                iteration.end()
+            else:  # a fixed scale: only the checks end (and the guard's histories move on)
+                iteration.settle_guard()
         finally:
             self._stages.clear()
 
@@ -331,12 +356,13 @@ class GradScaler(AmpScaler):
         max_scale: float | None = None,
         reducer: Any = None,
         diagnose: bool = False,
+        guard: StepGuard | None = None,
     ) -> None:
         super().__init__(
             enable, init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps,
             decr_every_n_nan_or_inf, use_dynamic_loss_scaling,
             backend=backend, min_scale=min_scale, max_scale=max_scale, reducer=reducer,
-            diagnose=diagnose,
+            diagnose=diagnose, guard=guard,
         )
 
     def step(self, optimizer: Any) -> None:

@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
+from polyamp import _guard_values as guard_values
 from polyamp.config import short_repr
 from polyamp.engine import LossScaler
+from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
 from ._explain import torch_named_grads
@@ -53,6 +55,9 @@ class OptState(Enum):
 READY, UNSCALED, STEPPED = OptState.READY, OptState.UNSCALED, OptState.STEPPED
 
 
+_GIVE_LOSS = "scale the loss (a tensor holding one value) with scaler.scale(loss) before backward()"
+
+
 @functools.lru_cache(maxsize=64)
 def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
     """Whether an optimizer's step accepts ``grad_scaler=`` (torch's deprecated protocol)."""
@@ -72,6 +77,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     _param_names: dict[int, str] = {}  # id(parameter) -> name; replaced, never mutated
     _allow_fp16 = False  # torch's GradScaler refuses to unscale FP16 gradients
     _flags_are_sums = False  # an optimizer's flag is this rank's (sharded: agreed over the ranks)
+    _last_reason: str | None = None  # why the last step was skipped (scalers pickled before guards: None)
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
         """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type.
@@ -100,6 +106,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         min_scale: float | None = None,
         max_scale: float | None = None,
         diagnose: bool = False,
+        guard: StepGuard | None = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
         config = torch_config(init_scale, growth_factor, backoff_factor, growth_interval,
@@ -107,11 +114,12 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         self._device = device
         self._enabled = True
         self._backend_name = backend
-        self._engine = LossScaler(config, backend, diagnose=self._diagnose)
+        self._engine = LossScaler(config, backend, diagnose=self._diagnose, guard=guard)
         self._reset_iteration()
         self._skipped_host = 0
         self._unread: list[Any] = []
         self._last_skipped: Any = None
+        self._last_reason: str | None = None
 
     def __reduce__(self) -> Any:
         return (_restore, (type(self), self.__getstate__()))
@@ -120,13 +128,18 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         self._stages: dict[int, OptState] = {}
         self._found: dict[int, Any] = {}  # per optimizer: its device flag, None if no grads
         self._skipped_here: list[Any] = []  # optimizers whose step() this iteration skipped (host read)
+        self._groups: dict[int, int] = {}  # with a guard: id(optimizer) -> its group (order of first check)
+        self._values: dict[int, Any] = {}  # with a guard: id(optimizer) -> its values (agreed if sharded)
 
     # -- scaling ----------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor/array, or an iterable of them, by the current scale (no sync)."""
         if is_array(outputs):
             engine = self._engine
-            return engine.bind(outputs).scale_array(outputs, engine.state.scale)
+            scaled = engine.bind(outputs).scale_array(outputs, engine.state.scale)
+            if engine.guard is not None and guard_values.one_value(outputs):  # the losses since update()
+                engine.iteration.take_loss(outputs, "scale()")
+            return scaled
         return self._scale_tree(outputs)
 
     def _scale_tree(self, val: Any) -> Any:
@@ -158,7 +171,17 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         """
         if not grads:
             return None
-        return self._engine.iteration.unscale(grads, check_only=check_only, owned=True)  # by collect_grads
+        iteration = self._engine.iteration
+        iteration.require_loss(None, "GradScaler.step()", _GIVE_LOSS)
+        found = iteration.unscale(grads, check_only=check_only, owned=True)  # by collect_grads
+        if iteration.guard is not None:  # this optimizer's values, judged at its step
+            self._values[id(optimizer)] = iteration.agree_group(
+                found, iteration.squares(iteration.backend, grads), self._group_of(optimizer)).extra
+        return found
+
+    def _group_of(self, optimizer: Any) -> int:
+        """The optimizer's place among this iteration's (its guard history's key)."""
+        return self._groups.setdefault(id(optimizer), len(self._groups))
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
@@ -186,8 +209,8 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         key = id(optimizer)
         stage = self._stages.setdefault(key, READY)
         check_step(stage)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._self_scaling_step(optimizer, stage, args, kwargs)
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._engine.guard is None:
+            return self._self_scaling_step(optimizer, stage, args, kwargs)  # with a guard: decided here
         if stage is READY:
             self.unscale_(optimizer)
         found = self._found[key]
@@ -211,10 +234,16 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     def _decide_and_step(self, optimizer: Any, found: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """The skip decision on ``found`` (the one host read; a report only when skipped), then
         ``optimizer.step(*args, **kwargs)`` unless it says skip."""
-        skipped = self._engine.iteration.decide(
-            False if found is None else found,
-            named=lambda: self._named_grads([*self._skipped_here, optimizer]),
-            keep_report=bool(self._skipped_here))
+        iteration = self._engine.iteration
+        named = lambda: self._named_grads([*self._skipped_here, optimizer])  # noqa: E731
+        if id(optimizer) in self._values:  # with a guard: the flag and its values in one read
+            skipped = iteration.decide_group(found, self._values[id(optimizer)], self._group_of(optimizer),
+                                             named=named, keep_report=bool(self._skipped_here))
+            self._last_reason = iteration.checks.verdict.reason
+        else:
+            skipped = iteration.decide(False if found is None else found, named=named,
+                                       keep_report=bool(self._skipped_here))
+            self._last_reason = "overflow" if skipped else None
         retval = None if skipped else optimizer.step(*args, **kwargs)
         self._last_skipped = skipped
         self._skipped_host += skipped
@@ -258,6 +287,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
             else self._engine.state.scale * getattr(optimizer, "grad_scale", 1)
         )
         self._confirm_aligned(found)
+        self._last_reason = None  # the optimizer decides on the device: only an overflow can skip it
         optimizer.found_inf = found
         retval = optimizer.step(*args, **kwargs)
         self._stages[id(optimizer)] = STEPPED

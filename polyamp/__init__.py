@@ -15,11 +15,13 @@ from ._errors import (
     MinScaleError,
     PolyampError,
     StateDictError,
+    StepGuardError,
 )
 from ._registry import available_backends, get_backend, register_backend
 from .backend import Backend, BackendInfo
 from .config import LossScaleConfig
 from .engine import LossScaler, ScalerStateError, StepResult
+from .guard import GuardHistory, GuardReport, StepGuard
 from .noop import NoOpLossScaler
 from .overflow import OverflowReport, TensorOverflow, explain_overflow
 from .policy import HostState, LossScaleState, next_host_state, next_state
@@ -43,6 +45,8 @@ __all__ = [
     "ForeignArrayError",
     "GradBuffer",
     "GradScaler",
+    "GuardHistory",
+    "GuardReport",
     "HostState",
     "LossScaleConfig",
     "LossScaleState",
@@ -56,6 +60,8 @@ __all__ = [
     "ScaledGradientsError",
     "ScalerStateError",
     "StateDictError",
+    "StepGuard",
+    "StepGuardError",
     "StepMetrics",
     "StepResult",
     "TensorOverflow",

@@ -30,8 +30,11 @@ if TYPE_CHECKING:  # the annotation only: importing polyamp must not import poly
 
 #: The loop every scaler message points to.
 LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
-#: Extra values one agreement carries at most (each rank sends them in slots of its own).
-MAX_EXTRA = 2
+#: Extra values one agreement carries at most (each rank sends them in slots of its own): the
+#: user's (``agree_(extra=)``, at most USER_EXTRA: a clip's sum-of-squares pair) and then a StepGuard's
+#: (the loss and the gradients' sum of squares).
+USER_EXTRA = 2
+MAX_EXTRA = USER_EXTRA + 2
 
 
 #: group key -> how many agreements this process made on that group (weakly: a group may go)
@@ -133,7 +136,7 @@ class Agreement:
         self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0,
         whose: int = 0,
     ) -> Agreed:
-        """Whether some rank found an inf/nan, and ``extra`` (at most 2 values) summed over ranks,
+        """Whether some rank found an inf/nan, and ``extra`` (at most MAX_EXTRA values) summed over ranks,
         in ONE collective.
 
         ``state`` (the scaler's ``LossScaleState``, or a ``HostState``) is digested with the config,
@@ -143,11 +146,7 @@ class Agreement:
         device, and ``extra`` summed in rank order, in its dtype and shape.
         """
         extras = 0 if extra is None else _size(extra)
-        if extras > MAX_EXTRA:
-            raise ConfigError(
-                f"agree_(extra=...) carries at most {MAX_EXTRA} values in the step's collective, got "
-                f"{extras} (shape {tuple(extra.shape)}). Fix: send e.g. a sum of squares pair."
-            )
+        check_extra(extra, MAX_EXTRA)
         host = self._next(config, payload, extras, whose)
         like = found_inf if extra is None else extra
         if not _on_host(found_inf, extra, state):
@@ -311,6 +310,16 @@ class Agreement:
         return [known[1], self.iteration, self.collective, self.reducer.collectives, payload, extras, owner]
 
 
+def check_extra(extra: Any, most: int = USER_EXTRA) -> None:
+    """Refuse ``extra`` with more than ``most`` values (ConfigError; nothing is sent)."""
+    extras = 0 if extra is None else _size(extra)
+    if extras > most:
+        raise ConfigError(
+            f"agree_(extra=...) carries at most {most} values in the step's collective, got "
+            f"{extras} (shape {tuple(extra.shape)}). Fix: send e.g. a sum of squares pair."
+        )
+
+
 def _fill_slots(slots: np.ndarray, mine: np.ndarray, rank: int) -> None:
     """This rank's values into its own slots, -inf in the others' (a MAX keeps each rank's own);
     NaN sent as +inf, which a MAX keeps (it may drop a NaN)."""
@@ -329,7 +338,9 @@ def _fix(what: str) -> str:
     if "values summed" in what:
         return "Fix: every rank must train the same model (the same number of gradient values)."
     if "the flag of scaler/optimizer" in what:
-        return ("Fix: every rank must step the same optimizers in the same order, build its scalers in "
+        return ("Fix: every rank must step the same optimizers in the same order, give every rank the same "
+                "StepGuard history (load the same checkpoint on every rank: a guard's histories of applied "
+                "steps and its streak are part of the flag's identity), build its scalers in "
                 "the same order, and give a data-parallel trainer the same max_grad_norm (two optimizers "
                 "with the same number of parameters per group and the same dtypes cannot be told apart: "
                 "keep their order the same on every rank).")

@@ -14,6 +14,7 @@ internal and never leaves ``load``)::
     ├── ScalerStateError(RuntimeError)      a scaler method called out of order
     │   └── ScaledGradientsError            grads.py: a norm or clip of still-scaled gradients
     ├── MinScaleError(RuntimeError)         an overflow at min_scale with raise_error_at_min_scale=True
+    ├── StepGuardError(RuntimeError)        a StepGuard's streak of skipped steps reached its limit
     ├── StateDictError(ValueError)          a state_dict or checkpoint that cannot be loaded
     │   ├── StateDictKeyError(KeyError)         compat/_torch_state.py: a torch state dict lacks a key
     │   └── PaddleStateDictError(KeyError)      compat/_paddle_state.py: a paddle state dict lacks keys
@@ -77,6 +78,10 @@ class ScalerStateError(PolyampError, RuntimeError):
 class MinScaleError(PolyampError, RuntimeError):
     """An overflow would back off a scale already at min_scale (``raise_error_at_min_scale=True``,
     DeepSpeed's option): the step was skipped and the scale state is unchanged."""
+
+
+class StepGuardError(PolyampError, RuntimeError):
+    """``StepGuard(max_consecutive_skips=N, on_streak="raise")``: N steps in a row were skipped."""
 
 
 class StateDictError(PolyampError, ValueError):

@@ -34,7 +34,11 @@ REQUIRED_HOOKS = (
 OPTIONAL_HOOKS = ("scale_array", "all_finite", "cast", "to_host")
 # Optional too: what the core needs from an array library beside the kernels (host views and
 # reads, small arrays made like another, overflow counts); bound on the Backend like the above.
-ARRAY_HOOKS = ("is_host", "host_view", "to_numpy", "from_host", "finite_flags", "overflow_counts")
+ARRAY_HOOKS = ("is_host", "host_view", "to_numpy", "from_host", "finite_flags", "overflow_counts",
+               "sum_of_squares", "pack")
+# Optional kernels without a generic default: None on the Backend where the plugin lacks them (the
+# core then calls the unfused hooks).
+FUSED_HOOKS = ("unscale_and_squares",)
 # Optional, asked of every plugin in turn (not bound on a Backend): the trainer's model steps.
 MODEL_HOOKS = ("model_steps",)
 # Optional hooks whose default is another hook of the same plugin, not the generic backend's.
@@ -176,6 +180,37 @@ def overflow_counts(array: Any) -> tuple[int, int, int, float]:
 
     Vectorised passes and one host read; 0.0 as the largest when nothing is finite; ``array`` is
     not changed. Default: array-API passes, read through :func:`to_numpy`.
+    """
+
+
+@hookspec
+def sum_of_squares(arrays: Sequence[Any]) -> Any:
+    """The sum of the squares of every value of ``arrays`` (floating, at least one), 0-d on their
+    device, in float64 where the device computes it (optional; a StepGuard's gradient norm).
+
+    No host read, no change to ``arrays``. Accurate to about 2**-24 relative (a backend may square
+    and sum chunks in float32 before adding them in float64); a sum beyond float32's range may
+    read inf. Default: the array-API passes of ``polyamp.grads`` (float64 copies in chunks).
+    """
+
+
+@hookspec
+def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any:
+    """:func:`unscale_and_check`, and the sum of squares of the unscaled values (0-d, as
+    :func:`sum_of_squares`), in the same pass over each gradient (optional; a StepGuard's norm).
+
+    The gradients end bitwise as :func:`unscale_and_check` leaves them. Where a plugin lacks it,
+    polyamp calls ``unscale_and_check`` then ``sum_of_squares``.
+    """
+
+
+@hookspec
+def pack(values: Sequence[Any], like: Any) -> Any:
+    """A NEW 1-d array on ``like``'s device holding ``values`` (arrays of this library with one
+    value or more, flattened, in order), in float64 where the device computes it (optional).
+
+    No host read: it lets a guard's loss and norm ride in the step's one collective and one read.
+    Default: ``concat`` of the flattened values through array-api-compat.
     """
 
 

@@ -10,6 +10,10 @@ order rules and messages; the work is here, once::
     decide(flag)                    -> bool             (the one host read; a report when skipped)
     finish(found_inf, skipped)      -> the scale update, its log line, the floor warning
 
+With a :class:`polyamp.StepGuard` the loss and the squared gradient norm travel with the flag
+(one collective, one host read) and each step's verdict moves the guard's histories; the guard's
+methods are :class:`polyamp._guard_steps.GuardSteps`', a base of :class:`Iteration`.
+
 What one iteration has checked so far is one immutable value, :class:`Checks`, replaced as the
 iteration moves on and reset by :meth:`Iteration.finish`. The persistent part (config, backend,
 the device state, counters, the skip log) lives beside it on the :class:`Iteration`.
@@ -19,11 +23,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple
 
-from . import _inputs, _registry, overflow
-from ._agreement import Agreed, Agreement
+from . import _guard_values, _inputs, _registry, guard, overflow
+from ._agreement import Agreed, Agreement, check_extra
 from ._errors import MinScaleError, ScalerStateError
+from ._guard_steps import GuardSteps
+from ._guard_values import plus
 from ._skip_log import SkipLog
 from .backend import Backend
 from .config import SCALE_FLOOR, LossScaleConfig
@@ -53,6 +60,15 @@ class Checks(NamedTuple):
     unscaled: bool = False
     skipped: bool | None = None
     checked: tuple[tuple[str, Any], ...] = ()
+    loss: Any = None  # the guard's: this rank's loss (0-d device array), the squares of its gradients,
+    sumsq: Any = None  # the values agreed with the flag (summed over ranks), the step's verdicts
+    values: Any = None  # (group -> verdict: one group per step, the torch facade's per optimizer)
+    verdicts: tuple[tuple[int, guard.Verdict], ...] = ()
+
+    @property
+    def verdict(self) -> guard.Verdict | None:
+        """The last verdict of this iteration (the engine's one step's), or None."""
+        return self.verdicts[-1][1] if self.verdicts else None
 
     @property
     def flag(self) -> Any:
@@ -60,7 +76,7 @@ class Checks(NamedTuple):
         return self.found if self.agreed is None else self.agreed
 
 
-class Iteration:
+class Iteration(GuardSteps):
     """A scaler's state and the steps of its iteration (see the module docstring).
 
     ``agreement`` (a :class:`polyamp._agreement.Agreement`, or None) agrees flags across ranks;
@@ -69,11 +85,15 @@ class Iteration:
 
     def __init__(
         self, config: LossScaleConfig, backend: Backend | None, *, agreement: Agreement | None = None,
-        diagnose: bool = False,
+        diagnose: bool = False, step_guard: guard.StepGuard | None = None,
     ) -> None:
         if backend is not None:
             _registry.check_in_place(backend)
         self.config = config
+        self.guard = step_guard  # None: no guard; else its histories and streaks per group
+        self.histories: dict[int, guard.GuardHistory] = {}
+        self.replicated = False  # the shell's gradients are already summed over the ranks (the norm's)
+        self.last_verdict: guard.Verdict | None = None
         self.backend = backend
         self.state: LossScaleState | None = None  # device arrays, made on the first array seen
         self.host = HostState(float(config.init_scale), 0, 0)  # the state until then
@@ -173,22 +193,34 @@ class Iteration:
         else:
             backend, state = self.ready()
         found = backend.full(0.0, "float32", state.scale)
+        squares = None
         if arrays:
             by = backend.full(1.0, "float32", state.scale) if check_only else state.scale
             # with diagnose=True, a kernel that overwrites an overflowing step's values must not
-            unscale = backend.unscale_and_check_keep if self.diagnose else backend.unscale_and_check
-            unscale(arrays, by, found)
+            fused = backend.unscale_and_squares
+            if fused is not None and self.guard is not None and self.guard.watches_norm and not (
+                    self.diagnose or check_only):  # the norm's squares in the unscale's pass
+                squares = fused(arrays, by, found)
+            else:
+                unscale = backend.unscale_and_check_keep if self.diagnose else backend.unscale_and_check
+                unscale(arrays, by, found)
         checks = self.checks
         checked = checks.checked
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
-        self.checks = checks._replace(found=_plus(checks.found, found), unscaled=True, checked=checked)
+        sumsq = checks.sumsq
+        if squares is not None:
+            sumsq = plus(sumsq, squares)
+        elif arrays and self.guard is not None and self.guard.watches_norm:
+            sumsq = plus(sumsq, _guard_values.squared_norm(backend, arrays))
+        self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
+                                      sumsq=sumsq)
         return found
 
     def record(self, flag: Any) -> None:
         """Add a device flag (non-zero: a bad step) to the iteration's check. No sync."""
         self._refuse_after_agreement("record_found_inf()")
-        self.checks = self.checks._replace(found=_plus(self.checks.found, flag))
+        self.checks = self.checks._replace(found=plus(self.checks.found, flag))
 
     def _refuse_after_agreement(self, what: str) -> None:
         if self.checks.agreed is not None:
@@ -204,11 +236,17 @@ class Iteration:
         """The iteration's flag (and ``extra``) agreed over the ranks in ONE collective; without
         an agreement the local values and nothing is sent. Once per iteration, after the checks."""
         found = self.checks.found
+        check_extra(extra)
+        sent = self._guard_sent()
         if self.agreement is None:
+            self.checks = self.checks._replace(values=sent)
             return Agreed(found, extra)
-        agreed = self.agreement.flag_and_extra(found, extra, self.config, self.state)
-        self.checks = self.checks._replace(agreed=agreed.found_inf)
-        return agreed
+        both, users = _guard_values.joined(extra, sent)
+        whose = self._whose(0, 0)
+        agreed = self.agreement.flag_and_extra(found, both, self.config, self.state, whose=whose)
+        theirs, values = _guard_values.split(agreed.extra, users, extra, sent)
+        self.checks = self.checks._replace(agreed=agreed.found_inf, values=values)
+        return Agreed(agreed.found_inf, theirs)
 
     def agree_found(self) -> None:
         """Agree the iteration's flag unless done, summed with the data, or there is no agreement."""
@@ -235,7 +273,7 @@ class Iteration:
         agreement = self._needs_agreement("sum_payload")
         off = agreement.sum_payload_(storage, payload, self.config, self._fingerprinted(), whose=whose)
         checks = self.checks
-        found = checks.found if off is None else _plus(checks.found, off)
+        found = checks.found if off is None else plus(checks.found, off)
         self.checks = checks._replace(summed=True, found=found)
 
     def _needs_agreement(self, what: str) -> Agreement:
@@ -278,8 +316,14 @@ class Iteration:
             self.agree_found()
             flag = self.checks.flag
         backend = self.backend if self.backend is not None or isinstance(flag, bool) else self.bind(flag)
-        skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
-        if skipped:
+        if self.guard is not None and flag is self.checks.flag:
+            agreed = self.checks.agreed is not None  # else this rank's values (the trainer's are summed)
+            skipped = self._judge(backend, flag, self.checks.values if agreed else self._guard_sent(), 0,
+                                  agreed)
+        else:
+            skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
+        verdict = self.checks.verdict
+        if skipped and (verdict is None or verdict.reason == "overflow"):  # a flag 0: the ranks align
             self.verify()  # ranks that differ: RankMismatchError before anything applies
         if self.diagnose and (skipped or not keep_report):
             self.last_overflow = self._report_or_warn(named, local) if skipped else None
@@ -319,6 +363,12 @@ class Iteration:
         if agreed and local is not None and not isinstance(local, bool):
             local = bool(self.ready()[0].read_flag(local))
         grads = named() if named is not None else list(self.checks.checked)
+        verdict = self.checks.verdict
+        if verdict is not None and verdict.reason not in (None, "overflow"):  # the guard's skip
+            report = overflow.build_report(grads, scale=self.host_state().scale)
+            line = guard.diagnosis(verdict, self.guard, self._judged(self.checks.verdicts[-1][0], verdict))
+            return replace(report, reason=verdict.reason, loss=verdict.loss, grad_norm=verdict.grad_norm,
+                           zscores=verdict.zscores, diagnosis=line)
         return overflow.build_report(grads, scale=self.host_state().scale, skipped=True, agreed=agreed,
                                      local_flag=None if not agreed or local is None else bool(local))
 
@@ -351,21 +401,31 @@ class Iteration:
             if self.diagnose:
                 self.last_overflow = self._report_or_warn() if skips else None
         log = self.log
+        verdicts = self.checks.verdicts
+        reasons = {v.reason for _, v in verdicts}
+        held = "overflow" not in reasons and bool(reasons - {None})  # the guard's skip: the scale stays
         before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
-        if self.config.raise_error_at_min_scale and skipped is not False:
+        if self.config.raise_error_at_min_scale and skipped is not False and not held:
             self.refuse_backoff_at_floor(flag, before)
-        self._advance(flag)
+        if not held:  # a guard-skipped step leaves the scale state as it is
+            self._advance(flag)
         read = self.host_state
         if exact and before is not None:  # the device ran the rule on the same flag: no second read
-            after = next_host_state(before, bool(skipped), self.config)
+            after = before if held else next_host_state(before, bool(skipped), self.config)
             read = lambda: after  # noqa: E731
+        if held:
+            describe = self._describe_guarded(*next(gv for gv in verdicts if gv[1].reason is not None))
+        reports = self._advance_guard(verdicts)
         try:  # the scale has moved: the iteration ends even if a log handler raises
             if skipped is not None:
                 log.after_update(skipped, before, read, describe or self.describe_change,
-                                 overflow.log_summary(self.last_overflow))
-            self.warn_if_at_floor(bool(skipped))
+                                 overflow.log_summary(self.last_overflow),
+                                 reason=_first_reason(reasons))
+            self.warn_if_at_floor(bool(skipped) and not held)
         finally:
             self.end()
+        for report in reports:  # after the iteration ended: the hook may load a checkpoint
+            guard.act(self.guard, report)
 
     def refuse_backoff_at_floor(self, flag: Any, state: HostState | None) -> None:
         """DeepSpeed's ``raise_error_at_min_scale``: MinScaleError, before the rule runs, when this
@@ -446,8 +506,14 @@ class Iteration:
         name = state["backend"]
         backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
         state.setdefault("window", SkipWindow())  # copies made before metrics() existed
+        defaults = (("guard", None), ("histories", {}), ("replicated", False), ("last_verdict", None))
+        for name, value in defaults:
+            state.setdefault(name, value)  # copies made before the step guard existed
         self.__dict__.update(state, backend=backend)
 
 
-def _plus(total: Any, flag: Any) -> Any:
-    return flag if total is None else total + flag
+def _first_reason(reasons: set[str | None]) -> str | None:
+    """The first of :data:`polyamp.guard.REASONS` among ``reasons`` (None: none, or no guard)."""
+    return next((r for r in guard.REASONS if r in reasons), None)
+
+

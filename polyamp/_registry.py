@@ -125,6 +125,8 @@ def _bound(name: str, source: str) -> Backend:
         hooks[hook] = impl
     for hook, default in _hookspecs.OWN_DEFAULT_HOOKS.items():
         hooks[hook] = getattr(module, hook, None) or hooks[default]
+    for hook in _hookspecs.FUSED_HOOKS:
+        hooks[hook] = getattr(module, hook, None)
     return Backend(name=name, version=info.version, plugin=module, **hooks)
 
 

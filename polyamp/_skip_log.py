@@ -3,7 +3,8 @@
 The first ``FIRST`` skipped steps of a scaler get one INFO line each. Later ones get their line at
 DEBUG and are summed up: one INFO line per ``WINDOW`` steps that had skips ("37 skipped steps in the
 last 1000 steps, loss scale 2**14 -> 2**12"), written when the window (opened by its first skip)
-closes. Growth is logged at DEBUG. The engine and both facades log through one :class:`SkipLog`.
+closes; with a :class:`polyamp.StepGuard` the summary counts the skips per reason ("30 overflow,
+7 loss_spike"). Growth is logged at DEBUG. The engine and both facades log through one :class:`SkipLog`.
 
 No sync of its own on the hot path: the caller reads the scale only when :meth:`SkipLog.wants_scale`
 says so (a per-step line is on at its level, or a skip opens a window: INFO on, after the first few),
@@ -47,6 +48,7 @@ class SkipLog:
         self.opened: int | None = None  # self.steps when the open window's first skip came; None: none open
         self.opening_scale: float | None = None  # the scale before that skip (None if INFO was off)
         self.window_skips = 0
+        self.reasons: dict[str, int] = {}  # the open window's skips per reason
 
     def wants_scale(self, skipped: bool) -> bool:
         """Whether the caller must read the scale before this update (host-only: reads nothing)."""
@@ -60,7 +62,7 @@ class SkipLog:
 
     def after_update(
         self, skipped: bool, before: Any, read: Callable[[], Any],
-        describe: Callable[[bool, Any, Any], str | None], detail: str = "",
+        describe: Callable[[bool, Any, Any], str | None], detail: str = "", reason: str | None = None,
     ) -> None:
         """Count this update and write what is due: its own line, then a closing window's summary.
 
@@ -78,6 +80,9 @@ class SkipLog:
                 if self.opened is None:
                     self.opened, self.opening_scale = self.steps, None if before is None else _scale(before)
                 self.window_skips += 1
+                why = reason or "overflow"
+                counts = getattr(self, "reasons", {})  # a log unpickled from before reasons were counted
+                self.reasons = {**counts, why: counts.get(why, 0) + 1}
         if before is not None and logger.isEnabledFor(level):
             line = describe(skipped, before, read())
             if line is not None:
@@ -90,6 +95,9 @@ class SkipLog:
         if logger.isEnabledFor(logging.INFO):
             now = scale_text(_scale(read()))
             moved = f"{scale_text(self.opening_scale)} -> {now}" if self.opening_scale is not None else now
-            logger.info("%d skipped steps in the last %d steps, loss scale %s (each step's line is at "
-                        "DEBUG level)", self.window_skips, self.steps - self.opened + 1, moved)
-        self.opened, self.opening_scale, self.window_skips = None, None, 0
+            reasons = getattr(self, "reasons", {})
+            why = ", ".join(f"{n} {r}" for r, n in reasons.items())
+            why = f" ({why})" if set(reasons) - {"overflow"} else ""
+            logger.info("%d skipped steps%s in the last %d steps, loss scale %s (each step's line is at "
+                        "DEBUG level)", self.window_skips, why, self.steps - self.opened + 1, moved)
+        self.opened, self.opening_scale, self.window_skips, self.reasons = None, None, 0, {}

@@ -42,6 +42,9 @@ class Backend:
     from_host: Callable[..., Any]
     finite_flags: Callable[[Sequence[Any]], list[bool]]
     overflow_counts: Callable[[Any], tuple[int, int, int, float]]
+    sum_of_squares: Callable[[Sequence[Any]], Any]
+    pack: Callable[[Sequence[Any], Any], Any]
+    unscale_and_squares: Callable[[Sequence[Any], Any, Any], Any] | None = None  # None: not fused here
 
     def __repr__(self) -> str:
         return f"<polyamp backend {self.name!r} {self.version or ''}>".replace(" >", ">")

@@ -18,6 +18,7 @@ from typing import IO, Any
 from ._atomic_file import atomic_write
 from ._errors import StateDictError
 from .config import LossScaleConfig, check_scale, short_repr
+from .guard import GuardHistory
 from .policy import HostState, tracker_limits
 
 FORMAT = "polyamp.LossScaler"
@@ -35,10 +36,13 @@ Target = str | os.PathLike[str] | IO[bytes]
 
 # -- state dicts ------------------------------------------------------------------------
 def to_state_dict(
-    config: LossScaleConfig, host: HostState, steps: int, skipped_steps: int
+    config: LossScaleConfig, host: HostState, steps: int, skipped_steps: int,
+    guard: GuardHistory | None = None,
 ) -> dict[str, Any]:
-    """The engine's checkpoint: every config field, the state and the counters."""
-    return {
+    """The engine's checkpoint: every config field, the state and the counters (and a StepGuard's
+    histories and streak under ``"guard"``, a key older checkpoints lack)."""
+    extra = {} if guard is None else {"guard": guard.to_dict()}
+    return {**extra,
         "format": FORMAT,
         "version": VERSION,
         "config": config.to_dict(),
@@ -90,6 +94,11 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
             "written by LossScaler.state_dict(), or correct those counters."
         )
     return config, HostState(scale, growth, backoff), steps, skipped
+
+
+def guard_history(sd: dict[str, Any]) -> GuardHistory | None:
+    """A state dict's StepGuard histories and streak, validated; None when it has none (older ones)."""
+    return GuardHistory.from_dict(sd["guard"]) if "guard" in sd else None
 
 
 def _count(sd: dict[str, Any], key: str, limit: int, rule: str, default: int | None = None) -> int:
@@ -182,11 +191,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def load(f: Target) -> tuple[LossScaleConfig, HostState, int, int]:
-    """Read and validate a checkpoint; every StateDictError names the file."""
+def load(f: Target, *, with_guard: bool = False) -> Any:
+    """Read and validate a checkpoint; every StateDictError names the file. ``with_guard``: the
+    parts and then :func:`guard_history`'s value."""
     data = read(f)
     try:
-        return from_state_dict(data)
+        parts = from_state_dict(data)
+        return (*parts, guard_history(data)) if with_guard else parts
     except StateDictError as exc:
         raise StateDictError(f"{_name(f)}: {exc}") from exc
 

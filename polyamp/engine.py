@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from . import _inputs, _registry, checkpoint, metrics, overflow
+from . import _guard_values, _inputs, _registry, checkpoint, metrics, overflow
+from . import guard as _guard
 from ._agreement import LOOP as _LOOP
 from ._agreement import Agreed, Agreement
 from ._errors import ScalerStateError
@@ -36,10 +37,18 @@ class StepResult:
 
     ``skipped`` was read on the host (the one sync); ``scale_before`` is the scale the step
     unscaled with (a 0-d device array). The next scale exists only after ``update()``.
+    With a :class:`polyamp.StepGuard`: ``reason`` (None when applied, else ``"overflow"``,
+    ``"grad_norm_limit"``, ``"grad_norm_spike"`` or ``"loss_spike"``), the agreed ``loss`` and
+    ``grad_norm`` (floats, None when not seen) and ``zscores`` (quantity -> z; None before
+    ``min_history``). Without a guard: ``reason`` is ``"overflow"`` on a skip, the others None.
     """
 
     skipped: bool
     scale_before: Any
+    reason: str | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    zscores: dict[str, float] | None = None
 
     def __bool__(self) -> bool:
         return not self.skipped
@@ -87,13 +96,18 @@ class LossScaler:
     :class:`polyamp.OverflowReport` on that iteration's gradients (computed then, so applied
     steps cost nothing more; an ``update()`` without ``step()`` reads the flag once to know).
     Gradients may be a mapping name -> array (names in reports).
+
+    ``guard`` (a :class:`polyamp.StepGuard`) also skips steps whose loss (``step(..., loss=)``) or
+    global gradient norm is a spike against the applied steps' history; its values ride in the
+    step's one collective and its one host read. With a reducer the gradients are taken as
+    sharded (the norm sums every rank's squares) and the loss as the ranks' mean.
     """
 
     enabled = True
 
     def __init__(
         self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None,
-        diagnose: bool = False,
+        diagnose: bool = False, guard: _guard.StepGuard | None = None,
         **fields: Any,
     ) -> None:
         config = config_from(config, fields, type(self).__name__)
@@ -105,8 +119,10 @@ class LossScaler:
         name, source = _registry.requested_backend(backend)
         chosen = _registry.get_backend(name, source) if name else None
         diagnose = overflow.check_diagnose(diagnose)
+        step_guard = _guard.check_guard(guard)
         agreement = None if reducer is None else Agreement(reducer)
-        self._iteration = Iteration(config, chosen, agreement=agreement, diagnose=diagnose)
+        self._iteration = Iteration(config, chosen, agreement=agreement, diagnose=diagnose,
+                                    step_guard=step_guard)
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -138,6 +154,16 @@ class LossScaler:
     def skipped_steps(self) -> int:
         """Steps :meth:`step` skipped."""
         return self._iteration.skipped_steps
+
+    @property
+    def guard(self) -> _guard.StepGuard | None:
+        """The :class:`polyamp.StepGuard` judging each step, or None."""
+        return self._iteration.guard
+
+    @property
+    def guard_history(self) -> _guard.GuardHistory:
+        """The guard's histories of applied steps and its streak of skips (immutable)."""
+        return self._iteration.history
 
     @property
     def reducer(self) -> Any:
@@ -190,12 +216,13 @@ class LossScaler:
         scale = self._iteration.ready()[1].scale
         return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
 
-    def unscale_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
+    def unscale_(self, grads: Iterable[Any], *, check_only: bool = False, loss: Any = None) -> Any:
         """Divide ``grads`` in place by the scale; return this call's device overflow flag.
 
         Once per iteration (a second call would divide twice; torch refuses it too). The flag
         is added to the iteration's check that :meth:`update` uses. ``check_only=True`` checks
-        without dividing (for optimizers that unscale themselves). No host synchronisation.
+        without dividing (for optimizers that unscale themselves). ``loss``: the step's loss for
+        the guard (before ``agree_``; or give it to ``step``). No host synchronisation.
         """
         checks = self._iteration.checks
         if checks.skipped is not None:
@@ -209,7 +236,12 @@ class LossScaler:
                 "second call would divide the gradients by the scale twice. Fix: remove the second "
                 "scaler.unscale_(...) call; step() does not unscale again after unscale_()."
             )
-        return self._iteration.unscale(grads, check_only=check_only, where="unscale_()")
+        iteration = self._iteration
+        if loss is not None and iteration.guard is not None:
+            _guard_values.loss_check(loss, "unscale_()")  # refused before the gradients change
+        found = iteration.unscale(grads, check_only=check_only, where="unscale_()")
+        iteration.take_loss(loss, "unscale_()")
+        return found
 
     def unscale_group_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
         """Unscale one group of this iteration's gradients (one optimizer's); return its flag.
@@ -279,12 +311,13 @@ class LossScaler:
         """
         self._iteration.verify()
 
-    def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
+    def step(self, grads: Iterable[Any], step_fn: Callable[[], Any], *, loss: Any = None) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
 
         Reads the overflow flag on the host: the one synchronisation of an iteration. The scale
         is not changed here: ``update()`` after every step does that. With a reducer the flag is
-        first agreed over the ranks (one collective, unless ``agree_`` did it).
+        first agreed over the ranks (one collective, unless ``agree_`` did it). ``loss``: the
+        step's loss, judged by the guard (ignored without one; a loss guard needs it).
         """
         iteration = self._iteration
         if iteration.checks.skipped is not None:
@@ -297,14 +330,22 @@ class LossScaler:
                 f"step() needs step_fn to be a callable that applies the optimizer step, got step_fn="
                 f"{_inputs.short_repr(step_fn)}. Fix: pass e.g. optimizer.step (not optimizer.step())."
             )
+        if iteration.guard is not None:
+            iteration.require_loss(loss, "step()")
+            if loss is not None:
+                _guard_values.loss_check(loss, "step()")
         if not iteration.checks.unscaled:
             iteration.unscale(grads, where="step()")
+        iteration.take_loss(loss, "step()")
         skipped = iteration.decide()
         before = iteration.ready()[1].scale + 0  # a copy: update() may change the scale in place
         if not skipped:
             step_fn()
         iteration.count(skipped)
-        return StepResult(skipped, before)
+        verdict = iteration.checks.verdict
+        if verdict is None:
+            return StepResult(skipped, before, "overflow" if skipped else None)
+        return StepResult(skipped, before, verdict.reason, verdict.loss, verdict.grad_norm, verdict.zscores)
 
     def update(self, found_inf: Any = None) -> None:
         """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync.
@@ -356,17 +397,21 @@ class LossScaler:
                 f"old scale. Fix: call update() first, and save after it (the loop is `{_LOOP}`)."
             )
         return checkpoint.to_state_dict(iteration.config, iteration.host_state(), iteration.steps,
-                                        iteration.skipped_steps)
+                                        iteration.skipped_steps,
+                                        None if iteration.guard is None else iteration.history)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; validated whole before anything changes."""
-        self._apply(checkpoint.from_state_dict(state_dict))
+        parts = checkpoint.from_state_dict(state_dict)
+        self._apply((*parts, checkpoint.guard_history(state_dict)))
 
-    def _apply(self, parts: tuple[LossScaleConfig, HostState, int, int]) -> None:
-        config, host, steps, skipped = parts
+    def _apply(self, parts: tuple[LossScaleConfig, HostState, int, int, _guard.GuardHistory | None]) -> None:
+        config, host, steps, skipped, history = parts
         iteration = self._iteration
         iteration.config, iteration.steps, iteration.skipped_steps = config, steps, skipped
         iteration.load(host)
+        if iteration.guard is not None:  # an older checkpoint (or one saved without a guard): empty
+            iteration.history = (history or _guard.GuardHistory()).fitted(iteration.guard.window)
 
     def save(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Write :meth:`state_dict` to a path (atomically; gzip when it ends in .gz) or a binary file."""
@@ -374,7 +419,7 @@ class LossScaler:
 
     def load(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Load a checkpoint written by :meth:`save` from a path or a binary file; errors name it."""
-        self._apply(checkpoint.load(f))
+        self._apply(checkpoint.load(f, with_guard=True))
 
     def __getstate__(self) -> dict[str, Any]:
         """The iteration's state as plain data (the backend by name, the state as host values: one

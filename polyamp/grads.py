@@ -20,8 +20,7 @@ from typing import Any
 import array_api_compat
 
 from . import _dtypes, _inputs
-from ._errors import ConfigError
-from .engine import ScalerStateError
+from ._errors import ConfigError, ScalerStateError
 from .flat import FlatArrays
 
 __all__ = ["GradBuffer", "ScaledGradientsError", "clip_grad_norm_", "global_norm"]
@@ -174,6 +173,18 @@ def _local_norm(xp: Any, arrays: Sequence[Any]) -> Any:
     # inf/nan values: any finite factor keeps the sum inf/nan; tiny keeps finite squares finite
     root = xp.sqrt(_sum_of_squares(xp, arrays, acc, xp.where(ok, xp.ones_like(peak) / peak, tiny)))
     return xp.where(ok, peak * root, root)
+
+
+def squared_norm(arrays: Sequence[Any]) -> Any:
+    """The sum of squares of all ``arrays`` (one library, at least one array), 0-d on their device:
+    the square of :func:`global_norm`'s local norm (float64 where the device computes it), summed
+    directly where no square can overflow. A fixed number of passes, no host synchronisation."""
+    xp = _namespace(arrays, "StepGuard's gradient norm")
+    acc, rescale = _accumulator(xp, arrays)
+    if not rescale:
+        return _sum_of_squares(xp, arrays, acc)
+    norm = _local_norm(xp, arrays)
+    return norm * norm
 
 
 def _agreed_norm(engine: Any, arrays: Sequence[Any], what: str) -> Any:

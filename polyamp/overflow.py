@@ -47,7 +47,9 @@ class OverflowReport:
     """What :func:`explain_overflow` found; truthy exactly when something was not finite.
 
     ``tensors``: only those holding a non-finite value, most non-finite values first (ties:
-    the order given). ``diagnosis``: one line naming the likely cause and the fix.
+    the order given). ``diagnosis``: one line naming the likely cause and the fix. A step a
+    :class:`polyamp.StepGuard` skipped also carries ``reason``, the agreed ``loss`` and
+    ``grad_norm`` and the ``zscores`` judged (None otherwise).
     """
 
     found: bool
@@ -56,6 +58,10 @@ class OverflowReport:
     loss_finite: bool | None
     tensors: tuple[TensorOverflow, ...]
     diagnosis: str
+    reason: str | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    zscores: dict[str, float] | None = None
 
     def __bool__(self) -> bool:
         return self.found

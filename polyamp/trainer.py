@@ -38,6 +38,7 @@ from .adapters import iter_params
 from .config import LossScaleConfig
 from .engine import LossScaler
 from .grads import GradBuffer, _check_max_norm
+from .guard import StepGuard, check_guard
 from .noop import NoOpLossScaler
 from .overflow import OverflowReport, build_report, check_diagnose
 from .parameter import Parameter
@@ -83,6 +84,7 @@ class StepMetrics:
     skipped: bool
     grad_norm: float
     overflow: OverflowReport | None = None
+    reason: str | None = None  # None when applied, else why (polyamp.StepGuard's reasons)
 
 
 class MixedPrecisionTrainer:
@@ -118,15 +120,23 @@ class MixedPrecisionTrainer:
         backend: str | None = None,
         reducer: Any = None,
         diagnose: bool = False,
+        guard: StepGuard | None = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
+        guard = check_guard(guard)
+        if guard is not None and not loss_scaling:
+            raise ConfigError(
+                "MixedPrecisionTrainer(guard=...) needs loss_scaling=True: the guard judges the step in "
+                "the scaler's iteration. Fix: for bf16 without scaling pass loss_scaling=True with "
+                "config=polyamp.LossScaleConfig(init_scale=1.0, dynamic=False)."
+            )
         self._dtype = _dtypes.compute_dtype_name(compute_dtype)
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
         self._clip_id = 0 if max_grad_norm is None else zlib.crc32(repr(float(max_grad_norm)).encode()) or 1
         if loss_scaling:
-            self._scaler: Any = LossScaler(config, backend, reducer=reducer)
+            self._scaler: Any = LossScaler(config, backend, reducer=reducer, guard=guard)
             self._iteration = self._scaler.iteration  # the one iteration: gradients summed, decided, updated
         else:  # no scaling: a fixed scale of 1 to fingerprint, and the decision on a non-finite norm
             self._scaler = NoOpLossScaler(config, backend)
@@ -136,7 +146,9 @@ class MixedPrecisionTrainer:
         self._steps: Any = model_steps(model, self._dtype) or ArraySteps(model, self._dtype)
         _check_optimizer_holds(optimizer, self._steps.params)
         # with a reducer the fingerprint rides after the gradients: one collective per step
-        spare = 0 if reducer is None else Agreement.payload_spare()
+        # (and, with a guard, the rank's loss before it: summed with the gradients, the ranks' mean)
+        self._loss_slot = guard is not None and reducer is not None
+        spare = 0 if reducer is None else Agreement.payload_spare() + self._loss_slot
         self._grads = GradBuffer.attach(self._steps.params, spare=spare)
         self._aligned_once = False  # the first step checks the ranks' sizes before summing
 
@@ -205,8 +217,10 @@ class MixedPrecisionTrainer:
         if scaler.enabled:
             grads.mark_scaled()
         if reducer is not None:
-            self._sum_over_ranks(grads)
+            self._sum_over_ranks(grads, loss / ranks if self._loss_slot else None)
         grads.unscale_(scaler)
+        if self._scaler.enabled and self._scaler.guard is not None:
+            self._iteration.take_loss(self._summed_loss() if self._loss_slot else loss, "train_step()")
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
         finite = self._check_norm(norm)
         result = scaler.step([grads.flat], self._optimizer.step if finite else _no_step)  # misaligned: raises
@@ -214,7 +228,8 @@ class MixedPrecisionTrainer:
         skipped = bool(result.skipped) or not finite
         loss, scale = float(loss), float(result.scale_before)
         report = self._explain(loss, scale) if skipped and self._diagnose else None
-        return StepMetrics(loss, scale, skipped, float(norm), report)
+        reason = result.reason if finite else "overflow"
+        return StepMetrics(loss, scale, skipped, float(norm), report, reason if skipped else None)
 
     def _explain(self, loss: float, scale: float) -> OverflowReport:
         """The report on a skipped step: each parameter's gradient (a view of the buffer), the loss."""
@@ -225,7 +240,13 @@ class MixedPrecisionTrainer:
         return build_report([(n, g) for n, g in grads if g is not None], loss=loss, scale=scale,
                             skipped=True)
 
-    def _sum_over_ranks(self, grads: GradBuffer) -> None:
+    def _summed_loss(self) -> Any:
+        """The ranks' mean loss, summed with the gradients in the loss slot (a device view)."""
+        grads = self._grads
+        size = int(grads.flat.shape[0])
+        return grads.storage[size:size + 1]
+
+    def _sum_over_ranks(self, grads: GradBuffer, loss: Any = None) -> None:
         """Sum the gradients over the ranks in place (already divided by their number): ONE
         collective, which also carries the fingerprint of the scaler's config and state
         (:meth:`polyamp._iteration.Iteration.sum_payload`; no loss scaling: a fixed scale of 1).
@@ -234,6 +255,10 @@ class MixedPrecisionTrainer:
         values under the same config.
         """
         size = int(grads.flat.shape[0])
+        if loss is not None:  # the guard's loss slot rides with the gradients
+            xp = array_api_compat.array_namespace(grads.storage)
+            grads.storage[size:size + 1] = xp.reshape(xp.astype(loss, grads.storage.dtype), (1,))
+            size += 1
         whose = self._clip_id  # every rank must clip alike: the clip setting is part of what is agreed
         if not self._aligned_once:
             self._iteration.check_payload(size, grads.flat, whose=whose)

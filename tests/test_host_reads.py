@@ -118,3 +118,44 @@ def _facade_reads(host_reads, scaler, steps=4):
 ], ids=["torch", "torch-sharded", "paddle"])
 def test_facades_read_once_per_applied_step_on_the_device_side_agreement(host_reads, device_side, make):
     assert _facade_reads(host_reads, make()) == [(1, 0)] * 4
+
+
+def _guarded_reads(host_reads, scaler, steps=6):
+    """Reads per step and per update with a StepGuard (loss and norm rules), the loss a tensor."""
+    counts = []
+    for step in range(steps):
+        grads = _grads()
+        if step == steps - 1:
+            grads[0] *= 1000  # beyond max_grad_norm: a guard skip costs no read either
+        loss = torch.tensor(1.0 + step % 2, requires_grad=True) * 2
+        with host_reads() as counter:
+            result = scaler.step(grads, lambda: None, loss=loss)
+        with host_reads() as in_update:
+            scaler.update()
+        counts.append((counter.count, in_update.count, result.reason))
+    return counts
+
+
+def _guard():
+    from polyamp import StepGuard
+
+    return StepGuard(loss_zscore=50.0, grad_norm_zscore=50.0, max_grad_norm=100.0, window=4, min_history=2)
+
+
+class Alone(Twins):
+    """One rank: its own slots are the message (Twins' sum would not keep per-rank slots of a MAX)."""
+
+    def __init__(self):
+        Reducer.__init__(self, "alone", 0, 1, None)
+
+
+def test_a_guarded_step_reads_once_on_the_device_side_agreement(host_reads, device_side):
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2), reducer=Alone(), guard=_guard())
+    counts = _guarded_reads(host_reads, scaler)
+    assert counts == [(1, 0, None)] * 5 + [(1, 0, "grad_norm_limit")]
+
+
+def test_a_guarded_step_reads_once_without_a_reducer(host_reads):
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2), guard=_guard())
+    counts = _guarded_reads(host_reads, scaler)
+    assert counts == [(1, 0, None)] * 5 + [(1, 0, "grad_norm_limit")]

@@ -1,0 +1,155 @@
+"""NumPy sum of squares for a StepGuard's gradient norm: one float64-accumulating pass per gradient,
+or none of its own: fused into the unscale of float32 gradients (:func:`unscale_and_squares`).
+
+numba loops (four float64 accumulators, each value widened before it is squared) where numba
+imports and the compiled unscale kernel is in use, compiled once per process (cached on disk);
+elsewhere, and for 16-bit dtypes, the unfused passes (``_numpy_kernels`` then the array-API
+passes of ``polyamp.grads``). Importing it imports only NumPy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+_kernels: dict[str, Callable[[np.ndarray], float]] | None = None
+_tried = False
+
+
+def _squares(a: Any) -> float:  # compiled by numba for float32 and float64 (see _load)
+    s0 = s1 = s2 = s3 = 0.0
+    n = a.size
+    i = 0
+    while i + 4 <= n:
+        x0, x1, x2, x3 = np.float64(a[i]), np.float64(a[i + 1]), np.float64(a[i + 2]), np.float64(a[i + 3])
+        s0 += x0 * x0
+        s1 += x1 * x1
+        s2 += x2 * x2
+        s3 += x3 * x3
+        i += 4
+    while i < n:
+        x = np.float64(a[i])
+        s0 += x * x
+        i += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+_MASK, _CARRY, _TOP = np.uint32(0x7F800000), np.uint32(0x00800000), np.uint32(31)
+
+
+def _unscale_squares_f32(g: Any, inv: Any) -> tuple[bool, float]:  # compiled by numba (see _load)
+    """``g *= inv`` in place, whether an input was inf/nan (as ``_numpy_kernels``' float32 kernel:
+    the exponent bits ORed), and the float64 sum of squares of the results, in one pass."""
+    bits = g.view(np.uint32)
+    acc = np.uint32(0)
+    s0 = s1 = s2 = s3 = 0.0
+    n = g.size
+    i = 0
+    while i + 4 <= n:
+        acc = np.uint32(acc | ((bits[i] & _MASK) + _CARRY) | ((bits[i + 1] & _MASK) + _CARRY)
+                        | ((bits[i + 2] & _MASK) + _CARRY) | ((bits[i + 3] & _MASK) + _CARRY))
+        v0, v1, v2, v3 = g[i] * inv, g[i + 1] * inv, g[i + 2] * inv, g[i + 3] * inv
+        g[i], g[i + 1], g[i + 2], g[i + 3] = v0, v1, v2, v3
+        x0, x1, x2, x3 = np.float64(v0), np.float64(v1), np.float64(v2), np.float64(v3)
+        s0 += x0 * x0
+        s1 += x1 * x1
+        s2 += x2 * x2
+        s3 += x3 * x3
+        i += 4
+    while i < n:
+        acc = np.uint32(acc | ((bits[i] & _MASK) + _CARRY))
+        v = g[i] * inv
+        g[i] = v
+        x = np.float64(v)
+        s0 += x * x
+        i += 1
+    return (acc >> _TOP) != 0, (s0 + s1) + (s2 + s3)
+
+
+_fused: Callable[..., tuple[bool, float]] | None = None
+
+
+def _load() -> dict[str, Callable[[np.ndarray], float]] | None:
+    global _kernels, _tried, _fused
+    if not _tried:
+        _tried = True
+        try:
+            import numba
+
+            _kernels = {name: numba.njit(f"float64({name}[::1])", cache=True, nogil=True,
+                                         fastmath={"reassoc"})(_squares) for name in ("float32", "float64")}
+            _fused = numba.njit("Tuple((boolean, float64))(float32[::1], float32)", cache=True, nogil=True,
+                                fastmath={"reassoc"})(_unscale_squares_f32)  # the sums vectorise
+        except Exception:  # noqa: BLE001 - no numba, or it cannot compile here: the generic passes
+            _kernels = None
+    return _kernels
+
+
+def sum_of_squares(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The sum of squares of every value, a 0-d float64 array; no copy of float32/float64 gradients."""
+    kernels = _load()
+    total = 0.0
+    rest = []
+    for g in arrays:
+        kernel = None if kernels is None or not g.flags.c_contiguous else kernels.get(g.dtype.name)
+        if kernel is None:
+            rest.append(g)
+        elif g.size:
+            total += kernel(g.reshape(-1))
+    if rest:
+        from polyamp.grads import squared_norm  # loaded on first use, as `import polyamp` leaves it
+
+        total += float(squared_norm(rest))
+    return np.asarray(total, np.float64)
+
+
+def _fused_parts(x: np.ndarray, inv: np.float32) -> tuple[bool, float]:
+    """The fused kernel on flat ``x``, cut into parts on ``_numpy_kernels``' threads as its unscale
+    is (the parts' sums added in order)."""
+    from . import _numpy_kernels as k
+
+    workers = k.threads()
+    parts = min(workers, x.nbytes // k.PARALLEL_BYTES)
+    if parts < 2:
+        return _fused(x, inv)
+    from concurrent.futures import wait
+
+    step = -(-x.size // parts // 16) * 16
+    pool = k._executor(workers)
+    futures = [pool.submit(_fused, x[i:i + step], inv) for i in range(step, x.size, step)]
+    try:
+        bad, total = _fused(x[:step], inv)
+    finally:
+        wait(futures)  # never return while a thread still writes the gradient
+    for f in futures:
+        part_bad, part = f.result()
+        bad, total = bad or part_bad, total + part
+    return bad, total
+
+
+def unscale_and_squares(grads: Sequence[np.ndarray], inv: np.float32, found_inf: np.ndarray) -> np.ndarray:
+    """``_numpy_kernels.unscale_and_check_`` and :func:`sum_of_squares` of the results: fused for
+    contiguous writable float32 gradients on the compiled path, else the two passes."""
+    from . import _numpy_kernels as k
+
+    for g in grads:  # refused before any gradient changes, as the unfused kernel refuses them
+        k._check_dtype(g)
+        if not g.flags.writeable and not inv == 1.0:
+            raise ValueError("gradient is read-only")
+    fused = _load() is not None and _fused is not None and k._requested() == "compiled"
+    fused = fused and k.compiled_available()
+    total, bad, rest = 0.0, False, []
+    for g in grads:
+        if fused and g.dtype == np.float32 and g.flags.c_contiguous and g.flags.writeable and g.size:
+            part_bad, part = _fused_parts(g.reshape(-1), inv)
+            bad, total = bad or part_bad, total + part
+        else:
+            rest.append(g)
+    if rest:
+        k.unscale_and_check_(rest, np.asarray(inv), found_inf)
+        total += float(sum_of_squares(rest))
+    if bad:
+        found_inf[...] = 1.0
+    return np.asarray(total, np.float64)

@@ -1,0 +1,292 @@
+"""StepGuard through the shells: the torch facade (per optimizer), the paddle facade, the trainer.
+
+A guard-skipped step must equal not stepping at all: the weights and the scale state stay, and the
+run continues bit for bit as a run that left that step out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyamp import ConfigError, LossScaleConfig, MixedPrecisionTrainer, StepGuard
+from polyamp.optim import SGD
+
+SPIKE = 25
+GUARD = dict(loss_zscore=5.0, grad_norm_zscore=5.0, window=20, min_history=10)
+
+
+def _batches(n=40, seed=3):
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(n):
+        x = rng.standard_normal((16, 4)).astype(np.float32)
+        y = rng.standard_normal((16, 1)).astype(np.float32)
+        out.append((x, y * 100 if step == SPIKE else y))  # a corrupted batch: loss and norm spike
+    return out
+
+
+# -- the torch facade ---------------------------------------------------------------------------
+def _torch_run(guarded: bool, leave_out: int | None = None):
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = polyamp.GradScaler("cpu", init_scale=2.0**4, growth_interval=7,
+                                guard=StepGuard(**GUARD) if guarded else None)
+    reasons, scales = [], []
+    for step, (x, y) in enumerate(_batches()):
+        if step == leave_out:
+            continue
+        loss = ((model(torch.from_numpy(x)) - torch.from_numpy(y)) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reasons.append(scaler.last_skip_reason)
+        scales.append(scaler.get_scale())
+    return model, scaler, reasons, scales
+
+
+def test_torch_facade_a_guard_skip_equals_leaving_the_step_out():
+    torch = pytest.importorskip("torch")
+    model, scaler, reasons, scales = _torch_run(True)
+    assert reasons[SPIKE] == "grad_norm_spike" and reasons.count(None) == len(reasons) - 1
+    assert scaler.last_step_skipped is False and scaler.skipped_steps == 1
+    other, _, _, other_scales = _torch_run(False, leave_out=SPIKE)
+    for mine, theirs in zip(model.parameters(), other.parameters()):
+        assert torch.equal(mine, theirs)  # bitwise: the same arithmetic, one step left out
+    assert scales[:SPIKE] + scales[SPIKE + 1:] == other_scales  # growth progress held at the skip
+    assert len(scaler._engine.iteration.histories[0].loss) == GUARD["window"]
+
+
+def test_torch_facade_judges_each_optimizer_on_its_own_norm_and_sums_the_losses():
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    opts = [torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)]
+    scaler = polyamp.GradScaler("cpu", init_scale=8.0, guard=StepGuard(grad_norm_zscore=5.0, window=10,
+                                                                        min_history=5))
+    reasons = []
+    for step in range(12):
+        x = torch.ones(2, 3) * (1 + 0.01 * step)
+        factor = 1000.0 if step == 10 else 1.0  # b's gradients alone spike
+        first, second = a(x).sum(), b(x).sum() * factor
+        scaler.scale(first).backward()
+        scaler.scale(second).backward()  # two losses since update(): the guard sees their sum
+        row = []
+        for opt in opts:
+            scaler.step(opt)
+            row.append(scaler.last_skip_reason)
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+        reasons.append(row)
+        verdict = scaler._engine.iteration.last_verdict
+        assert verdict.loss == pytest.approx(first.item() + second.item(), rel=1e-6)
+    assert reasons[10] == [None, "grad_norm_spike"] and all(r == [None, None] for i, r in enumerate(reasons)
+                                                            if i != 10)
+    histories = scaler._engine.iteration.histories
+    assert set(histories) == {0, 1} and histories[0] != histories[1]  # each optimizer its own history
+    assert max(histories[1].grad_norm) < 10  # b's spike never entered it
+    sd = scaler.state_dict()
+    again = polyamp.GradScaler("cpu", guard=scaler._engine.guard)
+    again.load_state_dict(sd)
+    assert again._engine.iteration.histories == histories
+    plain = {k: v for k, v in sd.items() if k != "guard"}  # torch's own keys: empty histories
+    again.load_state_dict(plain)
+    assert again._engine.iteration.histories == {}
+
+
+def test_torch_facade_without_a_guard_reports_overflow_only():
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = polyamp.GradScaler("cpu", init_scale=4.0)
+    assert scaler.last_skip_reason is None
+    scaler.scale(p.sum()).backward()
+    p.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.last_skip_reason == "overflow"
+
+
+# -- the paddle facade --------------------------------------------------------------------------
+def _paddle_run(guarded: bool, leave_out: int | None = None):
+    paddle = pytest.importorskip("paddle")
+    from polyamp.compat.paddle import GradScaler
+
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 1)
+    opt = paddle.optimizer.SGD(learning_rate=0.05, parameters=model.parameters())
+    scaler = GradScaler(init_loss_scaling=2.0**4, incr_every_n_steps=7,
+                        guard=StepGuard(**GUARD) if guarded else None)
+    reasons, scales = [], []
+    for step, (x, y) in enumerate(_batches()):
+        if step == leave_out:
+            continue
+        loss = ((model(paddle.to_tensor(x)) - paddle.to_tensor(y)) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.clear_grad()
+        reasons.append(scaler.last_skip_reason)
+        scales.append(float(scaler.state_dict()["scale"][0]))
+    return model, scaler, reasons, scales
+
+
+def test_paddle_facade_a_guard_skip_equals_leaving_the_step_out():
+    model, scaler, reasons, scales = _paddle_run(True)
+    assert reasons[SPIKE] == "grad_norm_spike" and reasons.count(None) == len(reasons) - 1
+    other, _, _, other_scales = _paddle_run(False, leave_out=SPIKE)
+    for mine, theirs in zip(model.parameters(), other.parameters()):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    assert scales[:SPIKE] + scales[SPIKE + 1:] == other_scales
+    sd = scaler.state_dict()
+    assert len(sd["guard"]["loss"]) == GUARD["window"]
+    from polyamp.compat.paddle import GradScaler
+
+    again = GradScaler(guard=StepGuard(**GUARD))
+    again.load_state_dict(sd)
+    assert again.engine.guard_history == scaler.engine.guard_history
+
+
+# -- the trainer --------------------------------------------------------------------------------
+class Linear:
+    """``x @ w`` in float32 with its own backward (the trainer's ArrayModel)."""
+
+    def __init__(self) -> None:
+        from polyamp import Parameter
+
+        self.w = Parameter(np.full((4, 1), 0.1, np.float32))
+
+    def parameters(self):
+        return [self.w]
+
+    def forward(self, x, compute_dtype):
+        self.x = x.astype(np.float32)
+        return (self.x @ self.w.data).astype(compute_dtype)
+
+    def backward(self, grad_output):
+        self.w.grad[...] = self.x.T @ grad_output.astype(np.float32)
+
+
+def mse(output, target):
+    err = output.astype(np.float32) - target
+    return np.mean(err * err), 2 * err / err.size
+
+
+def _trainer_run(guarded: bool, leave_out: int | None = None, dtype: str = "float16"):
+    model = Linear()
+    config = LossScaleConfig(init_scale=2.0**8, growth_interval=7) if dtype == "float16" else \
+        LossScaleConfig(init_scale=1.0, dynamic=False)
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.05), dtype, config,
+                                    guard=StepGuard(**GUARD) if guarded else None)
+    metrics = [trainer.train_step(x, y, mse) for step, (x, y) in enumerate(_batches()) if step != leave_out]
+    return model, metrics
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_trainer_a_guard_skip_equals_leaving_the_step_out(dtype):
+    model, metrics = _trainer_run(True, dtype=dtype)
+    assert [m.reason for m in metrics].count(None) == len(metrics) - 1
+    assert metrics[SPIKE].skipped and metrics[SPIKE].reason == "grad_norm_spike"
+    other, other_metrics = _trainer_run(False, leave_out=SPIKE, dtype=dtype)
+    np.testing.assert_array_equal(model.w.data, other.w.data)
+    kept = [m.loss_scale for i, m in enumerate(metrics) if i != SPIKE]
+    assert kept == [m.loss_scale for m in other_metrics]
+
+
+def test_trainer_guard_needs_loss_scaling():
+    model = Linear()
+    with pytest.raises(ConfigError, match=r"guard=.*loss_scaling=True.*Fix: "):
+        MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "bfloat16", loss_scaling=False,
+                              guard=StepGuard(loss_zscore=3.0))
+
+
+def test_a_disabled_facade_takes_a_guard_and_does_nothing():
+    torch = pytest.importorskip("torch")
+    from polyamp.compat.paddle import GradScaler as PaddleGradScaler
+
+    import polyamp
+
+    scaler = polyamp.GradScaler("cpu", enabled=False, guard=StepGuard(loss_zscore=3.0))
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert p.tolist() == [0.5, 0.5] and scaler.last_skip_reason is None
+    assert not PaddleGradScaler(enable=False, guard=StepGuard(loss_zscore=3.0)).is_enable()
+
+
+def test_paddle_minimize_with_a_guard_skips_a_spike():
+    paddle = pytest.importorskip("paddle")
+    from polyamp.compat.paddle import AmpScaler
+
+    paddle.seed(0)
+    model = paddle.nn.Linear(4, 1)
+    opt = paddle.optimizer.SGD(learning_rate=0.05, parameters=model.parameters())
+    scaler = AmpScaler(init_loss_scaling=2.0**4, guard=StepGuard(max_grad_norm=50.0))
+    reasons = []
+    for x, y in _batches():
+        before = model.weight.numpy().copy()
+        loss = ((model(paddle.to_tensor(x)) - paddle.to_tensor(y)) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.minimize(opt, scaler.scale(loss) * 0)  # paddle's minimize(optimizer, loss) call shape
+        opt.clear_grad()
+        reasons.append(scaler.last_skip_reason)
+        if reasons[-1] is not None:
+            np.testing.assert_array_equal(before, model.weight.numpy())  # nothing applied
+    assert reasons[SPIKE] == "grad_norm_limit" and reasons.count(None) == len(reasons) - 1
+
+
+def test_a_pickled_engine_keeps_its_guard_and_histories():
+    import pickle
+
+    from polyamp import LossScaler
+
+    scaler = LossScaler(guard=StepGuard(grad_norm_zscore=3.0, window=4, min_history=2))
+    for value in (0.5, 0.25, 1.0):
+        scaler.step([np.full(2, value * 65536, np.float32)], lambda: None)
+        scaler.update()
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.guard == scaler.guard and copy.guard_history == scaler.guard_history
+    assert copy.guard_history.streak == 1 and len(copy.guard_history.grad_norm) == 2  # the third: a spike
+
+
+def test_the_facades_refuse_a_loss_guard_without_a_scaled_loss():
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler = polyamp.GradScaler("cpu", init_scale=4.0, guard=StepGuard(loss_zscore=3.0))
+    scaler.scale(torch.ones(3))  # three values: no loss is recorded (the state exists now)
+    p.grad = torch.full((2,), 4.0)
+    with pytest.raises(TypeError, match=r"GradScaler.step\(\) got no loss.*Fix: scale the loss"):
+        scaler.step(opt)
+    assert p.grad.tolist() == [4.0, 4.0] and p.tolist() == [1.0, 1.0]  # nothing unscaled or applied
+
+
+def test_a_fused_optimizer_is_judged_by_the_guard_too():
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.Adam([p], lr=0.1, fused=True)  # takes grad_scale/found_inf itself without a guard
+    scaler = polyamp.GradScaler("cpu", init_scale=4.0, guard=StepGuard(max_grad_norm=10.0))
+    for value, expected in ((1.0, None), (100.0, "grad_norm_limit")):
+        before = p.detach().clone()
+        scaler.scale((p * value).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert scaler.last_skip_reason == expected
+        assert torch.equal(before, p.detach()) is (expected is not None)
