@@ -129,6 +129,14 @@ def _fused_parts(x: np.ndarray, inv: np.float32) -> tuple[bool, float]:
     return bad, total
 
 
+def fused_available() -> bool:
+    """Whether the compiled fused kernel runs here (numba, and the compiled NumPy kernels requested)."""
+    from . import _numpy_kernels as k
+
+    return (_load() is not None and _fused is not None and k._requested() == "compiled"
+            and k.compiled_available())
+
+
 def unscale_and_squares(grads: Sequence[np.ndarray], inv: np.float32, found_inf: np.ndarray) -> np.ndarray:
     """``_numpy_kernels.unscale_and_check_`` and :func:`sum_of_squares` of the results: fused for
     contiguous writable float32 gradients on the compiled path, else the two passes."""
@@ -138,8 +146,7 @@ def unscale_and_squares(grads: Sequence[np.ndarray], inv: np.float32, found_inf:
         k._check_dtype(g)
         if not g.flags.writeable and not inv == 1.0:
             raise ValueError("gradient is read-only")
-    fused = _load() is not None and _fused is not None and k._requested() == "compiled"
-    fused = fused and k.compiled_available()
+    fused = fused_available()
     total, bad, rest = 0.0, False, []
     for g in grads:
         if fused and g.dtype == np.float32 and g.flags.c_contiguous and g.flags.writeable and g.size:

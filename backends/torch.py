@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
+
 from polyamp._errors import install_hint
 from polyamp._hookspecs import hookimpl
 from polyamp._inputs import refuse_meta
@@ -132,6 +134,36 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
             torch.maximum(found_inf, flag.to(home, non_blocking=True), out=found_inf)
     finally:
         torch._C._set_grad_enabled(grad_mode)
+
+
+@hookimpl
+def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any:
+    """Unscale and a StepGuard's sum of squares: float32 CPU gradients in ONE pass over each (the
+    NumPy backend's compiled kernel on their memory: the same float32 products as torch's kernel,
+    so the gradients end bitwise as :func:`unscale_and_check` leaves them); else the two passes."""
+    torch = _torch()
+    views = _numpy_views(torch, grads, found_inf)
+    if views is not None:
+        from . import _numpy_squares
+
+        inv = np.float32(inverse_scale(scale).item())  # a CPU scalar: no sync
+        return torch.from_numpy(_numpy_squares.unscale_and_squares(views, inv, found_inf.numpy()))
+    unscale_and_check(grads, scale, found_inf)
+    return sum_of_squares(grads)
+
+
+def _numpy_views(torch: Any, grads: Sequence[Any], found_inf: Any) -> list[Any] | None:
+    """NumPy views of plain, contiguous float32 CPU gradients when the compiled fused kernel can run
+    on them all, else None (other dtypes, devices, layouts or tensor subclasses: torch's passes)."""
+    from . import _numpy_squares
+
+    if not grads or found_inf.device.type != "cpu" or not _numpy_squares.fused_available():
+        return None
+    for g in grads:
+        if (type(g) is not torch.Tensor or g.dtype != torch.float32 or g.device.type != "cpu"
+                or g.layout != torch.strided or not g.is_contiguous()):
+            return None
+    return [g.detach().numpy() for g in grads]
 
 
 #: Values squared at a time into a reused scratch buffer (4 MiB of float32 per device and dtype).

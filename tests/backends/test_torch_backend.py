@@ -242,3 +242,33 @@ def test_update_scale_agrees_with_torchs_own_update(backend, torch_amp_update, i
         got = HostState(state.scale.item(), state.growth_tracker.item(), state.backoff_tracker.item())
         assert np.float32(got.scale).view(np.uint32) == np.float32(want.scale).view(np.uint32), found
         assert got[1:] == want[1:]
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "strided", "inf"])
+def test_unscale_and_squares_leaves_gradients_as_the_unscale_does(backend, kind):
+    """The StepGuard's fused hook: float32 CPU gradients go through the NumPy backend's one-pass
+    kernel on their memory (when numba is there), the rest through torch's two passes; either way
+    the gradients end bitwise as unscale_and_check leaves them, the flag is the same, and the sum
+    of squares is that of the unscaled values (float64 adds of float32 squares: far below 1e-6)."""
+    rng = np.random.default_rng(3)
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    base = [torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 1024).to(dtype) for n in (5, 3000)]
+    if kind == "strided":
+        base = [torch.from_numpy(rng.standard_normal((40, 30)).astype(np.float32)).t()]
+    if kind == "inf":
+        base[1][7] = float("inf")
+    fused, plain = [g.clone() for g in base], [g.clone() for g in base]
+    if kind == "strided":
+        fused, plain = [g.t().clone().t() for g in base], [g.t().clone().t() for g in base]
+    scale = torch.tensor(1024.0)
+    flag_fused, flag_plain = torch.zeros(()), torch.zeros(())
+    total = backend.unscale_and_squares(fused, scale, flag_fused)
+    backend.unscale_and_check(plain, scale, flag_plain)
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert float(flag_fused) == float(flag_plain) == (1.0 if kind == "inf" else 0.0)
+    want = math.fsum(float(v) ** 2 for g in plain for v in g.double().reshape(-1))
+    assert total.dtype == torch.float64
+    if kind == "inf":
+        assert math.isinf(float(total))
+    else:
+        assert float(total) == pytest.approx(want, rel=1e-6)
