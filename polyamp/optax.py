@@ -9,6 +9,7 @@ and moves the scale: :mod:`polyamp.functional` under the hood, branch-free, so i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -62,7 +63,7 @@ def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | N
 
 def current_scale(opt_state: Any) -> Any:
     """The scale (a 0-d float32 array) to multiply the loss by, from :func:`loss_scaled`'s state
-    (also inside an ``optax.chain``'s state)."""
+    (also inside the state of ``optax.chain``, ``named_chain``, ``multi_transform``, ``MultiSteps``)."""
     found = _find(opt_state)
     if found is None:
         raise TypeError(
@@ -76,8 +77,8 @@ def current_scale(opt_state: Any) -> Any:
 def _find(state: Any) -> LossScaledState | None:
     if isinstance(state, LossScaledState):
         return state
-    if isinstance(state, (tuple, list)):
-        for part in state:
+    if isinstance(state, (tuple, list, Mapping)):  # chain, MultiSteps; named_chain, multi_transform
+        for part in state.values() if isinstance(state, Mapping) else state:
             found = _find(part)
             if found is not None:
                 return found
