@@ -34,3 +34,34 @@ def test_where_finite_still_maps_non_string_keys_and_none_in_both():
     old = {1: np.zeros(2), (2, 3): (np.zeros(1), None)}
     kept = F.where_finite(SKIP, new, old)
     assert kept[1].tolist() == [0.0, 0.0] and kept[(2, 3)][0].tolist() == [0.0] and kept[(2, 3)][1] is None
+
+
+def test_arrays_of_another_library_than_the_state_are_refused_by_name():
+    """A NumPy flag with torch parameters came back as NumPy arrays; a NumPy state with torch
+    gradients (and the reverse) failed deep inside torch with an unrelated message."""
+    torch = pytest.importorskip("torch")
+    from polyamp import ForeignArrayError
+
+    numpy_state, torch_state = F.init(), F.init(like=torch.ones(1))
+    calls = {
+        "unscale torch grads, numpy state": lambda: F.unscale(numpy_state, [torch.ones(2)]),
+        "unscale numpy grads, torch state": lambda: F.unscale(torch_state, [np.ones(2, np.float32)]),
+        "scale a torch loss, numpy state": lambda: F.scale(numpy_state, torch.ones(())),
+        "where_finite numpy flag, torch trees":
+            lambda: F.where_finite(SKIP, [torch.ones(2)], [torch.zeros(2)]),
+        "update torch state, numpy flag": lambda: F.update(torch_state, SKIP),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ForeignArrayError, match="Fix: build the state on the arrays' library"):
+            call()
+        assert what
+    grads, found = F.unscale(torch_state, [torch.full((2,), 65536.0)])  # one library: unchanged
+    assert grads[0].tolist() == [1.0, 1.0] and isinstance(found, torch.Tensor)
+    assert F.update(torch_state, 1.0).scale.item() == 32768.0  # a Python flag is still taken
+
+
+def test_numpy_leaves_are_still_taken_under_jax():
+    jnp = pytest.importorskip("jax.numpy")
+    state = F.init(like=jnp.ones(1))
+    grads, found = F.unscale(state, [np.full(2, 65536.0, np.float32)])
+    assert float(grads[0][0]) == 1.0 and float(found) == 0.0
