@@ -255,3 +255,23 @@ def test_host_rule_backoff_below_the_floor_lands_on_it(product_dtype):
     assert state.scale == 1.5 * 2.0**-126  # normal: kept as the product
     assert next_host_state(HostState(1.5 * 2.0**-126), True, config).scale == 2.0**-126
     assert next_host_state(HostState(2.0**-126), True, config).scale == 2.0**-126
+
+
+@pytest.mark.parametrize("rule", ["torch", "paddle", "megatron", "deepspeed"])
+def test_a_state_past_the_configs_limits_backs_off_and_grows_instead_of_sticking(rule):
+    """A state made under longer intervals and updated under shorter ones (polyamp.functional takes
+    any state): with ``==`` its trackers passed the limit and never met it again, so overflows never
+    backed the scale off (every step skipped for ever) and it never grew."""
+    from polyamp import functional as F
+
+    config = LossScaleConfig(rule=rule, backoff_interval=2, growth_interval=5)
+    past = LossScaleState(np.asarray(np.float32(1024.0)), np.asarray(np.int32(0)), np.asarray(np.int32(3)))
+    overflow, finite = np.ones((), np.float32), np.zeros((), np.float32)
+    backed = F.update(past, overflow, config)
+    assert float(backed.scale) == 512.0
+    assert next_host_state(HostState(1024.0, 0, 3), True, config).scale == 512.0
+    delay = polyamp.policy.rule_params(config).growth_delay
+    long_past = LossScaleState(past.scale, np.asarray(np.int32(9)), np.asarray(np.int32(0)))
+    grown = F.update(long_past, finite, config)
+    assert float(grown.scale) == 2048.0 and int(grown.growth_tracker) == delay
+    assert next_host_state(HostState(1024.0, 9, 0), False, config) == HostState(2048.0, delay, 0)
