@@ -137,6 +137,18 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
     return HostState(scale, growth, backoff)
 
 
+#: The int32 trackers' largest value: a limit past it is never reached.
+_TRACKER_MAX = 2**31 - 1
+
+
+def _reaches(tracker: Any, limit: int) -> Any:
+    """``tracker >= limit`` (>=: see :func:`next_host_state`); never for a limit past int32's range,
+    which torch would wrap to int32 before comparing (2**32 + 3 compared as 3)."""
+    if limit > _TRACKER_MAX:
+        return tracker != tracker  # all False, as the tracker's bool array
+    return tracker >= limit
+
+
 def next_state(
     state: LossScaleState, found_inf: Any, config: LossScaleConfig, xp: Any, *, products: str | None = None
 ) -> LossScaleState:
@@ -155,8 +167,8 @@ def next_state(
     zeros = xp.zeros_like(backoff)
     counted = backoff + 1
     growth_next = growth + 1
-    do_backoff = found & (counted >= config.backoff_interval)  # >=: see next_host_state
-    do_grow = ~found & (growth_next >= config.growth_interval + params.growth_delay)
+    do_backoff = found & _reaches(counted, config.backoff_interval)
+    do_grow = ~found & _reaches(growth_next, config.growth_interval + params.growth_delay)
 
     wide = xp.float32 if (products or config.products) == "float32" else xp.float64
     scale_w = xp.astype(scale, wide)

@@ -275,3 +275,25 @@ def test_a_state_past_the_configs_limits_backs_off_and_grows_instead_of_sticking
     grown = F.update(long_past, finite, config)
     assert float(grown.scale) == 2048.0 and int(grown.growth_tracker) == delay
     assert next_host_state(HostState(1024.0, 9, 0), False, config) == HostState(2048.0, delay, 0)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "paddle"])
+def test_an_interval_past_int32_is_never_reached_on_any_backend(backend):
+    """torch compared the int32 trackers with the interval wrapped to int32: growth_interval=2**32 + 3
+    grew the scale after 3 steps (and ``>=`` with 2**63 - 1 after every step)."""
+    lib = pytest.importorskip(backend)
+    makers = {"torch": lambda: lib.ones(2), "paddle": lambda: lib.ones([2])}
+    make = makers.get(backend, lambda: np.ones(2, "f4"))
+    for interval in (2**31, 2**32 + 3, 2**63 - 1):
+        for rule in ("torch", "megatron", "deepspeed"):
+            config = LossScaleConfig(growth_interval=interval, backoff_interval=2, rule=rule)
+            scaler = polyamp.LossScaler(config, backend=backend)
+            for _ in range(6):
+                scaler.step([make()], lambda: None)
+                scaler.update()
+            assert scaler.get_scale() == 2.0**16, (backend, interval, rule)
+            scaler.step([make() * np.inf], lambda: None)
+            scaler.update()
+            scaler.step([make() * np.inf], lambda: None)
+            scaler.update()  # backoff_interval=2 is still reached: the second overflow backs off
+            assert scaler.get_scale() == 2.0**15, (backend, interval, rule)
