@@ -36,10 +36,13 @@ _INT32_MAX = 2**31 - 1
 def init(config: LossScaleConfig | None = None, *, like: Any = None) -> LossScaleState:
     """The first state: scale ``config.init_scale`` (float32), trackers 0 (int32), as 0-d arrays.
 
-    On ``like``'s library and device; without ``like``, on the backend ``POLYAMP_BACKEND`` names,
+    On ``like``'s library and device (an array, or a pytree such as the parameters: its first leaf);
+    without ``like``, on the backend ``POLYAMP_BACKEND`` names,
     else NumPy.
     """
     config = config_or_default(config)
+    if isinstance(like, (dict, list, tuple)):  # a pytree (the parameters): its first array
+        like = next(iter(_pytree.leaves(like)), None)  # (the NumPy default took a list of tensors)
     if like is not None:
         backend = _registry.backend_for_array(like)
     else:

@@ -65,3 +65,13 @@ def test_numpy_leaves_are_still_taken_under_jax():
     state = F.init(like=jnp.ones(1))
     grads, found = F.unscale(state, [np.full(2, 65536.0, np.float32)])
     assert float(grads[0][0]) == 1.0 and float(found) == 0.0
+
+
+def test_init_like_a_pytree_follows_its_first_array():
+    """init(like=params) with a list (or tuple) of torch tensors made a NumPy state, and a dict of
+    them raised ForeignArrayError: a pytree now stands for its first leaf."""
+    torch = pytest.importorskip("torch")
+    for like in ([torch.ones(2)], (None, torch.ones(2)), {"w": torch.ones(2)}):
+        state = F.init(like=like)
+        assert isinstance(state.scale, torch.Tensor) and state.scale.dtype == torch.float32
+    assert isinstance(F.init(like=[]).scale, np.ndarray)  # no leaf: the default library
