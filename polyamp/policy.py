@@ -122,7 +122,7 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
         growth, backoff = 0, backoff + 1
         if backoff >= config.backoff_interval:  # >=: a state past the limit is spent, not stuck
             scale = max(_product(scale, config.backoff_factor, config), scale_floor(config))
-            backoff = config.backoff_interval - 1 if params.keeps_count else 0
+            backoff = backoff - 1 if params.keeps_count else 0  # spent: the count stays (interval - 1)
         return HostState(scale, growth, backoff)
     growth = growth + 1
     if params.finite_refills:

@@ -268,8 +268,12 @@ def test_a_state_past_the_configs_limits_backs_off_and_grows_instead_of_sticking
     past = LossScaleState(np.asarray(np.float32(1024.0)), np.asarray(np.int32(0)), np.asarray(np.int32(3)))
     overflow, finite = np.ones((), np.float32), np.zeros((), np.float32)
     backed = F.update(past, overflow, config)
-    assert float(backed.scale) == 512.0
-    assert next_host_state(HostState(1024.0, 0, 3), True, config).scale == 512.0
+    host = next_host_state(HostState(1024.0, 0, 3), True, config)
+    assert float(backed.scale) == host.scale == 512.0
+    assert int(backed.backoff_tracker) == host.backoff_tracker  # the device and the host agree
+    again = F.update(backed, overflow, config)  # megatron/deepspeed: spent, backs off again
+    spent = polyamp.policy.rule_params(config).keeps_count
+    assert float(again.scale) == next_host_state(host, True, config).scale == (256.0 if spent else 512.0)
     delay = polyamp.policy.rule_params(config).growth_delay
     long_past = LossScaleState(past.scale, np.asarray(np.int32(9)), np.asarray(np.int32(0)))
     grown = F.update(long_past, finite, config)
