@@ -48,11 +48,9 @@ def init(config: LossScaleConfig | None = None, *, like: Any = None) -> LossScal
     else:
         name, source = _registry.requested_backend(None)
         backend = _registry.get_backend(name or _registry.DEFAULT_BACKEND, source or "default")
-    return LossScaleState(
-        backend.full(float(config.init_scale), "float32", like),
-        backend.full(0, "int32", like),
-        backend.full(0, "int32", like),
-    )
+    scale = backend.full(float(config.init_scale), "float32", like)
+    _namespace(scale)  # a library the other functions cannot work with is refused here
+    return LossScaleState(scale, backend.full(0, "int32", like), backend.full(0, "int32", like))
 
 
 def scale(state: LossScaleState, loss: Any) -> Any:
@@ -133,6 +131,13 @@ def _namespace(array: Any) -> Any:
     try:
         return array_api_compat.array_namespace(array)
     except TypeError:
+        if hasattr(array, "dtype"):  # an array of a library with no array-API namespace (paddle)
+            raise ForeignArrayError(
+                f"polyamp.functional needs an array-API library (NumPy, torch, CuPy, JAX, "
+                f"array-api-strict); {type(array).__module__}.{type(array).__name__} has no array-API "
+                "namespace. Fix: use the stateful polyamp.LossScaler (or polyamp.compat.paddle's "
+                "GradScaler) for these arrays"
+            ) from None
         raise TypeError(
             f"polyamp.functional expects the state's 0-d arrays, got a "
             f"{type(array).__module__}.{type(array).__name__}. Fix: make the state with "

@@ -75,3 +75,13 @@ def test_init_like_a_pytree_follows_its_first_array():
         state = F.init(like=like)
         assert isinstance(state.scale, torch.Tensor) and state.scale.dtype == torch.float32
     assert isinstance(F.init(like=[]).scale, np.ndarray)  # no leaf: the default library
+
+
+def test_paddle_arrays_are_refused_at_init_with_the_stateful_alternative():
+    """init(like=a paddle tensor) made a state that every other function refused with 'expects
+    the state's 0-d arrays, got a paddle.Tensor' (which it was): paddle has no array-API namespace."""
+    paddle = pytest.importorskip("paddle")
+    from polyamp import ForeignArrayError
+
+    with pytest.raises(ForeignArrayError, match=r"paddle.*no array-API namespace.*Fix: use the stateful"):
+        F.init(like=paddle.ones([2]))
