@@ -101,7 +101,10 @@ def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None
 
 def where_finite(found_inf: Any, new: Any, old: Any) -> Any:
     """Per leaf, ``new`` where ``found_inf`` is 0, else ``old``: a skipped step without a branch
-    (for parameters and optimizer state; ``new`` and ``old`` have the same structure)."""
+    (for parameters and optimizer state; ``new`` and ``old`` have the same structure). ``found_inf``
+    is :func:`unscale`'s flag, or a Python bool or number (a decision already on the host)."""
+    if isinstance(found_inf, (bool, int, float)):  # a host flag (update takes one too): no array op
+        return _pytree.tree_map(lambda n, o: o if found_inf else n, new, old)
     xp = _namespace(found_inf)
     skip = found_inf != 0
 

@@ -85,3 +85,12 @@ def test_paddle_arrays_are_refused_at_init_with_the_stateful_alternative():
 
     with pytest.raises(ForeignArrayError, match=r"paddle.*no array-API namespace.*Fix: use the stateful"):
         F.init(like=paddle.ones([2]))
+
+
+def test_where_finite_takes_a_host_flag_as_update_does():
+    """where_finite(0.0, ...) raised 'expects the state's 0-d arrays, got a builtins.float'."""
+    new, old = {"w": np.ones(2)}, {"w": np.zeros(2)}
+    assert F.where_finite(1.0, new, old)["w"] is old["w"] and F.where_finite(True, new, old)["w"] is old["w"]
+    assert F.where_finite(0, new, old)["w"] is new["w"]
+    with pytest.raises(ValueError, match="differ in structure"):
+        F.where_finite(False, [new["w"]], old)
