@@ -36,7 +36,8 @@ def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | N
 
     ``update(grads, state, params)`` takes the gradients of the loss times
     :func:`current_scale`; on an overflow the updates are zeros and the inner state is kept.
-    Extra keyword arguments (``value=`` for ``reduce_on_plateau``, line searches) go to ``inner``.
+    Extra keyword arguments (``value=`` for ``reduce_on_plateau``, line searches) go to ``inner``
+    as given: pass the unscaled loss as ``value``, since the scale moves.
     ``config`` is a :class:`polyamp.LossScaleConfig` (torch's defaults when None).
     """
     config = functional.config_or_default(config)
