@@ -255,7 +255,7 @@ def torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
             backoff_interval=backoff_interval, min_scale=min_scale, max_scale=max_scale,
         )
     except ConfigError as exc:
-        raise TorchConfigError(f"{exc}. Fix: pass a valid value to GradScaler(...)") from None
+        raise TorchConfigError(f"{exc} (in GradScaler(...))") from None
 
 
 def _as_float(value: Any) -> Any:

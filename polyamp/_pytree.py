@@ -21,7 +21,10 @@ def _registered_node(tree: Any) -> bool:
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
-    """``fn`` applied leaf by leaf to ``tree`` and the trees of the same structure in ``rest``."""
+    """``fn`` applied leaf by leaf to ``tree`` and the trees of the same structure in ``rest``
+    (a different structure is refused: zip would silently drop or broadcast parts)."""
+    for other in rest:
+        _check_same_node(tree, other)
     if isinstance(tree, dict):
         return type(tree)((k, tree_map(fn, v, *(r[k] for r in rest))) for k, v in tree.items())
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple (optax states)
@@ -35,6 +38,33 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     if _registered_node(tree):
         return sys.modules["jax"].tree_util.tree_map(fn, tree, *rest)
     return fn(tree, *rest)
+
+
+def _node(tree: Any) -> tuple[Any, ...]:
+    """What must match between trees mapped together: the container kind and its keys or length."""
+    if isinstance(tree, dict):
+        return ("dict", set(tree))
+    if isinstance(tree, (list, tuple)):
+        return (type(tree).__name__ if hasattr(tree, "_fields") else "sequence", len(tree))
+    return ("None",) if tree is None else ("leaf",)
+
+
+def _check_same_node(tree: Any, other: Any) -> None:
+    mine, theirs = _node(tree), _node(other)
+    if mine != theirs:
+        raise ValueError(
+            f"the pytrees mapped together differ in structure: {_describe(tree)} against "
+            f"{_describe(other)}. Fix: pass trees of the same structure (the same dict keys, "
+            "sequence lengths, None and array leaves), e.g. where_finite(found_inf, new_params, params)"
+        )
+
+
+def _describe(tree: Any) -> str:
+    if isinstance(tree, dict):
+        return f"a {type(tree).__name__} with keys {sorted(map(repr, tree))}"
+    if isinstance(tree, (list, tuple)):
+        return f"a {type(tree).__name__} of {len(tree)}"
+    return "None" if tree is None else f"a leaf ({type(tree).__name__})"
 
 
 def leaves(tree: Any) -> list[Any]:

@@ -60,12 +60,14 @@ class LossScaleConfig:
         _check_number("growth_factor", self.growth_factor)
         if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
             raise ConfigError(
-                f"growth_factor must be a finite number > 1, got growth_factor={self.growth_factor!r}"
+                f"growth_factor must be a finite number > 1, got growth_factor={self.growth_factor!r}. "
+                "Fix: pass e.g. growth_factor=2.0"
             )
         _check_number("backoff_factor", self.backoff_factor)
         if not 0.0 < self.backoff_factor < 1.0:
             raise ConfigError(
-                f"backoff_factor must be in (0, 1), got backoff_factor={self.backoff_factor!r}"
+                f"backoff_factor must be in (0, 1), got backoff_factor={self.backoff_factor!r}. "
+                "Fix: pass e.g. backoff_factor=0.5"
             )
         _check_interval("growth_interval", self.growth_interval)
         _check_interval("backoff_interval", self.backoff_interval)
@@ -80,14 +82,17 @@ class LossScaleConfig:
         ):
             raise ConfigError(
                 f"min_scale must be <= max_scale, got min_scale={self.min_scale!r} "
-                f"and max_scale={self.max_scale!r}"
+                f"and max_scale={self.max_scale!r}. Fix: pass a min_scale no larger than max_scale, "
+                "or leave one of them None"
             )
         if not isinstance(self.dynamic, bool):
-            raise ConfigError(f"dynamic must be True or False, got dynamic={self.dynamic!r}")
+            raise ConfigError(f"dynamic must be True or False, got dynamic={short_repr(self.dynamic)}. "
+                              "Fix: pass dynamic=True (the scale moves) or dynamic=False (a fixed scale)")
         if self.product_dtype not in (None, "float64", "float32"):
             raise ConfigError(
                 "product_dtype must be None (the rule's own), 'float64' (torch) or 'float32' "
-                f"(paddle), got product_dtype={self.product_dtype!r}"
+                f"(paddle), got product_dtype={short_repr(self.product_dtype)}. Fix: leave product_dtype "
+                "unset (None), or pass product_dtype='float64' or 'float32'"
             )
         _check_rule(self)
 
@@ -111,7 +116,8 @@ class LossScaleConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(
-                f"unknown LossScaleConfig field(s) {unknown}; expected some of {sorted(known)}"
+                f"unknown LossScaleConfig field(s) {unknown}; expected some of {sorted(known)}. "
+                "Fix: drop or rename those keys (a dict from LossScaleConfig.to_dict() has only known ones)"
             )
         return cls(**data)
 
@@ -133,7 +139,8 @@ def _check_rule(config: LossScaleConfig) -> None:
     for name in ("consecutive_hysteresis", "raise_error_at_min_scale"):
         value = getattr(config, name)
         if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True or False, got {name}={short_repr(value)}")
+            raise ConfigError(f"{name} must be True or False, got {name}={short_repr(value)}. "
+                              f"Fix: pass {name}=True or {name}=False")
         if value and config.rule != "deepspeed":
             raise ConfigError(
                 f"{name} is DeepSpeed's option, got {name}=True with rule={config.rule!r}. "
@@ -182,9 +189,14 @@ def _plain(value: Any, integral: bool) -> Any:
     return value
 
 
+#: The example value each message suggests (the defaults).
+_EXAMPLES = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "backoff_interval": 1}
+
+
 def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a real number, got {name}={value!r}")
+        raise ConfigError(f"{name} must be a real number, got {name}={short_repr(value)}. "
+                          f"Fix: pass a float, e.g. {name}={_EXAMPLES.get(name, 2.0)!r}")
 
 
 def check_scale(name: str, value: Any, error: type[Exception] = ConfigError) -> float:
@@ -194,7 +206,8 @@ def check_scale(name: str, value: Any, error: type[Exception] = ConfigError) -> 
     and then turn gradients into inf or NaN; it is refused where it enters.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise error(f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})")
+        raise error(f"{name} must be a real number, got {name}={short_repr(value)} ({type(value).__name__}). "
+                    f"Fix: pass a float, e.g. {name}=65536.0")
     try:
         number = float(value)
     except OverflowError:  # an int beyond float64, e.g. 10**400
@@ -202,7 +215,7 @@ def check_scale(name: str, value: Any, error: type[Exception] = ConfigError) -> 
     if not (math.isfinite(number) and SCALE_FLOOR <= number <= SCALE_CEILING):
         raise error(
             f"{name} must be a positive normal float32 value, between 2**-126 (~1.18e-38) and "
-            f"~3.40e38, got {name}={short_repr(value)}; pass e.g. {name}=65536.0"
+            f"~3.40e38, got {name}={short_repr(value)}. Fix: pass e.g. {name}=65536.0"
         )
     return number
 
@@ -213,7 +226,8 @@ INTERVAL_LIMIT = 2**63
 
 def _check_interval(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {name}={short_repr(value)}")
+        raise ConfigError(f"{name} must be an int >= 1, got {name}={short_repr(value)}. "
+                          f"Fix: pass a whole number of steps, e.g. {name}={_EXAMPLES[name]}")
     if value >= INTERVAL_LIMIT:
         raise ConfigError(
             f"{name} must be an int below 2**63 (the device compares it as int64), got {name}="

@@ -23,7 +23,7 @@ from typing import Any
 import array_api_compat
 
 from . import _pytree, _registry
-from ._errors import ConfigError
+from ._errors import ConfigError, ForeignArrayError
 from .config import LossScaleConfig
 from .policy import LossScaleState, next_state
 
@@ -36,20 +36,21 @@ _INT32_MAX = 2**31 - 1
 def init(config: LossScaleConfig | None = None, *, like: Any = None) -> LossScaleState:
     """The first state: scale ``config.init_scale`` (float32), trackers 0 (int32), as 0-d arrays.
 
-    On ``like``'s library and device; without ``like``, on the backend ``POLYAMP_BACKEND`` names,
+    On ``like``'s library and device (an array, or a pytree such as the parameters: its first leaf);
+    without ``like``, on the backend ``POLYAMP_BACKEND`` names,
     else NumPy.
     """
     config = config_or_default(config)
+    if isinstance(like, (dict, list, tuple)):  # a pytree (the parameters): its first array
+        like = next(iter(_pytree.leaves(like)), None)  # (the NumPy default took a list of tensors)
     if like is not None:
         backend = _registry.backend_for_array(like)
     else:
         name, source = _registry.requested_backend(None)
         backend = _registry.get_backend(name or _registry.DEFAULT_BACKEND, source or "default")
-    return LossScaleState(
-        backend.full(float(config.init_scale), "float32", like),
-        backend.full(0, "int32", like),
-        backend.full(0, "int32", like),
-    )
+    scale = backend.full(float(config.init_scale), "float32", like)
+    _namespace(scale)  # a library the other functions cannot work with is refused here
+    return LossScaleState(scale, backend.full(0, "int32", like), backend.full(0, "int32", like))
 
 
 def scale(state: LossScaleState, loss: Any) -> Any:
@@ -72,6 +73,7 @@ def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tupl
     inv = xp.astype(1.0 / xp.astype(state.scale, xp.float64 if has_f64 else xp.float32), xp.float32)
     bad = None
     for leaf in _pytree.leaves(grads):  # one reduction per gradient; XLA fuses them under jit
+        _check_library(xp, leaf, "gradients")
         leaf_bad = xp.any(~xp.isfinite(leaf))
         bad = leaf_bad if bad is None else bad | leaf_bad
     found_inf = xp.zeros_like(state.scale) if bad is None else xp.astype(bad, xp.float32)
@@ -87,6 +89,9 @@ def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None
     branch-free, on the device. ``found_inf`` is :func:`unscale`'s flag."""
     config = config_or_default(config)
     xp = _namespace(state.scale)
+    _check_library(xp, found_inf, "found_inf")
+    if isinstance(found_inf, (bool, int, float)):  # a host flag: a 0-d array beside the state
+        found_inf = xp.zeros_like(state.scale) + float(found_inf)  # (torch's where refuses a bool)
     has_f64, has_i64 = _wide_kinds(xp)
     if not has_i64:  # JAX without x64 (torch, NumPy and CuPy use config as it is)
         _check_intervals(config)
@@ -96,10 +101,19 @@ def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None
 
 def where_finite(found_inf: Any, new: Any, old: Any) -> Any:
     """Per leaf, ``new`` where ``found_inf`` is 0, else ``old``: a skipped step without a branch
-    (for parameters and optimizer state; ``new`` and ``old`` have the same structure)."""
+    (for parameters and optimizer state; ``new`` and ``old`` have the same structure). ``found_inf``
+    is :func:`unscale`'s flag, or a Python bool or number (a decision already on the host)."""
+    if isinstance(found_inf, (bool, int, float)):  # a host flag (update takes one too): no array op
+        return _pytree.tree_map(lambda n, o: o if found_inf else n, new, old)
     xp = _namespace(found_inf)
     skip = found_inf != 0
-    return _pytree.tree_map(lambda n, o: xp.where(skip, o, n), new, old)
+
+    def pick(n: Any, o: Any) -> Any:
+        _check_library(xp, n, "new")
+        _check_library(xp, o, "old")
+        return xp.where(skip, o, n)
+
+    return _pytree.tree_map(pick, new, old)
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -120,11 +134,38 @@ def _namespace(array: Any) -> Any:
     try:
         return array_api_compat.array_namespace(array)
     except TypeError:
+        if hasattr(array, "dtype"):  # an array of a library with no array-API namespace (paddle)
+            raise ForeignArrayError(
+                f"polyamp.functional needs an array-API library (NumPy, torch, CuPy, JAX, "
+                f"array-api-strict); {type(array).__module__}.{type(array).__name__} has no array-API "
+                "namespace. Fix: use the stateful polyamp.LossScaler (or polyamp.compat.paddle's "
+                "GradScaler) for these arrays"
+            ) from None
         raise TypeError(
             f"polyamp.functional expects the state's 0-d arrays, got a "
             f"{type(array).__module__}.{type(array).__name__}. Fix: make the state with "
             "polyamp.functional.init(config, like=...)"
         ) from None
+
+
+def _check_library(xp: Any, array: Any, what: str) -> None:
+    """Refuse an array of another library than the state's (or the flag's): torch and NumPy mixed
+    raised deep inside the library, or came back silently as the other library's arrays. Python
+    numbers pass, and NumPy arrays under JAX (which takes them everywhere)."""
+    if isinstance(array, (int, float, bool)) or array is None:
+        return
+    try:
+        mine = array_api_compat.array_namespace(array)
+    except TypeError:
+        return  # not an array: the caller says what it needs
+    if mine is xp or (mine.__name__.endswith(".numpy") and xp.__name__.startswith("jax")):
+        return
+    raise ForeignArrayError(
+        f"polyamp.functional got {what} of {mine.__name__} ({type(array).__module__}."
+        f"{type(array).__name__}) while the state (or found_inf) is of {xp.__name__}. Fix: build the "
+        f"state on the arrays' library, polyamp.functional.init(config, like=a_parameter), "
+        "and keep parameters, gradients and optimizer state on it"
+    )
 
 
 def _wide_kinds(xp: Any) -> tuple[bool, bool]:
@@ -169,6 +210,7 @@ def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str) -> Any:
             f"{type(array).__name__} ({array!r:.40}). Fix: pass an array of the state's library, "
             "e.g. xp.asarray(value, dtype=xp.float32)"
         )
+    _check_library(xp, array, what)
     if dtype == xp.float32:
         return array * factor
     if has_f64 and dtype == xp.float64:

@@ -9,6 +9,7 @@ and moves the scale: :mod:`polyamp.functional` under the hood, branch-free, so i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -30,11 +31,13 @@ class LossScaledState(NamedTuple):
 
 
 def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | None = None
-                ) -> optax.GradientTransformation:
+                ) -> optax.GradientTransformationExtraArgs:
     """``inner`` fed unscaled gradients, skipping steps whose gradients overflowed.
 
     ``update(grads, state, params)`` takes the gradients of the loss times
     :func:`current_scale`; on an overflow the updates are zeros and the inner state is kept.
+    Extra keyword arguments (``value=`` for ``reduce_on_plateau``, line searches) go to ``inner``
+    as given: pass the unscaled loss as ``value``, since the scale moves.
     ``config`` is a :class:`polyamp.LossScaleConfig` (torch's defaults when None).
     """
     config = functional.config_or_default(config)
@@ -49,20 +52,23 @@ def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | N
         return LossScaledState(functional.init(config, like=leaves[0] if leaves else jnp.zeros(())),
                                inner.init(params))
 
-    def update_fn(grads: Any, state: LossScaledState, params: Any = None) -> tuple[Any, LossScaledState]:
+    inner = optax.with_extra_args_support(inner)
+
+    def update_fn(grads: Any, state: LossScaledState, params: Any = None, **extra_args: Any
+                  ) -> tuple[Any, LossScaledState]:
         grads, found_inf = functional.unscale(state.loss_scale, grads)
-        updates, inner_state = inner.update(grads, state.inner_state, params)
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, updates)
         updates = functional.where_finite(found_inf, updates, zeros)
         inner_state = functional.where_finite(found_inf, inner_state, state.inner_state)
         return updates, LossScaledState(functional.update(state.loss_scale, found_inf, config), inner_state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def current_scale(opt_state: Any) -> Any:
     """The scale (a 0-d float32 array) to multiply the loss by, from :func:`loss_scaled`'s state
-    (also inside an ``optax.chain``'s state)."""
+    (also inside the state of ``optax.chain``, ``named_chain``, ``multi_transform``, ``MultiSteps``)."""
     found = _find(opt_state)
     if found is None:
         raise TypeError(
@@ -76,8 +82,8 @@ def current_scale(opt_state: Any) -> Any:
 def _find(state: Any) -> LossScaledState | None:
     if isinstance(state, LossScaledState):
         return state
-    if isinstance(state, (tuple, list)):
-        for part in state:
+    if isinstance(state, (tuple, list, Mapping)):  # chain, MultiSteps; named_chain, multi_transform
+        for part in state.values() if isinstance(state, Mapping) else state:
             found = _find(part)
             if found is not None:
                 return found

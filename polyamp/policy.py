@@ -4,13 +4,13 @@ One rule with three parameters (:class:`RuleParams`) covers the four ``config.ru
 (docs/rule.md states each engine's update and how it maps here)::
 
     on overflow (found_inf): growth_tracker = 0; backoff_tracker += 1
-        if backoff_tracker == backoff_interval:
+        if backoff_tracker >= backoff_interval:
             scale = max(scale * backoff_factor, floor)
             backoff_tracker = backoff_interval - 1 if keeps_count else 0
     on a finite step:
         if finite_refills: backoff_tracker = 0           # torch, paddle, deepspeed+consecutive
         growth_tracker += 1
-        if growth_tracker == growth_interval + growth_delay:
+        if growth_tracker >= growth_interval + growth_delay:
             new = scale * growth_factor
             if new is finite: scale = min(new, max_scale)
             growth_tracker = growth_delay; backoff_tracker = 0
@@ -26,8 +26,11 @@ following an overflow, else 0. With ``backoff_interval=1`` and ``rule="torch"`` 
 the scale never becomes subnormal or 0, which torch's rule allows and which turns the unscaled
 gradients into NaN. Products are formed in ``config.products`` (float64 for torch and deepspeed,
 float32 for paddle and megatron) and rounded to float32. With ``dynamic=False`` the state never
-changes. Backends' device kernels must agree with :func:`next_host_state`; the tests hold each
-one against it.
+changes. The rule compares with ``>=`` where the engines write ``==``: the same for every state the
+rule leaves (trackers never pass the limits), but a state past them (made under a config with
+longer intervals, then updated under this one: :mod:`polyamp.functional` takes any state) backs
+off and grows instead of never doing either. Backends' device kernels must agree with
+:func:`next_host_state`; the tests hold each one against it.
 """
 
 from __future__ import annotations
@@ -117,14 +120,14 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
     scale, growth, backoff = state
     if found_inf:
         growth, backoff = 0, backoff + 1
-        if backoff == config.backoff_interval:
+        if backoff >= config.backoff_interval:  # >=: a state past the limit is spent, not stuck
             scale = max(_product(scale, config.backoff_factor, config), scale_floor(config))
-            backoff = config.backoff_interval - 1 if params.keeps_count else 0
+            backoff = backoff - 1 if params.keeps_count else 0  # spent: the count stays (interval - 1)
         return HostState(scale, growth, backoff)
     growth = growth + 1
     if params.finite_refills:
         backoff = 0
-    if growth == config.growth_interval + params.growth_delay:
+    if growth >= config.growth_interval + params.growth_delay:
         new = _product(scale, config.growth_factor, config)
         if np.isfinite(new):
             if config.max_scale is not None:
@@ -132,6 +135,18 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
             scale = new
         growth, backoff = params.growth_delay, 0
     return HostState(scale, growth, backoff)
+
+
+#: The int32 trackers' largest value: a limit past it is never reached.
+_TRACKER_MAX = 2**31 - 1
+
+
+def _reaches(tracker: Any, limit: int) -> Any:
+    """``tracker >= limit`` (>=: see :func:`next_host_state`); never for a limit past int32's range,
+    which torch would wrap to int32 before comparing (2**32 + 3 compared as 3)."""
+    if limit > _TRACKER_MAX:
+        return tracker != tracker  # all False, as the tracker's bool array
+    return tracker >= limit
 
 
 def next_state(
@@ -152,8 +167,8 @@ def next_state(
     zeros = xp.zeros_like(backoff)
     counted = backoff + 1
     growth_next = growth + 1
-    do_backoff = found & (counted == config.backoff_interval)
-    do_grow = ~found & (growth_next == config.growth_interval + params.growth_delay)
+    do_backoff = found & _reaches(counted, config.backoff_interval)
+    do_grow = ~found & _reaches(growth_next, config.growth_interval + params.growth_delay)
 
     wide = xp.float32 if (products or config.products) == "float32" else xp.float64
     scale_w = xp.astype(scale, wide)

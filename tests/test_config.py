@@ -164,3 +164,25 @@ def test_a_numpy_init_scale_saves_agrees_and_dumps(tmp_path):
         init_loss_scaling=np.float32(1024), incr_ratio=np.float32(2), decr_ratio=np.float32(0.5),
         incr_every_n_steps=np.int64(5), backend="numpy").state_dict()
     json.dumps({k: v for k, v in paddle_state.items() if k != "scale"})  # paddle's scale is an array
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("init_scale", 0), ("init_scale", "x"), ("growth_factor", 1), ("growth_factor", "2"),
+    ("backoff_factor", 1), ("backoff_factor", None), ("growth_interval", 0), ("growth_interval", 2**64),
+    ("backoff_interval", 1.0), ("min_scale", 0.0), ("max_scale", float("inf")), ("dynamic", 1),
+    ("product_dtype", "float16"), ("rule", "apex"), ("consecutive_hysteresis", 1),
+    ("raise_error_at_min_scale", "yes"),
+])
+def test_each_fields_error_names_the_field_the_value_and_the_fix(field, value):
+    """Most of the config's messages named the field and value but said no fix (review of issue 23)."""
+    with pytest.raises(ConfigError) as caught:
+        LossScaleConfig(**{field: value})
+    message = str(caught.value)
+    assert f"{field}={value!r}" in message and "Fix: " in message
+    pairs = (({"min_scale": 4.0, "max_scale": 2.0}, "min_scale=4.0"),
+             ({"rule": "megatron", "consecutive_hysteresis": True}, "consecutive_hysteresis=True"))
+    for pair, named in pairs:
+        with pytest.raises(ConfigError, match=f"{named}.*Fix: "):
+            LossScaleConfig(**pair)
+    with pytest.raises(ConfigError, match=r"\['rulez'\].*Fix: "):
+        LossScaleConfig.from_dict({"rulez": 1})

@@ -255,3 +255,49 @@ def test_host_rule_backoff_below_the_floor_lands_on_it(product_dtype):
     assert state.scale == 1.5 * 2.0**-126  # normal: kept as the product
     assert next_host_state(HostState(1.5 * 2.0**-126), True, config).scale == 2.0**-126
     assert next_host_state(HostState(2.0**-126), True, config).scale == 2.0**-126
+
+
+@pytest.mark.parametrize("rule", ["torch", "paddle", "megatron", "deepspeed"])
+def test_a_state_past_the_configs_limits_backs_off_and_grows_instead_of_sticking(rule):
+    """A state made under longer intervals and updated under shorter ones (polyamp.functional takes
+    any state): with ``==`` its trackers passed the limit and never met it again, so overflows never
+    backed the scale off (every step skipped for ever) and it never grew."""
+    from polyamp import functional as F
+
+    config = LossScaleConfig(rule=rule, backoff_interval=2, growth_interval=5)
+    past = LossScaleState(np.asarray(np.float32(1024.0)), np.asarray(np.int32(0)), np.asarray(np.int32(3)))
+    overflow, finite = np.ones((), np.float32), np.zeros((), np.float32)
+    backed = F.update(past, overflow, config)
+    host = next_host_state(HostState(1024.0, 0, 3), True, config)
+    assert float(backed.scale) == host.scale == 512.0
+    assert int(backed.backoff_tracker) == host.backoff_tracker  # the device and the host agree
+    again = F.update(backed, overflow, config)  # megatron/deepspeed: spent, backs off again
+    spent = polyamp.policy.rule_params(config).keeps_count
+    assert float(again.scale) == next_host_state(host, True, config).scale == (256.0 if spent else 512.0)
+    delay = polyamp.policy.rule_params(config).growth_delay
+    long_past = LossScaleState(past.scale, np.asarray(np.int32(9)), np.asarray(np.int32(0)))
+    grown = F.update(long_past, finite, config)
+    assert float(grown.scale) == 2048.0 and int(grown.growth_tracker) == delay
+    assert next_host_state(HostState(1024.0, 9, 0), False, config) == HostState(2048.0, delay, 0)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "paddle"])
+def test_an_interval_past_int32_is_never_reached_on_any_backend(backend):
+    """torch compared the int32 trackers with the interval wrapped to int32: growth_interval=2**32 + 3
+    grew the scale after 3 steps (and ``>=`` with 2**63 - 1 after every step)."""
+    lib = pytest.importorskip(backend)
+    makers = {"torch": lambda: lib.ones(2), "paddle": lambda: lib.ones([2])}
+    make = makers.get(backend, lambda: np.ones(2, "f4"))
+    for interval in (2**31, 2**32 + 3, 2**63 - 1):
+        for rule in ("torch", "megatron", "deepspeed"):
+            config = LossScaleConfig(growth_interval=interval, backoff_interval=2, rule=rule)
+            scaler = polyamp.LossScaler(config, backend=backend)
+            for _ in range(6):
+                scaler.step([make()], lambda: None)
+                scaler.update()
+            assert scaler.get_scale() == 2.0**16, (backend, interval, rule)
+            scaler.step([make() * np.inf], lambda: None)
+            scaler.update()
+            scaler.step([make() * np.inf], lambda: None)
+            scaler.update()  # backoff_interval=2 is still reached: the second overflow backs off
+            assert scaler.get_scale() == 2.0**15, (backend, interval, rule)
