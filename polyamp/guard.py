@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ._errors import ConfigError, StateDictError, StepGuardError
-from .config import short_repr
+from .config import _plain, short_repr
 
 logger = logging.getLogger("polyamp")
 
@@ -62,8 +62,10 @@ class StepGuard:
     on_streak: str | OnStreak = "raise"
 
     def __post_init__(self) -> None:
+        for name in ("window", "min_history", "max_consecutive_skips"):  # NumPy scalars: Python ints,
+            object.__setattr__(self, name, _plain(getattr(self, name), integral=True))  # as LossScaleConfig
         for name in ("loss_zscore", "grad_norm_zscore", "max_grad_norm"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+            object.__setattr__(self, name, _positive(name, _plain(getattr(self, name), integral=False)))
         _count("window", self.window, 2, "a history needs 2 values for a standard deviation")
         if self.min_history is not None:
             _count("min_history", self.min_history, 2, "a standard deviation needs 2 values")

@@ -201,6 +201,21 @@ def test_bad_values_name_the_field_the_value_and_the_fix(changes, field):
         StepGuard(**changes)
 
 
+def test_numpy_scalars_are_taken_as_python_numbers_like_loss_scale_config():
+    """Review: StepGuard refused np.float32 thresholds and np.int64 windows (LossScaleConfig takes
+    them), and a value the guard stores must stay a plain number (state_dict and repr are JSON-able)."""
+    guard = StepGuard(loss_zscore=np.float32(3.5), grad_norm_zscore=np.int64(4), max_grad_norm=np.array(2.5),
+                      window=np.int64(10), min_history=np.int32(4), max_consecutive_skips=np.uint8(3))
+    assert guard == StepGuard(loss_zscore=3.5, grad_norm_zscore=4.0, max_grad_norm=2.5, window=10,
+                              min_history=4, max_consecutive_skips=3)
+    assert [type(getattr(guard, f)) for f in ("loss_zscore", "window", "min_history")] == [float, int, int]
+    for bad, field in ((dict(window=np.float64(10)), "window"),
+                       (dict(loss_zscore=np.bool_(True)), "loss_zscore"),
+                       (dict(grad_norm_zscore=np.float32("nan")), "grad_norm_zscore")):
+        with pytest.raises(ConfigError, match=rf"{field}.*Fix: "):
+            StepGuard(**bad)
+
+
 def test_defaults_and_keywords():
     guard = StepGuard(loss_zscore=5)
     assert guard.history_needed == 64 and guard.window == 128 and guard.loss_zscore == 5.0
