@@ -100,6 +100,13 @@ class StepGuard:
         """Whether the loss is judged (then every step needs a loss)."""
         return self.loss_zscore is not None
 
+    def digest(self) -> int:
+        """A 32-bit digest of the settings that decide a step (what must be equal on every rank; a
+        callable ``on_streak`` counts as "a callable": ranks hold their own function objects)."""
+        action = self.on_streak if isinstance(self.on_streak, str) else "callable"
+        return zlib.crc32(repr((self.loss_zscore, self.grad_norm_zscore, self.max_grad_norm, self.window,
+                                self.history_needed, self.max_consecutive_skips, action)).encode())
+
     def thresholds(self) -> dict[str, float]:
         """quantity -> its z threshold, for the quantities with a z rule (those keep a history)."""
         found = {"loss": self.loss_zscore, "grad_norm": self.grad_norm_zscore}
