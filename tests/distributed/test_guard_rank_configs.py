@@ -55,3 +55,54 @@ def test_guards_that_differ_only_in_the_hook_object_agree(run_gloo):
     results = run_gloo(differing_run, 2, "same").results()
     for out in results:
         assert out["error"] is None and out["applied"] == list(range(STEPS - 1)), out
+
+
+def trainer_differing_run(rank: int, size: int, case: str) -> dict:
+    from polyamp import LossScaleConfig, MixedPrecisionTrainer, StepGuard
+    from polyamp.distributed import reducer
+    from polyamp.optim import SGD
+    from polyamp.parameter import Parameter
+
+    class Linear:
+        def __init__(self):
+            self.w = Parameter(np.full((4, 1), 0.1, np.float32))
+
+        def parameters(self):
+            return [self.w]
+
+        def forward(self, x, compute_dtype):
+            self.x = x
+            return (x @ self.w.data).astype(compute_dtype)
+
+        def backward(self, grad_output):
+            self.w.grad[...] = self.x.T @ grad_output.astype(np.float32)
+
+    def mse(output, target):
+        err = output.astype(np.float32) - target
+        return np.mean(err * err), 2 * err / err.size
+
+    guard = StepGuard(loss_zscore=3.0 if rank == 0 or case != "threshold" else 1000.0, window=10,
+                      min_history=5)
+    model = Linear()
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.05), "float16",
+                                    LossScaleConfig(init_scale=2.0**4), reducer=reducer("torch"), guard=guard)
+    if case == "history" and rank == 1:  # rank 1 resumed from another checkpoint: another history
+        trainer.scaler.load_state_dict({**trainer.scaler.state_dict(),
+                                        "guard": {"loss": [1.0, 2.0], "grad_norm": [], "streak": 0,
+                                                  "reasons": []}})
+    reasons = []
+    for step in range(STEPS):
+        x = np.random.default_rng(step * 10 + rank).standard_normal((8, 4)).astype(np.float32)
+        try:
+            reasons.append(trainer.train_step(x, np.ones((8, 1), np.float32), mse).reason)
+        except Exception as exc:  # noqa: BLE001 - reported per rank
+            return {"error": f"{type(exc).__name__}: {exc}", "step": step, "w": model.w.data.tolist()}
+    return {"error": None, "step": STEPS, "reasons": reasons}
+
+
+@pytest.mark.parametrize("case", ["threshold", "history"])
+def test_the_data_parallel_trainer_refuses_differing_guards_on_every_rank(run_gloo, case):
+    results = run_gloo(trainer_differing_run, 2, case).results()
+    for rank, out in enumerate(results):
+        assert (out["error"] or "").startswith("RankMismatchError"), (rank, out)
+        assert out["step"] == 0 and out["w"] == [[float(np.float32(0.1))]] * 4, (rank, out)  # none applied
