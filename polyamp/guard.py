@@ -5,7 +5,7 @@ in the step's one collective and its one host read)::
 
     reason = "overflow"         if the gradients are not finite
            | "grad_norm_limit"  if norm > max_grad_norm
-           | "grad_norm_spike"  if z(norm) > grad_norm_zscore
+           | "grad_norm_spike"  if z(norm) > grad_norm_zscore, or the norm is not finite
            | "loss_spike"       if z(loss) > loss_zscore, or the loss is not finite
            | None               (the step is applied)
     z(x) = (x - mean(h)) / std(h, ddof=1), h = x's values of the last `window` APPLIED steps,
@@ -232,8 +232,9 @@ def judge(guard: StepGuard, history: GuardHistory, *, overflow: bool, loss: floa
         reason = "overflow"
     elif guard.max_grad_norm is not None and grad_norm is not None and not grad_norm <= guard.max_grad_norm:
         reason = "grad_norm_limit"
-    elif guard.grad_norm_zscore is not None and z.get("grad_norm", -math.inf) > guard.grad_norm_zscore:
-        reason = "grad_norm_spike"
+    elif guard.grad_norm_zscore is not None and grad_norm is not None and (
+            not math.isfinite(grad_norm) or z.get("grad_norm", -math.inf) > guard.grad_norm_zscore):
+        reason = "grad_norm_spike"  # an inf norm never enters a history, judged or not
     elif guard.loss_zscore is not None and loss is not None and (
             not math.isfinite(loss) or z.get("loss", -math.inf) > guard.loss_zscore):
         reason = "loss_spike"
@@ -287,6 +288,8 @@ def diagnosis(verdict: Verdict, guard: StepGuard, held: int) -> str:
     if verdict.reason == "grad_norm_limit":
         return f"gradient norm limit: norm {verdict.grad_norm:.6g} > max_grad_norm={guard.max_grad_norm:g}"
     quantity = "grad_norm" if verdict.reason == "grad_norm_spike" else "loss"
+    if quantity not in z and quantity == "grad_norm":
+        return f"gradient norm spike: the norm is not finite ({verdict.grad_norm})"
     if quantity not in z:
         return f"loss spike: the loss is not finite ({verdict.loss})"
     words = "gradient norm spike" if quantity == "grad_norm" else "loss spike"

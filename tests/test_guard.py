@@ -216,6 +216,25 @@ def test_numpy_scalars_are_taken_as_python_numbers_like_loss_scale_config():
             StepGuard(**bad)
 
 
+def test_an_inf_norm_of_finite_gradients_is_a_spike_even_before_min_history():
+    """Review: a backend may read the sum of squares as inf (squares past float32's range, finite
+    gradients). Before min_history (or with a history of std 0) the inf norm was applied and
+    entered the history: z-scores went NaN for a window, and the saved history (inf) was refused
+    by load_state_dict. Now it is a grad_norm_spike and never enters a history."""
+    from polyamp import guard as rules
+
+    step_guard = StepGuard(grad_norm_zscore=4.0, window=10, min_history=5)
+    history = rules.GuardHistory(grad_norm=(1.0, 1.0))  # fewer than min_history: nothing is judged
+    verdict = rules.judge(step_guard, history, overflow=False, loss=None, grad_norm=math.inf)
+    assert verdict.reason == "grad_norm_spike" and verdict.zscores is None  # none judged
+    after, _ = rules.advance(step_guard, history, verdict)
+    assert after.grad_norm == (1.0, 1.0) and after.streak == 1
+    assert rules.GuardHistory.from_dict(json.loads(json.dumps(after.to_dict()))) == after
+    assert rules.diagnosis(verdict, step_guard, 2) == "gradient norm spike: the norm is not finite (inf)"
+    finite = rules.judge(step_guard, history, overflow=False, loss=None, grad_norm=1e300)
+    assert finite.reason is None  # a finite norm is still only judged by its z-score
+
+
 def test_defaults_and_keywords():
     guard = StepGuard(loss_zscore=5)
     assert guard.history_needed == 64 and guard.window == 128 and guard.loss_zscore == 5.0
