@@ -235,6 +235,24 @@ def test_an_inf_norm_of_finite_gradients_is_a_spike_even_before_min_history():
     assert finite.reason is None  # a finite norm is still only judged by its z-score
 
 
+def test_a_loss_given_to_unscale_and_to_step_is_refused_not_summed():
+    """Review: the loss given to unscale_() and again to step() was summed (the judged and reported
+    loss doubled). Refused now, naming both calls, before the step and its checks change."""
+    from polyamp import ScalerStateError
+
+    scaler = LossScaler(LossScaleConfig(init_scale=1.0, dynamic=False),
+                        guard=StepGuard(loss_zscore=3.0, window=10, min_history=3))
+    grads = [np.ones(2, np.float32)]
+    scaler.unscale_(grads, loss=2.0)
+    with pytest.raises(ScalerStateError, match=r"step\(\) got loss=.*unscale_\(\).*Fix: .*not both"):
+        scaler.step(grads, lambda: pytest.fail("applied"), loss=2.0)
+    result = scaler.step(grads, lambda: None)  # the iteration goes on as if the bad call never was
+    scaler.update()
+    assert result.loss == 2.0 and result.applied and scaler.steps == 1
+    scaler.unscale_(grads)
+    assert scaler.step(grads, lambda: None, loss=3.0).loss == 3.0  # given once: taken once
+
+
 def test_defaults_and_keywords():
     guard = StepGuard(loss_zscore=5)
     assert guard.history_needed == 64 and guard.window == 128 and guard.loss_zscore == 5.0
