@@ -16,7 +16,8 @@ from ._torch_state import check_interval, load_torch_state, refuse_empty, to_tor
 
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_stages", "_found",
-                       "_skipped_host", "_unread", "_last_skipped", "_skipped_here", "_param_names"})
+                       "_skipped_host", "_unread", "_last_skipped", "_skipped_here", "_param_names",
+                       "_groups"})
 
 
 class ScalerAccessors:
@@ -155,6 +156,7 @@ class ScalerAccessors:
         """Load torch's (or polyamp's) GradScaler state dict; validated before anything changes."""
         refuse_empty(state_dict, "source")
         load_torch_state(self._engine, state_dict)
+        self._groups = {}  # the loaded histories are keyed by the order of first step: it restarts
 
     def __getstate__(self) -> dict[str, Any]:
         if self._stages:
@@ -180,7 +182,7 @@ class ScalerAccessors:
         self._engine.iteration.last_overflow = last
         if "window" in state:  # copies made before metrics() existed start a fresh window
             self._engine.iteration.window = state["window"]
-        self._stages, self._found, self._skipped_here = {}, {}, []
+        self._stages, self._found, self._skipped_here, self._groups = {}, {}, [], {}  # groups: by id
         self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
 
     def __repr__(self) -> str:

@@ -116,6 +116,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         self._backend_name = backend
         self._engine = LossScaler(config, backend, diagnose=self._diagnose, guard=guard)
         self._reset_iteration()
+        self._groups: dict[int, int] = {}  # with a guard: id(optimizer) -> its group, kept across iterations
         self._skipped_host = 0
         self._unread: list[Any] = []
         self._last_skipped: Any = None
@@ -128,7 +129,6 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         self._stages: dict[int, OptState] = {}
         self._found: dict[int, Any] = {}  # per optimizer: its device flag, None if no grads
         self._skipped_here: list[Any] = []  # optimizers whose step() this iteration skipped (host read)
-        self._groups: dict[int, int] = {}  # with a guard: id(optimizer) -> its group (order of first check)
         self._values: dict[int, Any] = {}  # with a guard: id(optimizer) -> its values (agreed if sharded)
 
     # -- scaling ----------------------------------------------------------------------
@@ -180,7 +180,9 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         return found
 
     def _group_of(self, optimizer: Any) -> int:
-        """The optimizer's place among this iteration's (its guard history's key)."""
+        """The optimizer's guard history's key: its place in the order optimizers were first stepped
+        (since construction, unpickling or load_state_dict), so an optimizer stepped alone in an
+        iteration is still judged against its own history."""
         return self._groups.setdefault(id(optimizer), len(self._groups))
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:

@@ -338,7 +338,8 @@ def _fix(what: str) -> str:
     if "values summed" in what:
         return "Fix: every rank must train the same model (the same number of gradient values)."
     if "the flag of scaler/optimizer" in what:
-        return ("Fix: every rank must step the same optimizers in the same order, give every rank the same "
+        return ("Fix: every rank must step the same optimizers in the same order, build every rank's "
+                "StepGuard alike and give a loss on every rank or on none, give every rank the same "
                 "StepGuard history (load the same checkpoint on every rank: a guard's histories of applied "
                 "steps and its streak are part of the flag's identity), build its scalers in "
                 "the same order, and give a data-parallel trainer the same max_grad_norm (two optimizers "

@@ -97,12 +97,15 @@ class GuardSteps:
         return verdict.reason is not None
 
     def _whose(self, whose: int, group: int) -> int:
-        """``whose`` with the group's guard history folded in (a rank whose history differs is
-        a misaligned rank); ``whose`` itself without a guard."""
+        """``whose`` with the guard's settings, whether this rank gave a loss and the group's guard
+        history folded in (a rank where one differs is a misaligned rank); ``whose`` itself
+        without a guard."""
         if self.guard is None:
             return whose
         history = self.histories.get(group, guard.GuardHistory())
-        return zlib.crc32(whose.to_bytes(8, "little"), history.digest())
+        mine = (whose.to_bytes(8, "little") + self.guard.digest().to_bytes(4, "little")
+                + bytes([self.checks.loss is not None]))
+        return zlib.crc32(mine, history.digest())
 
     def squares(self, backend: Backend, arrays: list[Any]) -> Any:
         """One group's sum of squares when a norm rule is set, else None (no sync)."""

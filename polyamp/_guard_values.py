@@ -63,13 +63,15 @@ def squared_norm(backend: Backend, arrays: Sequence[Any]) -> Any:
 
 
 def values(backend: Backend, guard: StepGuard, loss: Any, sumsq: Any, like: Any) -> Any:
-    """This rank's guard values as one 1-d array on ``like``'s device: [loss?, sum of squares?]
-    (the loss when given, the squares when a norm rule is set: 0 from a rank without gradients);
-    None when there is nothing to send."""
-    parts = [] if loss is None else [loss]
+    """This rank's guard values as one 1-d array on ``like``'s device: [loss, sum of squares?]
+    (the loss slot always, 0 when none was given, so every rank sends the same number of values
+    whether or not it gave a loss; the squares when a norm rule is set: 0 from a rank without
+    gradients)."""
+    zero = None if loss is not None and sumsq is not None else backend.full(0.0, "float32", like)
+    parts = [zero if loss is None else loss]
     if guard.watches_norm:
-        parts.append(backend.full(0.0, "float32", like) if sumsq is None else sumsq)
-    return backend.pack(parts, like) if parts else None
+        parts.append(zero if sumsq is None else sumsq)
+    return backend.pack(parts, like)
 
 
 def read(backend: Backend, flag: Any, sent: Any) -> tuple[bool, list[float]]:
@@ -87,12 +89,10 @@ def unpack(guard: StepGuard, given_loss: bool, host: list[float], ranks: int, re
            ) -> tuple[float | None, float | None]:
     """(loss, gradient norm) from the summed values read: the loss the ranks' mean; the norm the
     root of the summed squares (sharded gradients), or of their mean (replicated ones)."""
-    at = 0
-    loss = norm = None
-    if given_loss:
-        loss, at = host[0] / ranks, 1
+    loss = host[0] / ranks if given_loss else None  # the loss slot is sent always (values())
+    norm = None
     if guard.watches_norm:
-        squares = host[at] / ranks if replicated else host[at]
+        squares = host[1] / ranks if replicated else host[1]
         norm = math.sqrt(squares) if not squares < 0 else math.nan
     return loss, norm
 

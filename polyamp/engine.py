@@ -334,6 +334,11 @@ class LossScaler:
             iteration.require_loss(loss, "step()")
             if loss is not None:
                 _guard_values.loss_check(loss, "step()")
+            if loss is not None and iteration.checks.loss is not None:  # it would be summed twice
+                raise ScalerStateError(
+                    "step() got loss=, but unscale_() already took this iteration's loss. Fix: give the "
+                    "loss to unscale_(grads, loss=loss) or to step(grads, step_fn, loss=loss), not both."
+                )
         if not iteration.checks.unscaled:
             iteration.unscale(grads, where="step()")
         iteration.take_loss(loss, "step()")

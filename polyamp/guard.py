@@ -5,7 +5,7 @@ in the step's one collective and its one host read)::
 
     reason = "overflow"         if the gradients are not finite
            | "grad_norm_limit"  if norm > max_grad_norm
-           | "grad_norm_spike"  if z(norm) > grad_norm_zscore
+           | "grad_norm_spike"  if z(norm) > grad_norm_zscore, or the norm is not finite
            | "loss_spike"       if z(loss) > loss_zscore, or the loss is not finite
            | None               (the step is applied)
     z(x) = (x - mean(h)) / std(h, ddof=1), h = x's values of the last `window` APPLIED steps,
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ._errors import ConfigError, StateDictError, StepGuardError
-from .config import short_repr
+from .config import _plain, short_repr
 
 logger = logging.getLogger("polyamp")
 
@@ -62,8 +62,10 @@ class StepGuard:
     on_streak: str | OnStreak = "raise"
 
     def __post_init__(self) -> None:
+        for name in ("window", "min_history", "max_consecutive_skips"):  # NumPy scalars: Python ints,
+            object.__setattr__(self, name, _plain(getattr(self, name), integral=True))  # as LossScaleConfig
         for name in ("loss_zscore", "grad_norm_zscore", "max_grad_norm"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+            object.__setattr__(self, name, _positive(name, _plain(getattr(self, name), integral=False)))
         _count("window", self.window, 2, "a history needs 2 values for a standard deviation")
         if self.min_history is not None:
             _count("min_history", self.min_history, 2, "a standard deviation needs 2 values")
@@ -97,6 +99,13 @@ class StepGuard:
     def watches_loss(self) -> bool:
         """Whether the loss is judged (then every step needs a loss)."""
         return self.loss_zscore is not None
+
+    def digest(self) -> int:
+        """A 32-bit digest of the settings that decide a step (what must be equal on every rank; a
+        callable ``on_streak`` counts as "a callable": ranks hold their own function objects)."""
+        action = self.on_streak if isinstance(self.on_streak, str) else "callable"
+        return zlib.crc32(repr((self.loss_zscore, self.grad_norm_zscore, self.max_grad_norm, self.window,
+                                self.history_needed, self.max_consecutive_skips, action)).encode())
 
     def thresholds(self) -> dict[str, float]:
         """quantity -> its z threshold, for the quantities with a z rule (those keep a history)."""
@@ -223,8 +232,9 @@ def judge(guard: StepGuard, history: GuardHistory, *, overflow: bool, loss: floa
         reason = "overflow"
     elif guard.max_grad_norm is not None and grad_norm is not None and not grad_norm <= guard.max_grad_norm:
         reason = "grad_norm_limit"
-    elif guard.grad_norm_zscore is not None and z.get("grad_norm", -math.inf) > guard.grad_norm_zscore:
-        reason = "grad_norm_spike"
+    elif guard.grad_norm_zscore is not None and grad_norm is not None and (
+            not math.isfinite(grad_norm) or z.get("grad_norm", -math.inf) > guard.grad_norm_zscore):
+        reason = "grad_norm_spike"  # an inf norm never enters a history, judged or not
     elif guard.loss_zscore is not None and loss is not None and (
             not math.isfinite(loss) or z.get("loss", -math.inf) > guard.loss_zscore):
         reason = "loss_spike"
@@ -278,6 +288,8 @@ def diagnosis(verdict: Verdict, guard: StepGuard, held: int) -> str:
     if verdict.reason == "grad_norm_limit":
         return f"gradient norm limit: norm {verdict.grad_norm:.6g} > max_grad_norm={guard.max_grad_norm:g}"
     quantity = "grad_norm" if verdict.reason == "grad_norm_spike" else "loss"
+    if quantity not in z and quantity == "grad_norm":
+        return f"gradient norm spike: the norm is not finite ({verdict.grad_norm})"
     if quantity not in z:
         return f"loss spike: the loss is not finite ({verdict.loss})"
     words = "gradient norm spike" if quantity == "grad_norm" else "loss spike"

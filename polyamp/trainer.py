@@ -259,7 +259,9 @@ class MixedPrecisionTrainer:
             xp = array_api_compat.array_namespace(grads.storage)
             grads.storage[size:size + 1] = xp.reshape(xp.astype(loss, grads.storage.dtype), (1,))
             size += 1
-        whose = self._clip_id  # every rank must clip alike: the clip setting is part of what is agreed
+        # every rank must clip alike and guard alike: the clip setting, the guard's settings and
+        # history are part of what is agreed
+        whose = self._iteration._whose(self._clip_id, 0)
         if not self._aligned_once:
             self._iteration.check_payload(size, grads.flat, whose=whose)
             self._aligned_once = True

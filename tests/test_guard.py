@@ -201,6 +201,58 @@ def test_bad_values_name_the_field_the_value_and_the_fix(changes, field):
         StepGuard(**changes)
 
 
+def test_numpy_scalars_are_taken_as_python_numbers_like_loss_scale_config():
+    """Review: StepGuard refused np.float32 thresholds and np.int64 windows (LossScaleConfig takes
+    them), and a value the guard stores must stay a plain number (state_dict and repr are JSON-able)."""
+    guard = StepGuard(loss_zscore=np.float32(3.5), grad_norm_zscore=np.int64(4), max_grad_norm=np.array(2.5),
+                      window=np.int64(10), min_history=np.int32(4), max_consecutive_skips=np.uint8(3))
+    assert guard == StepGuard(loss_zscore=3.5, grad_norm_zscore=4.0, max_grad_norm=2.5, window=10,
+                              min_history=4, max_consecutive_skips=3)
+    assert [type(getattr(guard, f)) for f in ("loss_zscore", "window", "min_history")] == [float, int, int]
+    for bad, field in ((dict(window=np.float64(10)), "window"),
+                       (dict(loss_zscore=np.bool_(True)), "loss_zscore"),
+                       (dict(grad_norm_zscore=np.float32("nan")), "grad_norm_zscore")):
+        with pytest.raises(ConfigError, match=rf"{field}.*Fix: "):
+            StepGuard(**bad)
+
+
+def test_an_inf_norm_of_finite_gradients_is_a_spike_even_before_min_history():
+    """Review: a backend may read the sum of squares as inf (squares past float32's range, finite
+    gradients). Before min_history (or with a history of std 0) the inf norm was applied and
+    entered the history: z-scores went NaN for a window, and the saved history (inf) was refused
+    by load_state_dict. Now it is a grad_norm_spike and never enters a history."""
+    from polyamp import guard as rules
+
+    step_guard = StepGuard(grad_norm_zscore=4.0, window=10, min_history=5)
+    history = rules.GuardHistory(grad_norm=(1.0, 1.0))  # fewer than min_history: nothing is judged
+    verdict = rules.judge(step_guard, history, overflow=False, loss=None, grad_norm=math.inf)
+    assert verdict.reason == "grad_norm_spike" and verdict.zscores is None  # none judged
+    after, _ = rules.advance(step_guard, history, verdict)
+    assert after.grad_norm == (1.0, 1.0) and after.streak == 1
+    assert rules.GuardHistory.from_dict(json.loads(json.dumps(after.to_dict()))) == after
+    assert rules.diagnosis(verdict, step_guard, 2) == "gradient norm spike: the norm is not finite (inf)"
+    finite = rules.judge(step_guard, history, overflow=False, loss=None, grad_norm=1e300)
+    assert finite.reason is None  # a finite norm is still only judged by its z-score
+
+
+def test_a_loss_given_to_unscale_and_to_step_is_refused_not_summed():
+    """Review: the loss given to unscale_() and again to step() was summed (the judged and reported
+    loss doubled). Refused now, naming both calls, before the step and its checks change."""
+    from polyamp import ScalerStateError
+
+    scaler = LossScaler(LossScaleConfig(init_scale=1.0, dynamic=False),
+                        guard=StepGuard(loss_zscore=3.0, window=10, min_history=3))
+    grads = [np.ones(2, np.float32)]
+    scaler.unscale_(grads, loss=2.0)
+    with pytest.raises(ScalerStateError, match=r"step\(\) got loss=.*unscale_\(\).*Fix: .*not both"):
+        scaler.step(grads, lambda: pytest.fail("applied"), loss=2.0)
+    result = scaler.step(grads, lambda: None)  # the iteration goes on as if the bad call never was
+    scaler.update()
+    assert result.loss == 2.0 and result.applied and scaler.steps == 1
+    scaler.unscale_(grads)
+    assert scaler.step(grads, lambda: None, loss=3.0).loss == 3.0  # given once: taken once
+
+
 def test_defaults_and_keywords():
     guard = StepGuard(loss_zscore=5)
     assert guard.history_needed == 64 and guard.window == 128 and guard.loss_zscore == 5.0

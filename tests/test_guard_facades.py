@@ -102,6 +102,45 @@ def test_torch_facade_judges_each_optimizer_on_its_own_norm_and_sums_the_losses(
     assert again._engine.iteration.histories == {}
 
 
+def test_torch_facade_optimizers_stepped_in_separate_iterations_keep_their_own_histories():
+    """Review: the history key was the optimizer's place in the current iteration, so two
+    optimizers each stepped in its own iteration (a GAN's D then G, each with update()) shared one
+    history: b's norms (~100) hid a's 50x spike. Keyed by first step now, across iterations,
+    unpickling and load_state_dict."""
+    torch = pytest.importorskip("torch")
+    import pickle
+
+    import polyamp
+
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opts = {"a": torch.optim.SGD([a], lr=0.0), "b": torch.optim.SGD([b], lr=0.0)}
+    scaler = polyamp.GradScaler("cpu", init_scale=8.0,
+                                guard=StepGuard(grad_norm_zscore=5.0, window=20, min_history=5))
+
+    def iteration(scaler, name, factor):
+        param = a if name == "a" else b
+        scaler.scale((param * factor).sum() / 2).backward()  # gradient norm: factor
+        scaler.step(opts[name])
+        scaler.update()
+        opts[name].zero_grad()
+        return scaler.last_skip_reason
+
+    reasons = []
+    for it in range(12):
+        for name, size in (("a", 1.0), ("b", 100.0)):
+            reasons.append(iteration(scaler, name, size * (1 + 0.01 * (it % 3))))
+    assert reasons == [None] * 24
+    histories = scaler._engine.iteration.histories
+    assert set(histories) == {0, 1} and max(histories[0].grad_norm) < 2 < 99 < min(histories[1].grad_norm)
+    for copy in (scaler, pickle.loads(pickle.dumps(scaler))):  # the order of first step restarts
+        assert iteration(copy, "a", 50.0) == "grad_norm_spike"  # judged against a's own history
+        assert iteration(copy, "b", 101.0) is None
+    again = polyamp.GradScaler("cpu", guard=scaler._engine.guard)
+    again.load_state_dict(scaler.state_dict())
+    assert iteration(again, "a", 50.0) == "grad_norm_spike"
+    assert again._engine.iteration.histories[1] == scaler._engine.iteration.histories[1]
+
+
 def test_torch_facade_without_a_guard_reports_overflow_only():
     torch = pytest.importorskip("torch")
     import polyamp
