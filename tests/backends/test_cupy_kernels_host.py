@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from polyamp.backends import _cupy_kernels as kern
 from polyamp.backends._cupy_launch import dtype_kind, group_by_kind
-from polyamp.backends._cupy_launch import update_flags as kernel_flags
 
 from polyamp import LossScaleConfig
 from polyamp.config import SCALE_CEILING, SCALE_FLOOR
@@ -196,21 +195,6 @@ def test_inv_scale_one_leaves_float_bits_untouched(lib, kind):
     assert float(found) == 1.0
 
 
-def host_update(lib, state, found, config):
-    """One run of the device update kernel's body on the host, with the launcher's flags."""
-    scale = np.array(state.scale, np.float32)
-    growth = np.array(state.growth_tracker, np.int32)
-    backoff = np.array(state.backoff_tracker, np.int32)
-    flag = np.array(found, np.float32)
-    with np.errstate(over="ignore"):
-        lo, hi = np.float32(config.min_scale or 0.0), np.float32(config.max_scale or 0.0)
-    lib.polyamp_host_update(scale.ctypes.data, growth.ctypes.data, backoff.ctypes.data,
-                            flag.ctypes.data, config.growth_factor, config.backoff_factor,
-                            config.growth_interval, config.backoff_interval, lo, hi,
-                            kernel_flags(config))
-    return HostState(float(scale), int(growth), int(backoff))
-
-
 configs = st.builds(
     LossScaleConfig,
     init_scale=st.one_of(st.floats(1e-30, 3e38), st.floats(SCALE_FLOOR, 1e-36),
@@ -247,11 +231,11 @@ configs_every_rule = st.builds(_with_rule, configs,
 
 @settings(max_examples=300, deadline=None)
 @given(config=configs_every_rule, flags=update_flags)
-def test_update_kernel_agrees_with_the_policy(lib, config, flags):
+def test_update_kernel_agrees_with_the_policy(cupy_host_update, config, flags):
     state = HostState(float(np.float32(config.init_scale)), 0, 0)
     for found in flags:
         want = next_host_state(state, bool(found != 0), config)
-        got = host_update(lib, state, found, config)
+        got = cupy_host_update(state, found, config)
         assert np.float32(got.scale).view(np.uint32) == np.float32(want.scale).view(np.uint32)
         assert got[1:] == want[1:]
         state = want
@@ -264,23 +248,23 @@ def test_kernel_floor_constant_is_polyamps():
 
 @pytest.mark.parametrize("product_dtype", ["float64", "float32"])
 @pytest.mark.parametrize("start", [SCALE_FLOOR, 1.5 * SCALE_FLOOR, 2.0**-125, 2.0**16])
-def test_update_kernel_stops_at_the_floor(lib, product_dtype, start):
+def test_update_kernel_stops_at_the_floor(cupy_host_update, product_dtype, start):
     """Backoffs from any scale end exactly on 2**-126 (bitwise), never on a subnormal or 0."""
     config = LossScaleConfig(init_scale=start, product_dtype=product_dtype)
     state = HostState(start, 0, 0)
     for _ in range(200):
-        state = host_update(lib, state, 1.0, config)
+        state = cupy_host_update(state, 1.0, config)
         assert state.scale >= SCALE_FLOOR
     assert np.float32(state.scale).view(np.uint32) == np.float32(SCALE_FLOOR).view(np.uint32)
-    grown = host_update(lib, state._replace(growth_tracker=config.growth_interval - 1), 0.0, config)
+    grown = cupy_host_update(state._replace(growth_tracker=config.growth_interval - 1), 0.0, config)
     assert grown.scale == 2 * SCALE_FLOOR
 
 
-def test_update_kernel_floor_is_min_scale_when_set(lib):
+def test_update_kernel_floor_is_min_scale_when_set(cupy_host_update):
     config = LossScaleConfig(init_scale=1.0, min_scale=0.3)
     state = HostState(1.0, 0, 0)
     for _ in range(5):
-        state = host_update(lib, state, 1.0, config)
+        state = cupy_host_update(state, 1.0, config)
     assert state.scale == float(np.float32(0.3))
 
 
@@ -297,12 +281,12 @@ torch_rule_configs = st.builds(
 
 @settings(max_examples=200, deadline=None)
 @given(config=torch_rule_configs, flags=update_flags)
-def test_update_kernel_agrees_with_torchs_own_update(lib, torch_amp_update, config, flags):
+def test_update_kernel_agrees_with_torchs_own_update(cupy_host_update, torch_amp_update, config, flags):
     """The kernel against ``torch._amp_update_scale_`` itself, not only the policy's reference."""
     state = HostState(float(np.float32(config.init_scale)), 0, 0)
     for found in flags:
         want = torch_amp_update(state, found, config)
-        got = host_update(lib, state, found, config)
+        got = cupy_host_update(state, found, config)
         assert np.float32(got.scale).view(np.uint32) == np.float32(want.scale).view(np.uint32), found
         assert got[1:] == want[1:]
         state = want
