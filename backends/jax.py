@@ -95,3 +95,18 @@ def read_flag(found_inf: Any) -> bool:
 @hookimpl
 def to_host(array: Any) -> float | int:
     return array.item()
+
+
+@hookimpl
+def axis_max(array: Any, axis_name: Any) -> Any:
+    from jax import lax
+
+    return lax.pmax(array, axis_name)
+
+
+@hookimpl
+def map_tree(fn: Any, tree: Any, rest: Any) -> Any:
+    jax = sys.modules.get("jax")  # not loaded: no object can be a JAX pytree node
+    if jax is None or jax.tree_util.all_leaves([tree]):
+        return None
+    return (jax.tree_util.tree_map(fn, tree, *rest),)

@@ -38,9 +38,10 @@ ARRAY_HOOKS = ("is_host", "host_view", "to_numpy", "from_host", "finite_flags", 
                "sum_of_squares", "pack")
 # Optional kernels without a generic default: None on the Backend where the plugin lacks them (the
 # core then calls the unfused hooks).
-FUSED_HOOKS = ("unscale_and_squares",)
-# Optional, asked of every plugin in turn (not bound on a Backend): the trainer's model steps.
-MODEL_HOOKS = ("model_steps",)
+FUSED_HOOKS = ("unscale_and_squares", "axis_max")
+# Optional, asked of every plugin in turn (not bound on a Backend): the trainer's model steps, and
+# the containers of a library's own pytree registry (polyamp.functional).
+MODEL_HOOKS = ("model_steps", "map_tree")
 # Optional hooks whose default is another hook of the same plugin, not the generic backend's.
 OWN_DEFAULT_HOOKS = {"accepts_array": "owns_array", "unscale_and_check_keep": "unscale_and_check"}
 
@@ -211,6 +212,25 @@ def pack(values: Sequence[Any], like: Any) -> Any:
 
     No host read: it lets a guard's loss and norm ride in the step's one collective and one read.
     Default: ``concat`` of the flattened values through array-api-compat.
+    """
+
+
+@hookspec
+def axis_max(array: Any, axis_name: Any) -> Any:
+    """The maximum of ``array`` over the named mapped axis ``axis_name`` (JAX's ``lax.pmax`` under
+    ``pmap`` / ``shard_map``): one collective in the traced program (optional; libraries with named
+    axes only). ``polyamp.functional.unscale(..., axis_name=)`` agrees its flag with it.
+    """
+
+
+@hookspec(firstresult=True)
+def map_tree(fn: Any, tree: Any, rest: Any) -> Any:
+    """``(mapped,)`` when ``tree`` is a container of this library's own pytree registry (``fn``
+    applied leaf by leaf to it and the trees in ``rest``), else None (optional).
+
+    ``polyamp.functional`` walks dicts, lists and tuples itself and asks each plugin in turn about
+    any other object that is not an array; none answering makes it a leaf. Must not import the
+    library (use sys.modules): an object of a library not loaded cannot be its container.
     """
 
 

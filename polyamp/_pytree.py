@@ -2,22 +2,16 @@
 
 Plain containers are walked here and arrays are leaves, so torch and NumPy code never reaches
 another library's tree code (``torch.compile`` traces this, with jax imported or not). Any other
-object is a leaf, unless JAX is already imported (looked up in ``sys.modules``, never imported
-here) and registers it as a pytree node: then ``jax.tree_util`` maps it, so flax structs and
-other registered pytrees work under JAX.
+object is a leaf, unless a backend plugin says it is a container of its library's pytree registry
+(the ``map_tree`` hook: the JAX plugin maps flax structs and other registered pytrees).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
-
-def _registered_node(tree: Any) -> bool:
-    """Whether JAX (if loaded) sees ``tree`` as a container rather than a leaf."""
-    jax = sys.modules.get("jax")
-    return jax is not None and not jax.tree_util.all_leaves([tree])
+from . import _registry
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
@@ -34,10 +28,9 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     if tree is None:
         return None
     if hasattr(tree, "dtype") or isinstance(tree, (int, float)):  # an array or a number: a leaf, never
-        return fn(tree, *rest)  # handed to jax (torch.compile cannot trace jax's C++ pytree registry)
-    if _registered_node(tree):
-        return sys.modules["jax"].tree_util.tree_map(fn, tree, *rest)
-    return fn(tree, *rest)
+        return fn(tree, *rest)  # handed to a plugin (torch.compile cannot trace jax's pytree registry)
+    mapped = _registry.map_tree(fn, tree, rest)
+    return fn(tree, *rest) if mapped is None else mapped[0]
 
 
 def _node(tree: Any) -> tuple[Any, ...]:

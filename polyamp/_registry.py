@@ -180,6 +180,12 @@ def model_steps(model: Any, dtype: str) -> Any:
     return _plugins().manager.hook.model_steps(model=model, dtype=dtype)
 
 
+def map_tree(fn: Any, tree: Any, rest: tuple[Any, ...]) -> tuple[Any] | None:
+    """``(mapped,)`` from the first plugin whose library's pytree registry holds ``tree`` as a
+    container, else None (a leaf)."""
+    return _plugins().manager.hook.map_tree(fn=fn, tree=tree, rest=rest)
+
+
 def check_owned(backend: Backend, array: Any, what: str) -> None:
     """Raise ForeignArrayError when the chosen ``backend`` cannot work on ``array``."""
     if not backend.accepts_array(array):

@@ -45,6 +45,7 @@ class Backend:
     sum_of_squares: Callable[[Sequence[Any]], Any]
     pack: Callable[[Sequence[Any], Any], Any]
     unscale_and_squares: Callable[[Sequence[Any], Any, Any], Any] | None = None  # None: not fused here
+    axis_max: Callable[[Any, Any], Any] | None = None  # None: no named mapped axes (only JAX has them)
 
     def __repr__(self) -> str:
         return f"<polyamp backend {self.name!r} {self.version or ''}>".replace(" >", ">")

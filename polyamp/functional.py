@@ -77,11 +77,21 @@ def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tupl
         leaf_bad = xp.any(~xp.isfinite(leaf))
         bad = leaf_bad if bad is None else bad | leaf_bad
     found_inf = xp.zeros_like(state.scale) if bad is None else xp.astype(bad, xp.float32)
-    if axis_name is not None:
-        from jax import lax  # an axis name exists only under JAX's pmap / shard_map
-
-        found_inf = lax.pmax(found_inf, axis_name)
+    if axis_name is not None:  # one collective over the mapped axis (JAX's pmap / shard_map)
+        found_inf = _axis_max(found_inf, axis_name)
     return _pytree.tree_map(lambda g: _times(xp, has_f64, g, inv, "gradients"), grads), found_inf
+
+
+def _axis_max(flag: Any, axis_name: Any) -> Any:
+    """``flag``'s maximum over the named axis, through its backend's ``axis_max`` hook."""
+    backend = _registry.backend_of(flag)
+    if backend.axis_max is None:
+        raise ValueError(
+            f"unscale(..., axis_name={axis_name!r}) needs an array library with named mapped axes "
+            f"(JAX under pmap or shard_map), got {backend.name} arrays. Fix: leave axis_name out, "
+            "or agree found_inf over your ranks yourself (e.g. a MAX all-reduce)"
+        )
+    return backend.axis_max(flag, axis_name)
 
 
 def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None = None) -> LossScaleState:
