@@ -146,6 +146,14 @@ class WheelCompiler:
         return [a for a in wanted if int(a.removeprefix("sm_")) in set(known)]
 
     def ptx(self, src: Path, arch: str, out: Path) -> tuple[bool, str]:
+        """NVRTC's PTX for ``arch`` written to ``out``; compiled once more when NVRTC reports success
+        but hands back no PTX (seen once in CI, not reproduced: a second program is independent)."""
+        ok, log = self._ptx_once(src, arch, out)
+        if not ok and ": no PTX (" in log:
+            ok, log = self._ptx_once(src, arch, out)
+        return ok, log
+
+    def _ptx_once(self, src: Path, arch: str, out: Path) -> tuple[bool, str]:
         lib, prog = self._lib, ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), src.read_bytes(), src.name.encode(), 0, None, None)
         try:
@@ -159,10 +167,15 @@ class WheelCompiler:
             text = log.value.decode().strip()
             if status or "warning" in text:  # nvcc's -Werror all-warnings
                 return False, f"NVRTC {' '.join(options)} {src.name}\n{text}"
-            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-            ptx = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetPTX(prog, ptx)
-            out.write_bytes(ptx.value)
+            ptx_size = ctypes.c_size_t()
+            status = lib.nvrtcGetPTXSize(prog, ctypes.byref(ptx_size))
+            ptx = ctypes.create_string_buffer(ptx_size.value)
+            status = status or lib.nvrtcGetPTX(prog, ptx)
+            code = ptx.raw[:max(ptx_size.value - 1, 0)]  # the size counts the closing NUL
+            if status or b".version" not in code:  # seen once in CI: an empty PTX after success
+                return False, (f"NVRTC {' '.join(options)} {src.name}: no PTX (nvrtcGetPTX status "
+                               f"{status}, {len(code)} bytes)\n{text}")
+            out.write_bytes(code)
             return True, text
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
