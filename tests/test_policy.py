@@ -109,26 +109,29 @@ def test_array_rule_matches_model_numpy_and_strict(config, overflows):
         assert got == model_run(config, overflows)
 
 
-@settings(max_examples=40, deadline=None)
-@given(config=configs(), overflows=overflow_seqs)
-def test_every_backend_kernel_matches_model(config, overflows):
+def _kernel_runs(config, overflows):
+    """Per available backend: (name, the states its update kernel leaves after each flag, as host
+    numbers), from the config's initial state on that library's device."""
     for info in polyamp.available_backends():
         if not info.available:
             continue
         backend = polyamp.get_backend(info.name)
         like = _like(info.name)
         with _float64(info.name):
-            state = LossScaleState(
-                backend.full(config.init_scale, "float32", like),
-                backend.full(0, "int32", like),
-                backend.full(0, "int32", like),
-            )
+            state = LossScaleState(backend.full(config.init_scale, "float32", like),
+                                   backend.full(0, "int32", like), backend.full(0, "int32", like))
             got = []
             for found in overflows:
-                flag = backend.full(1.0 if found else 0.0, "float32", like)
-                state = backend.update_scale(state, flag, config)
+                state = backend.update_scale(state, backend.full(float(found), "float32", like), config)
                 got.append(tuple(backend.to_host(a) for a in state))
-        assert got == model_run(config, overflows), info.name
+        yield info.name, got
+
+
+@settings(max_examples=40, deadline=None)
+@given(config=configs(), overflows=overflow_seqs)
+def test_every_backend_kernel_matches_model(config, overflows):
+    for name, got in _kernel_runs(config, overflows):
+        assert got == model_run(config, overflows), name
 
 
 def _with_rule(config, rule, consecutive):
@@ -152,19 +155,8 @@ def test_every_backend_kernel_matches_the_readable_rule_for_every_rule(config, o
     for found in overflows:
         state = next_host_state(state, found, config)
         want.append(tuple(state))
-    for info in polyamp.available_backends():
-        if not info.available:
-            continue
-        backend = polyamp.get_backend(info.name)
-        like = _like(info.name)
-        with _float64(info.name):
-            state = LossScaleState(backend.full(config.init_scale, "float32", like),
-                                   backend.full(0, "int32", like), backend.full(0, "int32", like))
-            got = []
-            for found in overflows:
-                state = backend.update_scale(state, backend.full(float(found), "float32", like), config)
-                got.append(tuple(backend.to_host(a) for a in state))
-        assert got == want, (info.name, config)
+    for name, got in _kernel_runs(config, overflows):
+        assert got == want, (name, config)
 
 
 def _float64(name):
@@ -223,20 +215,9 @@ def test_long_overflow_runs_stop_at_the_floor_in_every_backend(config):
     want = model_run(config, overflows)
     assert want[-1 - config.growth_interval * 2][0] == float(TINY) == polyamp.config.SCALE_FLOOR
     assert want[-1][0] > want[-1 - config.growth_interval][0] > float(TINY)  # grew, twice
-    for info in polyamp.available_backends():
-        if not info.available:
-            continue
-        backend = polyamp.get_backend(info.name)
-        like = _like(info.name)
-        with _float64(info.name):
-            state = LossScaleState(*(backend.full(v, d, like) for v, d in
-                                     [(config.init_scale, "float32"), (0, "int32"), (0, "int32")]))
-            got = []
-            for found in overflows:
-                state = backend.update_scale(state, backend.full(float(found), "float32", like), config)
-                got.append(tuple(backend.to_host(a) for a in state))
-        assert got == want, info.name
-        assert min(g[0] for g in got) == polyamp.config.SCALE_FLOOR, info.name
+    for name, got in _kernel_runs(config, overflows):
+        assert got == want, name
+        assert min(g[0] for g in got) == polyamp.config.SCALE_FLOOR, name
 
 
 def test_scale_floor_is_min_scale_when_set_else_float32_smallest_normal():
