@@ -102,8 +102,9 @@ class Agreement:
         self._to_host, self._on_device_of = _to_host, _on_device_of
         self._sent: list[_Sent] = []  # this iteration's messages checked on the device only
         self._devices: dict[Any, Any] = {}  # (device, kind) -> DeviceDigest or DeviceEncoder
-        self._config: tuple[LossScaleConfig, int, int, int] | None = None  # config, crc, its shares
+        self._config: tuple[LossScaleConfig, int, int, int, int] | None = None  # config, crc, its shares
         self._messages: dict[int, np.ndarray] = {}  # the host path's buffers by size, reused
+        self._one = np.zeros(1, np.int64)  # the one-value message's buffer, reused
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -158,26 +159,40 @@ class Agreement:
         """The message built, reduced and judged in host memory (NumPy, CPU tensors): no sync."""
         fp, red = self._fp, self.reducer
         mine = (*host, *_host_state(state))  # a Fingerprint's fields (built as one only to explain)
-        _, _, c1, c2 = self._config  # type: ignore[misc]  # the config's shares, made by _next
+        _, _, c1, c2, cq = self._config  # type: ignore[misc]  # the config's shares, made by _next
+        f = float(found_inf) != 0  # non-zero (NaN too) as read_flag; 0-d on the host: no sync
+        if extra is None and red.size <= fp.LANE_RANKS:
+            return self._one_value(mine, f, (cq + fp.lane_share(mine[1:], first=1)) % fp.Q, like)
         d1, d2 = fp.shares(mine[1:], first=1)
         four_d = 4.0 * ((d1 + c1) % fp.P1 * 2**25 + (d2 + c2) % fp.P2)  # exact: below 2**52
-        f = 0.0 if float(found_inf) == 0 else 1.0  # non-zero (NaN too) as read_flag; 0-d on the host: no sync
         size = fp.HEAD + extras * red.size
         message = self._messages.get(size)
         if message is None:
             message = self._messages[size] = np.zeros(size)
         message[0] = four_d + f  # the buffer is reused: nothing keeps it past this call
         message[1] = f - four_d
-        if extras:
+        if extra is not None:
             _fill_slots(message[fp.HEAD:], np.asarray(_host(extra), np.float64).reshape(-1), red.rank)
         red.allreduce_max_(message)
         total = float(message[0]) + float(message[1])  # exact: integers below 2**53
         if not fp.verdict(total):
             self._explain(fp.Fingerprint(*mine), None)
         agreed = _new_flag(like, total / 2)
-        if not extras:
+        if extra is None:
             return Agreed(agreed, None)
         return Agreed(agreed, _new_like(extra, fp.gather_extras(message[fp.HEAD:], red.size), extra))
+
+    def _one_value(self, mine: tuple[int, ...], found: bool, share: int, like: Any) -> Agreed:
+        """The host message without extra values in a group of at most 1023 ranks: ONE int64,
+        summed (``_fingerprint.lane``): the flags' count and a check that every rank sent one digest."""
+        fp, red = self._fp, self.reducer
+        message = self._one
+        message[0] = fp.lane(share, found, red.rank, red.size, mine[3])  # key: the reducer's count
+        red.allreduce_sum_(message)
+        aligned, agreed = fp.lane_verdict(int(message[0]))
+        if not aligned:
+            self._explain(fp.Fingerprint(*mine), None)
+        return Agreed(_new_flag(like, 1.0 if agreed else 0.0), None)
 
     def _on_device(self, found_inf: Any, extra: Any, host: list[int], state: Any, like: Any) -> Agreed:
         """The message built, reduced and judged on the device: no host read (GPU arrays)."""
@@ -304,7 +319,7 @@ class Agreement:
         known = self._config
         if known is None or known[0] is not config:
             crc = self._crc(config)
-            known = self._config = (config, crc, *self._fp.shares([crc]))
+            known = self._config = (config, crc, *self._fp.shares([crc]), self._fp.lane_share([crc]))
         self.collective += 1
         owner = self.owner if not whose else zlib.crc32(whose.to_bytes(8, "little"), self.owner)
         return [known[1], self.iteration, self.collective, self.reducer.collectives, payload, extras, owner]

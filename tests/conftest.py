@@ -192,3 +192,20 @@ def host_reads():
     value in the block (:class:`HostReads`). Skips without torch."""
     pytest.importorskip("torch")
     return HostReads
+
+
+@pytest.fixture
+def lanes(monkeypatch):
+    """(f, digest) of every one-value agreement message as it is built: its value, ``f * B + (c * D
+    mod Q)``, holds no digest in a group of one rank (``c`` sums to 0 over the ranks, so it is 0 there)."""
+    from polyamp.distributed import _fingerprint as fp
+
+    seen: list[tuple[float, int]] = []
+    real = fp.lane
+
+    def record(share, found, rank, ranks, key):
+        seen.append((1.0 if found else 0.0, share))
+        return real(share, found, rank, ranks, key)
+
+    monkeypatch.setattr(fp, "lane", record)
+    return seen

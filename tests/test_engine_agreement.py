@@ -38,15 +38,15 @@ class OneRank(Reducer):
 
 
 def _head(values: list[float]) -> tuple[float, int]:
-    """(f, d) from a one-rank message ``[4d + f, f - 4d, ...]``."""
+    """(f, d) from a one-rank message ``[4d + f, f - 4d, ...]`` (an agreement with extra values)."""
     a, b = values[:2]
     return (a + b) / 2, int((a - b) / 8)
 
 
 def _digest(config, iteration, collective, sequence, scale, growth=0, extras=0, whose=0) -> int:
     """``whose``: the agreement's place among those made on its reducer's group (0: the first)."""
-    return fp.digest(fp.Fingerprint(config_fingerprint(config), iteration, collective, sequence, 0, extras,
-                                    whose, fp.scale_bits(scale), growth, 0))
+    return fp.lane_share(fp.Fingerprint(config_fingerprint(config), iteration, collective, sequence, 0, extras,
+                                        whose, fp.scale_bits(scale), growth, 0))
 
 
 def _grads(bad: bool = False) -> list[np.ndarray]:
@@ -56,7 +56,7 @@ def _grads(bad: bool = False) -> list[np.ndarray]:
     return grads
 
 
-def test_one_collective_per_step_also_the_first_carrying_the_fingerprint():
+def test_one_collective_per_step_also_the_first_carrying_the_fingerprint(lanes):
     red = OneRank()
     config = LossScaleConfig(init_scale=4.0, growth_interval=2)
     scaler = LossScaler(config, reducer=red)
@@ -69,8 +69,9 @@ def test_one_collective_per_step_also_the_first_carrying_the_fingerprint():
         counts.append(red.collectives - before)
         skipped.append(result.skipped)
     assert counts == [1, 1, 1] and skipped == [False, True, False]
-    assert [s[:3] for s in red.sent] == [("max", "float64", (2,))] * 3  # one MAX of 2 values
-    heads = [_head(s[3]) for s in red.sent]
+    assert [s[:3] for s in red.sent] == [("sum", "int64", (1,))] * 3  # one SUM of 1 value
+    assert [s[3] for s in red.sent] == [[0], [fp.B], [0]]  # f * B + c * D mod Q; one rank: c = 0
+    heads = lanes
     assert [f for f, _ in heads] == [0.0, 1.0, 0.0]
     # the state as each step unscaled with it: 4 (growth 0), 4 (growth 1), then backed off to 2
     assert [d for _, d in heads] == [_digest(config, 0, 1, 0, 4.0), _digest(config, 1, 1, 1, 4.0, growth=1),
@@ -189,7 +190,7 @@ def test_agree_without_a_reducer_sends_nothing_and_returns_the_local_values():
     assert scaler.step([], lambda: None).skipped
 
 
-def test_copies_share_the_reducer_and_pickling_refuses_it():
+def test_copies_share_the_reducer_and_pickling_refuses_it(lanes):
     red = OneRank()
     scaler = LossScaler(reducer=red)
     scaler.step(_grads(), lambda: None)
@@ -200,7 +201,7 @@ def test_copies_share_the_reducer_and_pickling_refuses_it():
     assert red.collectives == 2  # one per step, the copy's first included
     config, scale = twin.config, twin.get_scale()
     # a copy counts its own iterations
-    assert _head(red.sent[-1][3])[1] == _digest(config, 0, 1, 1, scale, growth=1, whose=1)  # the 2nd on red
+    assert lanes[-1][1] == _digest(config, 0, 1, 1, scale, growth=1, whose=1)  # the 2nd on red
     with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
         pickle.dumps(scaler)
     plain = pickle.loads(pickle.dumps(LossScaler()))

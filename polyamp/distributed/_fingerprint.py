@@ -50,6 +50,12 @@ P1, P2 = 2**25 - 39, 2**25 - 49
 SEED = "polyamp fingerprint digest v1"
 #: Values in a step agreement before its extra slots.
 HEAD = 2
+#: The one-value message (groups of at most LANE_RANKS ranks): each rank sends ``f * B + v``, ``v``
+#: below the prime Q (the largest below 2**43). Summed over n <= 1023 ranks, the ``v`` stay below
+#: 1023 * Q < B and the flags' count below 2**10, so the int64 sum is exact (below 2**63) and splits
+#: into both.
+Q, B, LANE_RANKS = 2**43 - 57, 2**53, 2**10 - 1
+_M64 = 2**64 - 1
 
 
 class Encoding(NamedTuple):
@@ -99,8 +105,8 @@ def _weights(prime: int, label: str) -> tuple[tuple[int, int], ...]:
     return tuple((draw(2 * i), draw(2 * i + 1)) for i in range(len(FIELDS)))
 
 
-#: Per field: (weight of the low half, weight of the high half), for P1 and for P2.
-W1, W2 = _weights(P1, "p1"), _weights(P2, "p2")
+#: Per field: (weight of the low half, weight of the high half), for P1, P2 and Q.
+W1, W2, WQ = _weights(P1, "p1"), _weights(P2, "p2"), _weights(Q, "q")
 _PACKED = tuple((a1 << 64 | a2, b1 << 64 | b2) for (a1, b1), (a2, b2) in zip(W1, W2))
 _LOW64 = 2**64 - 1
 
@@ -126,6 +132,47 @@ def digest(values: Fingerprint | list[int]) -> int:
     """The fingerprint's digest ``d = d1 * 2**25 + d2 < 2**50`` (host side)."""
     d1, d2 = shares(values)
     return d1 * 2**25 + d2
+
+
+def lane_share(values: Any, first: int = 0) -> int:
+    """``sum(wq * h) mod Q`` over the halves of ``values``, fields from ``first`` (the one-value
+    message's digest of them; shares of disjoint fields add up mod Q)."""
+    total = 0
+    for v, (low, high) in zip(values, WQ[first:]):
+        v &= _MASK
+        total += low * (v & 0xFFFF) + high * (v >> 16)
+    return total % Q
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit words whose outputs look uniform."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _g(key: int, rank: int) -> int:
+    """Rank ``rank``'s coefficient seed for the collective ``key`` (uniform-looking mod Q)."""
+    return _mix(((key & 0xFFFFFFFFFFF) << 20) | rank) % Q
+
+
+def lane(share: int, found: bool, rank: int, ranks: int, key: int) -> int:
+    """What ``rank`` of ``ranks`` sends in the one-value SUM: ``f * B + (c * D mod Q)``.
+
+    ``D`` (``share``) the fingerprint's :func:`lane_share`, ``f`` 1 when this rank found an inf/nan,
+    and ``c = g(rank) - g(rank + 1)`` with the ranks in a circle and ``g`` drawn anew for each
+    collective ``key``: the ``c`` sum to 0, so ranks with one ``D`` send ``v`` that sum to 0 mod Q.
+    """
+    c = _g(key, rank) - _g(key, (rank + 1) % ranks)
+    return (B if found else 0) + c * share % Q
+
+
+def lane_verdict(total: int) -> tuple[bool, bool]:
+    """From the SUM of the ranks' :func:`lane` values: (aligned, agreed flag). Aligned when the
+    ``v`` sum to 0 mod Q (every rank sent one digest, or, with probability 1/Q, digests that
+    differ); the flag (1 when some rank found an inf/nan) is exact either way."""
+    return total % B % Q == 0, total >= B
 
 
 def head(d: int, found: bool) -> tuple[float, float]:

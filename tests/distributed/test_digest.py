@@ -1,6 +1,8 @@
-"""The step agreement's MAX message ``[4d + f, f - 4d, *slots]``: the digest computed alike on the
-host and on a device, the verdict exact at any world size (simulated up to 2**20 ranks with
-np.maximum over many encoded messages), the extras slots, and the exact explanation."""
+"""The step agreement's messages: the one-value SUM ``f * B + (c * D mod Q)`` (host arrays, groups
+of at most 1023 ranks: exact, its flag exact, ranks that differ found) and the MAX message ``[4d + f,
+f - 4d, *slots]``: the digest computed alike on the host and on a device, the verdict exact at any
+world size (simulated up to 2**20 ranks with np.maximum over many encoded messages), the extras
+slots, and the exact explanation."""
 
 from __future__ import annotations
 
@@ -105,6 +107,78 @@ def test_the_verdict_is_exact_at_any_world_size(ranks):
                 assert total == 4 * abs(other - d) + 2 * found.max()  # exact: no rounding anywhere
 
 
+def test_the_one_value_constants():
+    assert _is_prime(fp.Q) and 2**42 < fp.Q < 2**43  # a mismatch goes unseen with a chance below 2**-41
+    assert fp.LANE_RANKS * (fp.Q - 1) < fp.B and fp.LANE_RANKS * fp.B + fp.B <= 2**63  # sums split, exact
+    weights = [w for pair in fp.WQ for w in pair]
+    assert len(set(weights)) == len(weights) == 2 * len(fp.FIELDS) and all(0 < w < fp.Q for w in weights)
+    base = _print()
+    assert fp.lane_share(base) == (fp.lane_share(base[:1]) + fp.lane_share(base[1:], first=1)) % fp.Q
+    for name in fp.FIELDS:  # every field moves the digest (a difference below 2**16 per half, never 0 mod Q)
+        for delta in (1, 2**16, 2**31):
+            other = base._replace(**{name: (getattr(base, name) + delta) % 2**32})
+            assert fp.lane_share(other) != fp.lane_share(base), (name, delta)
+
+
+def _lane_sum(prints: list[fp.Fingerprint], found, key: int) -> tuple[int, np.int64]:
+    """Every rank's one value summed: exactly (a Python int) and as an int64 all-reduce sums it."""
+    values = [fp.lane(fp.lane_share(p), bool(f), r, len(prints), key) for r, (p, f) in enumerate(zip(prints, found))]
+    assert all(0 <= v < fp.B + fp.Q for v in values)
+    return sum(values), np.sum(np.array(values, np.int64))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 64, fp.LANE_RANKS])
+def test_the_one_value_sum_is_exact_and_its_flag_exact_up_to_1023_ranks(ranks):
+    rng = np.random.default_rng(ranks)
+    same = [_print()] * ranks
+    for key in (0, 41, 2**40 + 3):
+        for found in (np.zeros(ranks), np.eye(1, ranks, ranks - 1)[0], rng.integers(0, 2, ranks), np.ones(ranks)):
+            exact, as_int64 = _lane_sum(same, found, key)
+            assert exact == as_int64 < 2**63  # no int64 overflow, whatever the flags
+            assert fp.lane_verdict(exact) == (True, bool(found.any()))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 64, fp.LANE_RANKS])
+def test_the_one_value_sum_finds_ranks_that_differ(ranks):
+    """One rank off, two ranks whose differences cancel in a fixed linear sum (one an iteration
+    ahead, one behind), half the ranks: for 50 collectives each, never aligned; the flag stays exact."""
+    base = _print()
+    ahead, behind = base._replace(iteration=13), base._replace(iteration=11)
+    cases = [[base] * (ranks - 1) + [ahead], [ahead] + [base] * (ranks - 1),
+             [base] * (ranks // 2) + [base._replace(scale=fp.scale_bits(32768.0))] * (ranks - ranks // 2)]
+    if ranks > 2:
+        cases.append([ahead, behind] + [base] * (ranks - 2))
+    for prints in cases:
+        for key in range(50):
+            found = np.eye(1, ranks, key % ranks)[0]
+            exact, as_int64 = _lane_sum(prints, found, key)
+            assert exact == as_int64 and fp.lane_verdict(exact) == (False, True)
+
+
+class Grid(Reducer):
+    """Rank 0 of ``ranks`` whose peers hold its state: records the message kinds (MAX: unchanged)."""
+
+    def __init__(self, ranks: int) -> None:
+        super().__init__("grid", 0, ranks, None)
+        self.sent: list[tuple[str, str, int]] = []
+
+    def _prepare(self, array):
+        return array
+
+    def _allreduce(self, buffer, op):
+        self.sent.append((op, str(buffer.dtype), buffer.size))
+        assert op == "max"
+
+    def _barrier(self):
+        pass
+
+
+def test_groups_above_1023_ranks_send_the_two_value_max():
+    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=Grid(fp.LANE_RANKS + 1))
+    assert not scaler.step([np.ones(2, np.float32)], lambda: None).skipped
+    assert scaler.reducer.sent == [("max", "float64", 2)]
+
+
 @pytest.mark.parametrize("ranks", [2, 5])
 def test_extras_slots_sum_every_ranks_values_in_rank_order(ranks):
     rng = np.random.default_rng(0)
@@ -194,7 +268,8 @@ def test_the_device_digest_of_a_host_state(found):
 
 
 class Peer(Reducer):
-    """Rank 0 of 2 whose peer holds ``other``: its head in a MAX, its bytes in the explanation's SUM."""
+    """Rank 0 of 2 whose peer holds ``other``: its head in a MAX or its one value in a SUM, its bytes
+    in the explanation's SUM."""
 
     def __init__(self, other: fp.Fingerprint) -> None:
         super().__init__("peer", 0, 2, None)
@@ -206,7 +281,9 @@ class Peer(Reducer):
     def _allreduce(self, buffer, op):
         if op == "max":
             np.maximum(buffer, fp.head(fp.digest(self.other), False), out=buffer)
-        else:
+        elif buffer.dtype == np.int64:  # the one-value message, as rank 1 computes it from its fields
+            buffer += fp.lane(fp.lane_share(self.other), False, 1, 2, self.other.sequence)
+        else:  # the explanation: its bytes
             buffer += fp.encode(self.other)
 
     def _barrier(self):

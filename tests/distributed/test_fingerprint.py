@@ -99,10 +99,12 @@ def test_every_field_is_named(field):
 
 
 class Recorder(Reducer):
-    """One rank that keeps its messages (a second scaler's, to pair with the first's)."""
+    """A rank that keeps its messages (a second scaler's, to pair with the first's). ``peer``: it
+    stands as rank 1 of 2 (what :class:`PairedWith`'s peer sends) beside a rank 0 in its own state,
+    whose one-value message cancels its own (``c`` and ``e`` sum to 0 over the ranks); else a group of one."""
 
-    def __init__(self) -> None:
-        super().__init__("recorder", 0, 1, None)
+    def __init__(self, peer: bool = False) -> None:
+        super().__init__("recorder", int(peer), 1 + int(peer), None)
         self.messages: list[np.ndarray] = []
 
     def _prepare(self, array):
@@ -110,6 +112,9 @@ class Recorder(Reducer):
 
     def _allreduce(self, buffer, op):
         self.messages.append(np.array(buffer.numpy() if hasattr(buffer, "numpy") else buffer, copy=True))
+        if self.size == 2 and op == "sum" and buffer.dtype == np.int64:  # rank 0 in the same state:
+            flag, v = divmod(int(buffer[0]), fp.B)  # its flag, and -v mod Q (its c is -c)
+            buffer[0] = 2 * flag * fp.B + v + (-v) % fp.Q
 
     def _barrier(self):
         pass
@@ -167,7 +172,7 @@ def _run(scaler: LossScaler, steps: int, applied: list[int]) -> None:
 
 
 def test_aligned_ranks_step_together(path):
-    peer = Recorder()
+    peer = Recorder(peer=True)
     _run(LossScaler(LossScaleConfig(init_scale=8.0), reducer=peer), 3, [])
     applied: list[int] = []
     _run(LossScaler(LossScaleConfig(init_scale=8.0), reducer=PairedWith(peer)), 3, applied)
@@ -175,7 +180,7 @@ def test_aligned_ranks_step_together(path):
 
 
 def test_another_scale_raises_before_the_step_is_applied(path):
-    peer = Recorder()
+    peer = Recorder(peer=True)
     _run(LossScaler(LossScaleConfig(init_scale=8.0), reducer=peer), 2, [])
     red = PairedWith(peer, _peer(LossScaleConfig(init_scale=8.0), 1, 1, 8.0, growth=1))
     scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=red)
@@ -194,7 +199,7 @@ def test_the_device_path_adds_the_mismatch_to_the_agreed_flag(monkeypatch):
     import polyamp._agreement as agreement
 
     monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
-    peer = Recorder()
+    peer = Recorder(peer=True)
     config = LossScaleConfig(init_scale=8.0, growth_interval=7)
     _run(LossScaler(config, reducer=peer), 1, [])
     scaler = LossScaler(LossScaleConfig(init_scale=8.0), reducer=PairedWith(peer, _peer(config, 0, 0, 8.0)))
@@ -286,7 +291,7 @@ def test_the_device_path_on_torch_tensors_raises_before_applying(monkeypatch):
 
     monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
     grads = [torch.full((3,), 2.0)]
-    peer = Recorder()
+    peer = Recorder(peer=True)
     twin = LossScaler(LossScaleConfig(init_scale=8.0), reducer=peer)
     twin.step([g.clone() for g in grads], lambda: None)
     twin.update()
@@ -315,7 +320,7 @@ def test_a_non_zero_recorded_flag_skips_alone_and_across_ranks(path, flag):
 
     alone: list[int] = []
     assert step(LossScaler(LossScaleConfig(init_scale=4.0)), flag, alone) and alone == []
-    peer = Recorder()
+    peer = Recorder(peer=True)
     assert not step(LossScaler(LossScaleConfig(init_scale=4.0), reducer=peer), None, [])
     applied: list[int] = []
     scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=PairedWith(peer))
