@@ -45,8 +45,9 @@ def _head(values: list[float]) -> tuple[float, int]:
 
 def _digest(config, iteration, collective, sequence, scale, growth=0, extras=0, whose=0) -> int:
     """``whose``: the agreement's place among those made on its reducer's group (0: the first)."""
-    return fp.lane_share(fp.Fingerprint(config_fingerprint(config), iteration, collective, sequence, 0, extras,
-                                        whose, fp.scale_bits(scale), growth, 0))
+    mine = fp.Fingerprint(config_fingerprint(config), iteration, collective, sequence, 0, extras, whose,
+                          fp.scale_bits(scale), growth, 0)
+    return fp.lane_share(mine)
 
 
 def _grads(bad: bool = False) -> list[np.ndarray]:

@@ -122,7 +122,8 @@ def test_the_one_value_constants():
 
 def _lane_sum(prints: list[fp.Fingerprint], found, key: int) -> tuple[int, np.int64]:
     """Every rank's one value summed: exactly (a Python int) and as an int64 all-reduce sums it."""
-    values = [fp.lane(fp.lane_share(p), bool(f), r, len(prints), key) for r, (p, f) in enumerate(zip(prints, found))]
+    values = [fp.lane(fp.lane_share(p), bool(f), r, len(prints), key)
+              for r, (p, f) in enumerate(zip(prints, found))]
     assert all(0 <= v < fp.B + fp.Q for v in values)
     return sum(values), np.sum(np.array(values, np.int64))
 
@@ -132,7 +133,8 @@ def test_the_one_value_sum_is_exact_and_its_flag_exact_up_to_1023_ranks(ranks):
     rng = np.random.default_rng(ranks)
     same = [_print()] * ranks
     for key in (0, 41, 2**40 + 3):
-        for found in (np.zeros(ranks), np.eye(1, ranks, ranks - 1)[0], rng.integers(0, 2, ranks), np.ones(ranks)):
+        last = np.eye(1, ranks, ranks - 1)[0]
+        for found in (np.zeros(ranks), last, rng.integers(0, 2, ranks), np.ones(ranks)):
             exact, as_int64 = _lane_sum(same, found, key)
             assert exact == as_int64 < 2**63  # no int64 overflow, whatever the flags
             assert fp.lane_verdict(exact) == (True, bool(found.any()))
