@@ -7,10 +7,11 @@ optimizer. The timed part is ``scaler.step(optimizer)`` for every optimizer plus
 table shows rank 0's median over repetitions of the mean time per iteration, the ratio
 polyamp / torch, the all-reduces each side issued per step (``dist.all_reduce`` plus the
 functional all-reduce DTensor uses) and whether both ended bitwise equal. Last, the bare latency
-of one all-reduce of torch's flag (1 float32, SUM) against polyamp's agreement message (2 float64,
-MAX: the flag and the digest that finds misaligned ranks). Run:
+of one all-reduce of torch's flag (1 float32, SUM) against polyamp's agreement message (1 int64,
+SUM: the flags' count and the digest check that finds misaligned ranks) and its message with extra
+values (2 float64, MAX, before the slots). Run:
 
-    python benchmarks/distributed_step.py [--reps 15] [--case "2 optimizers"]
+    python benchmarks/distributed_step.py [--reps 15] [--case "2 optimizers"] [--ranks 2]
 
 The same under MPI: ``benchmarks/mpi_step.py``.
 """
@@ -138,18 +139,20 @@ def bench(rank: int, case: tuple[int, int, int], reps: int, counter: Count) -> t
     return t_us, p_us, sides[0].calls // steps, sides[1].calls // steps, same
 
 
-def allreduce_latency(reps: int) -> tuple[float, float]:
-    """The best us of one bare ``dist.all_reduce`` of torch's flag (1 float32, SUM) and of polyamp's
-    agreement message (2 float64, MAX), taken in turn in the same run."""
-    buffers = [(torch.zeros(1), dist.ReduceOp.SUM), (torch.zeros(2, dtype=torch.float64), dist.ReduceOp.MAX)]
-    best = [math.inf, math.inf]
+def allreduce_latency(reps: int) -> tuple[float, float, float]:
+    """The best us of one bare ``dist.all_reduce`` of torch's flag (1 float32, SUM), of polyamp's
+    agreement message (1 int64, SUM) and of its message with extra values or in groups above 1023
+    ranks (2 float64, MAX, before its slots), taken in turn in the same run."""
+    buffers = [(torch.zeros(1), dist.ReduceOp.SUM), (torch.zeros(1, dtype=torch.int64), dist.ReduceOp.SUM),
+               (torch.zeros(2, dtype=torch.float64), dist.ReduceOp.MAX)]
+    best = [math.inf] * len(buffers)
     for _ in range(reps):
         for i, (buffer, op) in enumerate(buffers):
             start = time.perf_counter_ns()
             for _ in range(100):
                 dist.all_reduce(buffer, op=op)
             best[i] = min(best[i], (time.perf_counter_ns() - start) / 100 / 1e3)
-    return best[0], best[1]
+    return best[0], best[1], best[2]
 
 
 def worker(rank: int, size: int, port: int, reps: int, only: str = "") -> None:
@@ -169,10 +172,11 @@ def worker(rank: int, size: int, port: int, reps: int, only: str = "") -> None:
         if rank == 0:
             calls = f"{t_calls:>8} vs {p_calls:<6}"
             print(f"{name:>28} {t_us:>9.1f} {p_us:>9.1f} {p_us / t_us:>6.3f}x {calls}  {same}")
-    flag_us, message_us = allreduce_latency(reps)
+    flag_us, message_us, head_us = allreduce_latency(reps)
     if rank == 0:
         print(f"one bare all-reduce, best of {reps} x 100: torch's flag (1 float32, SUM) {flag_us:.1f} us, "
-              f"polyamp's message (2 float64, MAX) {message_us:.1f} us")
+              f"polyamp's message (1 int64, SUM) {message_us:.1f} us, with extra values (2 float64, "
+              f"MAX) {head_us:.1f} us")
     dist.barrier()
     os._exit(0)  # skip the process group's teardown
 
@@ -181,12 +185,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15, help="repetitions per case")
     parser.add_argument("--case", default="", help="only the cases whose name contains this text")
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="processes (1: a group of one: the scalers' own time, no peer to wait for)")
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(worker, args=(2, port, args.reps, args.case), nprocs=2)
+    mp.spawn(worker, args=(args.ranks, port, args.reps, args.case), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

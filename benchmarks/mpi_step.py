@@ -5,8 +5,8 @@ Run under ``mpirun --oversubscribe --allow-run-as-root -n 2 $(which python) benc
 Rank 0 prints, per case, the median over repetitions of the mean us per call:
 
 - the bare ``comm.Allreduce`` of 1 float32 (SUM), as torch's ShardedGradScaler would send its flag,
-  next to the bare all-reduce of polyamp's message (2 float64, MAX);
-- one agreement (``Agreement.flag`` + ``end_iteration``: the digest, the MAX all-reduce of 2 values
+  next to the bare all-reduce of polyamp's message (1 int64, SUM);
+- one agreement (``Agreement.flag`` + ``end_iteration``: the digest, the SUM all-reduce of 1 int64
   through the reducer's non-blocking ``Iallreduce`` and its deadline) against that bare flag;
 - ``LossScaler.step`` + ``update`` on NumPy gradients (10 x 1K float32) with the reducer, against
   the same scaler without one plus a bare ``Allreduce`` of its flag (the one sync a torch-style
@@ -39,7 +39,7 @@ def timed(call: Callable[[], None], iters: int) -> float:
 def run(reps: int, iters: int = 200) -> None:
     comm = MPI.COMM_WORLD
     red = polyamp.distributed.reducer("mpi")
-    flag32, message = np.zeros(1, np.float32), np.zeros(2, np.float64)
+    flag32, message = np.zeros(1, np.float32), np.zeros(1, np.int64)
     agreement = Agreement(red)
     config = polyamp.LossScaleConfig()
     state = polyamp.policy.HostState(2.0**16)
@@ -49,7 +49,7 @@ def run(reps: int, iters: int = 200) -> None:
         comm.Allreduce(MPI.IN_PLACE, flag32, op=MPI.SUM)
 
     def bare_message() -> None:
-        comm.Allreduce(MPI.IN_PLACE, message, op=MPI.MAX)
+        comm.Allreduce(MPI.IN_PLACE, message, op=MPI.SUM)
 
     def agree() -> None:
         agreement.flag(found, config, state)
@@ -69,7 +69,7 @@ def run(reps: int, iters: int = 200) -> None:
         alone.step(grads, lambda: None)
         alone.update()
 
-    pairs = {"bare all-reduce: 1 float32 SUM vs 2 float64 MAX": (bare_flag, bare_message),
+    pairs = {"bare all-reduce: 1 float32 SUM vs 1 int64 SUM": (bare_flag, bare_message),
              "one agreement (mpi reducer) vs bare flag": (bare_flag, agree),
              "LossScaler step, 10 x 1K: bare flag vs reducer": (step_bare, step_polyamp)}
     if comm.rank == 0:
