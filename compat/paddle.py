@@ -11,8 +11,8 @@ imports no framework.
 
 ``reducer=`` (a ``polyamp.distributed.reducer`` argument: a torch process group, ``"torch"``,
 an mpi4py communicator, ``"mpi"``, ...) agrees each ``step``/``minimize`` across ranks, as
-paddle fleet's distributed scaler does with an int32 MAX over the group: here one MAX all-reduce
-of the flag and a digest (the same decision), one collective per call, which also finds misaligned ranks.
+paddle fleet's distributed scaler does with an int32 MAX over the group: here one all-reduce of
+the flag and a digest (the same decision), one collective per call, which also finds misaligned ranks.
 
 State-dict keys: paddle's ``scale`` (a 1-element float32 array), ``incr_ratio``,
 ``decr_ratio``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``, ``incr_count``,

@@ -1,12 +1,12 @@
-"""The across-ranks half of LossScaler: one MAX all-reduce of two values per step agrees the flag.
+"""The across-ranks half of LossScaler: one all-reduce per step agrees the flag and checks the ranks.
 
-Every rank sends ``[4*d + f, f - 4*d]`` (``f`` 1 when it found an inf/nan, ``d`` a digest of what
-must be equal on every rank: config, position, scale and trackers; see
-:mod:`polyamp.distributed._fingerprint`), plus its own slots for ``extra`` values (a global-norm
-clip's sum of squares), in ONE all-reduce with MAX. All ranks see the same reduced values and
-reach the same verdict: skip together, or, when the digests differ, run a second collective that
-names the difference and raise ``RankMismatchError`` on every rank. ``polyamp.distributed`` is
-imported only when a reducer is given.
+Every rank sends its flag (1 when it found an inf/nan) with a digest of what must be equal on every
+rank (config, position, scale and trackers; see :mod:`polyamp.distributed._fingerprint`): ONE
+int64 summed (host arrays, no extra values, at most 1023 ranks), else ``[4*d + f, f - 4*d]`` and
+its own slots for ``extra`` values (a global-norm clip's sum of squares) with MAX. All ranks see
+the same reduced values and reach the same verdict: skip together, or, when the digests differ,
+run a second collective that names the difference and raise ``RankMismatchError`` on every rank.
+``polyamp.distributed`` is imported only when a reducer is given.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class _Sent(NamedTuple):
 class Agreement:
     """A reducer plus the position of the next agreement: what ``LossScaler(reducer=...)`` holds.
 
-    Every agreement is ONE MAX all-reduce of ``[4d + f, f - 4d, *extra slots]`` (see
-    :mod:`polyamp.distributed._fingerprint`): ``d`` digests what must be equal on every rank
+    Every agreement is ONE all-reduce: an int64 SUM, or a MAX of ``[4d + f, f - 4d, *extra slots]``
+    (see :mod:`polyamp.distributed._fingerprint`); its digest covers what must be equal on every rank
     (config, iteration, collective index, the reducer's collective count, payload size, how many
     extra values, scale and trackers). When the digests differ, every rank runs a second
     collective that names the difference and raises ``RankMismatchError`` before anything is

@@ -1,12 +1,23 @@
-"""What every rank must hold equal: a digest in the step's one MAX all-reduce, bytes to explain a mismatch.
+"""What every rank must hold equal: a digest in the step's one all-reduce, bytes to explain a mismatch.
 
-The step agreement message is ``[4*d + f, f - 4*d, *slots]`` (float64), reduced with MAX: ``f``
-is 1 when this rank found an inf/nan, ``d < 2**50`` the :func:`digest` of the rank's
-:class:`Fingerprint`, and ``slots`` carry extra values (each rank its own ``k`` slots, -inf in
-the others', see :func:`gather_extras`). After the MAX, ``a + b == 2 * OR(f)`` when every rank
-sent the same ``d``, and ``a + b >= 4`` otherwise (``4 * (max d - min d)``), so the verdict
-(:func:`verdict`) is a property of the reduced message that every rank evaluates alike, exact for
-any number of ranks (a MAX never rounds; ``4d + 1 < 2**53``).
+Host arrays, no extra values, at most 1023 ranks (:data:`LANE_RANKS`): each rank sends ONE int64,
+``f * B + (c * D mod Q)``, reduced with SUM (:func:`lane`). ``f`` is 1 when this rank found an
+inf/nan, ``D`` the :func:`lane_share` digest of its :class:`Fingerprint` mod the prime ``Q``
+(below 2**43), and ``c = g(rank) - g(rank + 1)`` with the ranks in a circle and ``g`` drawn anew
+for each collective: the ``c`` sum to 0, so ranks with one ``D`` send values whose ``v`` parts
+sum to 0 mod Q. The sum is exact (below 1023 * (B + Q) < 2**63) and splits into the flags' count
+(``total // B``, exact) and the ``v`` (``total % B``); :func:`lane_verdict` says aligned when
+those are 0 mod Q. Ranks that differ, in any pattern, sum to 0 with probability 1/Q for one
+collective (``g`` of a rank beside a difference is uniform), and their digests collide with
+probability at most 1/(Q - 1): below 2**-41 in all.
+
+With extra values, in larger groups, and on a device, the message is ``[4*d + f, f - 4*d,
+*slots]`` (float64), reduced with MAX: ``d < 2**50`` the :func:`digest`, and ``slots`` carry
+extra values (each rank its own ``k`` slots, -inf in the others', see :func:`gather_extras`).
+After the MAX, ``a + b == 2 * OR(f)`` when every rank sent the same ``d``, and ``a + b >= 4``
+otherwise (``4 * (max d - min d)``), so the verdict (:func:`verdict`) is a property of the
+reduced message that every rank evaluates alike, exact for any number of ranks (a MAX never
+rounds; ``4d + 1 < 2**53``).
 
 The digest is a universal hash: each 32-bit field split into 16-bit halves ``h``, ``d1 = sum(w1 *
 h) mod P1``, ``d2 = sum(w2 * h) mod P2`` (primes below 2**25, weights in ``[1, P)`` fixed by
