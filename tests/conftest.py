@@ -209,3 +209,45 @@ def lanes(monkeypatch):
 
     monkeypatch.setattr(fp, "lane", record)
     return seen
+
+
+def _twins_class():
+    from polyamp.distributed import Reducer
+    from polyamp.distributed import _fingerprint as fp
+
+    class Twins(Reducer):
+        """Rank 0 of ``size`` ranks that all hold its values: each reduction is what those ranks'
+        messages reduce to (a MAX: its own; a SUM: ``size`` times its own, exact for a power of two;
+        the one-value message: every rank's ``f * B + (c_r * D mod Q)``, ``D`` recovered from its own
+        ``c_0``). Keeps ``(op, shape, dtype)`` of what it was sent."""
+
+        def __init__(self, size: int = 2) -> None:
+            super().__init__("twins", 0, size, None)
+            self.sent: list[tuple] = []
+
+        def _prepare(self, array):
+            return array
+
+        def _allreduce(self, buffer, op):
+            self.sent.append((op, buffer.shape, str(buffer.dtype)))
+            if op != "sum":
+                return
+            if isinstance(buffer, np.ndarray) and buffer.dtype == np.int64 and buffer.shape == (1,):
+                key = self.collectives - 1  # the reducer's count when the message was built
+                flag, v = divmod(int(buffer[0]), fp.B)
+                c0 = (fp._g(key, 0) - fp._g(key, 1 % self.size)) % fp.Q
+                share = v * pow(c0, -1, fp.Q) % fp.Q if c0 else 0
+                buffer[0] = sum(fp.lane(share, bool(flag), r, self.size, key) for r in range(self.size))
+            else:
+                buffer *= self.size
+
+        def _barrier(self):
+            pass
+
+    return Twins
+
+
+@pytest.fixture
+def twins():
+    """``twins(size)``: a reducer standing for ``size`` ranks that all hold this rank's values."""
+    return _twins_class()

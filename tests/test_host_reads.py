@@ -22,23 +22,6 @@ from polyamp import LossScaleConfig, LossScaler  # noqa: E402
 from polyamp.distributed import Reducer  # noqa: E402
 
 
-class Twins(Reducer):
-    """Two ranks holding the same values: a sum is twice this rank's (exact), so ranks agree."""
-
-    def __init__(self):
-        super().__init__("twins", 0, 2, None)
-
-    def _prepare(self, array):
-        return array
-
-    def _allreduce(self, buffer, op):
-        if op == "sum":
-            buffer *= self.size
-
-    def _barrier(self):
-        pass
-
-
 @pytest.fixture
 def device_side(monkeypatch):
     """The agreement's device-side path on CPU tensors (how tests/distributed/test_fingerprint.py
@@ -84,8 +67,8 @@ def _engine_reads(host_reads, scaler, steps=4):
     return counts
 
 
-def test_engine_reads_once_per_applied_step_on_the_device_side_agreement(host_reads, device_side):
-    scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2), reducer=Twins())
+def test_engine_reads_once_per_applied_step_on_the_device_side_agreement(host_reads, device_side, twins):
+    scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2), reducer=twins())
     assert _engine_reads(host_reads, scaler) == [(1, 0)] * 4  # growth steps included
 
 
@@ -112,12 +95,13 @@ def _facade_reads(host_reads, scaler, steps=4):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: GradScaler("cpu", init_scale=8.0, growth_interval=2),
-    lambda: ShardedGradScaler("cpu", init_scale=8.0, growth_interval=2, process_group=Twins()),
-    lambda: PaddleGradScaler(init_loss_scaling=8.0, incr_every_n_steps=2, reducer=Twins()),
+    lambda twins: GradScaler("cpu", init_scale=8.0, growth_interval=2),
+    lambda twins: ShardedGradScaler("cpu", init_scale=8.0, growth_interval=2, process_group=twins()),
+    lambda twins: PaddleGradScaler(init_loss_scaling=8.0, incr_every_n_steps=2, reducer=twins()),
 ], ids=["torch", "torch-sharded", "paddle"])
-def test_facades_read_once_per_applied_step_on_the_device_side_agreement(host_reads, device_side, make):
-    assert _facade_reads(host_reads, make()) == [(1, 0)] * 4
+def test_facades_read_once_per_applied_step_on_the_device_side_agreement(host_reads, device_side, make,
+                                                                         twins):
+    assert _facade_reads(host_reads, make(twins)) == [(1, 0)] * 4
 
 
 def _guarded_reads(host_reads, scaler, steps=6):
@@ -142,11 +126,20 @@ def _guard():
     return StepGuard(loss_zscore=50.0, grad_norm_zscore=50.0, max_grad_norm=100.0, window=4, min_history=2)
 
 
-class Alone(Twins):
-    """One rank: its own slots are the message (Twins' sum would not keep per-rank slots of a MAX)."""
+class Alone(Reducer):
+    """One rank: its own slots are the message (twins' sum would not keep per-rank slots of a MAX)."""
 
     def __init__(self):
-        Reducer.__init__(self, "alone", 0, 1, None)
+        super().__init__("alone", 0, 1, None)
+
+    def _prepare(self, array):
+        return array
+
+    def _allreduce(self, buffer, op):
+        pass  # a sum or max over one rank
+
+    def _barrier(self):
+        pass
 
 
 def test_a_guarded_step_reads_once_on_the_device_side_agreement(host_reads, device_side):

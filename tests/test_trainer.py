@@ -293,37 +293,13 @@ def test_trainer_halves_do_not_import_each_other():
 
 
 # -- reducer=: data parallel (real process groups: tests/distributed/test_trainer_data_parallel.py) --
-class TwinRanks:
-    """What a rank sees in a group of ``size`` ranks that all hold its gradients: sums are
-    ``size`` times its own (exact for a power of two). A polyamp.distributed.Reducer subclass."""
-
-    def __new__(cls, size):
-        from polyamp.distributed import Reducer
-
-        class _Twins(Reducer):
-            def _prepare(self, array):
-                return array
-
-            def _allreduce(self, buffer, op):
-                self.sent.append((op, buffer.shape, str(buffer.dtype)))
-                if op == "sum":
-                    buffer *= self.size
-
-            def _barrier(self):
-                pass
-
-        twins = _Twins("twins", 0, size, None)
-        twins.sent = []
-        return twins
-
-
 @pytest.mark.parametrize("loss_scaling", [True, False])
-def test_reducer_averages_the_gradient_buffer_in_one_collective_per_step(loss_scaling):
+def test_reducer_averages_the_gradient_buffer_in_one_collective_per_step(loss_scaling, twins):
     x, y = _data()
     runs = {}
     for size in (None, 4):
         model = Linear(4, 2)
-        red = None if size is None else TwinRanks(size)
+        red = None if size is None else twins(size)
         trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16",
                                         LossScaleConfig(init_scale=2.0**10), loss_scaling=loss_scaling,
                                         max_grad_norm=1.0, reducer=red)
@@ -337,7 +313,7 @@ def test_reducer_averages_the_gradient_buffer_in_one_collective_per_step(loss_sc
     n = w.size + b.size
     from polyamp.distributed._fingerprint import BITS
 
-    assert red.sent[0] == ("max", (2,), "float64")  # the sizes and configs checked, once
+    assert red.sent[0] == ("sum", (1,), "int64")  # the sizes and configs checked, once
     assert red.sent[1:] == [("sum", (n + BITS.size,), "float32")] * 4  # the flat buffer + fingerprint
 
 
@@ -347,7 +323,7 @@ def test_reducer_is_checked_when_the_trainer_is_built():
         MixedPrecisionTrainer(model, SGD(model.parameters()), reducer=[1, 2])
 
 
-def test_the_device_side_fingerprint_path_trains_the_same(monkeypatch):
+def test_the_device_side_fingerprint_path_trains_the_same(monkeypatch, twins):
     """The trainer's GPU-side path (the fingerprint built and checked on the device, forced here on
     NumPy arrays) takes the same steps as the host path."""
     import polyamp._agreement as agreement
@@ -360,7 +336,7 @@ def test_the_device_side_fingerprint_path_trains_the_same(monkeypatch):
         model = Linear(4, 2)
         trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16",
                                         LossScaleConfig(init_scale=2.0**10), max_grad_norm=1.0,
-                                        reducer=TwinRanks(4))
+                                        reducer=twins(4))
         losses = [trainer.train_step(x, y, mse()).loss for _ in range(4)]
         runs.append((losses, model.w.data.copy(), trainer.skipped_steps))
     assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2] == 0
