@@ -68,10 +68,10 @@ class Agreed(NamedTuple):
 class _Sent(NamedTuple):
     """A message checked on the device only, kept until :meth:`Agreement.verify` reads it."""
 
-    reduced: Any  # the head's a + b (a digest message) or the bits summed (a gradient buffer)
+    reduced: Any  # the one value summed, the head's a + b, or the bits summed (a gradient buffer)
     host: list[int]  # the host fields
     state: Any
-    digest: bool  # a step agreement (MAX, digest) rather than a gradient buffer (SUM, bits)
+    kind: str  # "lane" (one int64, SUM), "head" (MAX, digest) or "bits" (a gradient buffer, SUM)
 
 
 class Agreement:
@@ -101,7 +101,7 @@ class Agreement:
         self._fp, self._mismatch, self._crc = _fingerprint, RankMismatchError, config_fingerprint
         self._to_host, self._on_device_of = _to_host, _on_device_of
         self._sent: list[_Sent] = []  # this iteration's messages checked on the device only
-        self._devices: dict[Any, Any] = {}  # (device, kind) -> DeviceDigest or DeviceEncoder
+        self._devices: dict[Any, Any] = {}  # (device, kind) -> DeviceDigest, DeviceLane or DeviceEncoder
         self._config: tuple[LossScaleConfig, int, int, int, int] | None = None  # config, crc, its shares
         self._messages: dict[int, np.ndarray] = {}  # the host path's buffers by size, reused
         self._one = np.zeros(1, np.int64)  # the one-value message's buffer, reused
@@ -199,13 +199,15 @@ class Agreement:
         fp, red = self._fp, self.reducer
         xp = array_api_compat.array_namespace(like)
         device = array_api_compat.device(like)
+        found = bool(found_inf) if found_inf is None or isinstance(found_inf, bool) else found_inf
+        if extra is None and red.size <= fp.LANE_RANKS:  # the host path's message, built here
+            return self._lane_on_device(xp, device, found, host, state)
         f64 = xp.float64
         digest = self._device(xp, device, "digest")
         if isinstance(state, HostState):
             shares, arrays = fp.shares([*host, *_host_state(state)]), (None, None, None)
         else:
             shares, arrays = fp.shares(host), tuple(state)
-        found = bool(found_inf) if found_inf is None or isinstance(found_inf, bool) else found_inf
         parts = [digest(shares, found, *arrays)]
         if extra is not None:
             k = _size(extra)
@@ -217,7 +219,7 @@ class Agreement:
         message = xp.concat(parts)
         red.allreduce_max_(message)
         total = message[0] + message[1]
-        self._sent.append(_Sent(total, host, state, True))
+        self._sent.append(_Sent(total, host, state, "head"))
         agreed = xp.astype(total > 0, xp.float32)  # 0 or 2: aligned; 4 and more: not, and all skip
         if extra is None:
             return Agreed(agreed, None)
@@ -226,6 +228,23 @@ class Agreement:
         for r in range(1, red.size):  # rank order, the same on every rank
             summed = summed + slots[r, ...]
         return Agreed(agreed, xp.reshape(xp.astype(summed, extra.dtype), extra.shape))
+
+    def _lane_on_device(self, xp: Any, device: Any, found: Any, host: list[int], state: Any) -> Agreed:
+        """The one-value message (as on the host) computed, reduced and judged on the device: the
+        agreed flag is 1 also where the ranks differ (every rank skips; :meth:`verify` names it)."""
+        fp, red = self._fp, self.reducer
+        lane = self._device(xp, device, "lane")
+        c = fp.coefficient(red.rank, red.size, host[3])
+        if isinstance(state, HostState):
+            message = lane(fp.lane_share([*host, *_host_state(state)]), found, c)
+        else:
+            message = lane((self._config[4] + fp.lane_share(host[1:], first=1)) % fp.Q,  # type: ignore[index]
+                           found, c, *state)
+        red.allreduce_sum_(message)
+        total = message[0]
+        self._sent.append(_Sent(total, host, state, "lane"))
+        differ = (total % fp.B) % fp.Q != 0
+        return Agreed(xp.astype((total >= fp.B) | differ, xp.float32), None)
 
     def sum_payload_(self, storage: Any, payload: int, config: LossScaleConfig, state: Any, *,
                      whose: int = 0) -> Any:
@@ -250,16 +269,22 @@ class Agreement:
         storage[payload:] = xp.astype(self._encode(encoder, host, state), storage.dtype)
         self.reducer.allreduce_sum_(storage)
         sums = storage[payload:]
-        self._sent.append(_Sent(sums, host, state, False))
+        self._sent.append(_Sent(sums, host, state, "bits"))
         return xp.astype(encoder.misaligned(sums, self.reducer.size), xp.float32)
 
     def _device(self, xp: Any, device: Any, kind: Any) -> Any:
-        """The device digest ("digest") or encoder (an ``Encoding``) on ``device``, made once."""
+        """The device digest ("digest"), one-value message ("lane") or encoder (an ``Encoding``) on
+        ``device``, made once."""
         key = (device, kind)
         made = self._devices.get(key)
         if made is None:
             fp = self._fp
-            made = fp.DeviceDigest(xp, device) if kind == "digest" else fp.DeviceEncoder(xp, device, kind)
+            if kind == "digest":
+                made = fp.DeviceDigest(xp, device)
+            elif kind == "lane":
+                made = fp.DeviceLane(xp, device)
+            else:
+                made = fp.DeviceEncoder(xp, device, kind)
             self._devices[key] = made
         return made
 
@@ -277,10 +302,12 @@ class Agreement:
         differs, the second collective that names the difference, on every rank)."""
         fp, to_host = self._fp, self._to_host
         for sent in self._sent:
-            if sent.digest and fp.verdict(float(to_host(sent.reduced))):
+            if sent.kind == "lane" and fp.lane_verdict(int(to_host(sent.reduced)))[0]:
+                continue
+            if sent.kind == "head" and fp.verdict(float(to_host(sent.reduced))):
                 continue
             mine = fp.Fingerprint(*sent.host, *_host_state(sent.state))
-            if sent.digest:
+            if sent.kind != "bits":
                 self._explain(mine, sent)
             self._check_bits(to_host(sent.reduced), mine)
 

@@ -168,15 +168,19 @@ def _g(key: int, rank: int) -> int:
     return _mix(((key & 0xFFFFFFFFFFF) << 20) | rank) % Q
 
 
+def coefficient(rank: int, ranks: int, key: int) -> int:
+    """``c = g(rank) - g(rank + 1) mod Q``, the ranks in a circle and ``g`` drawn anew for each
+    collective ``key``: the ``c`` of all ranks sum to 0 mod Q."""
+    return (_g(key, rank) - _g(key, (rank + 1) % ranks)) % Q
+
+
 def lane(share: int, found: bool, rank: int, ranks: int, key: int) -> int:
     """What ``rank`` of ``ranks`` sends in the one-value SUM: ``f * B + (c * D mod Q)``.
 
     ``D`` (``share``) the fingerprint's :func:`lane_share`, ``f`` 1 when this rank found an inf/nan,
-    and ``c = g(rank) - g(rank + 1)`` with the ranks in a circle and ``g`` drawn anew for each
-    collective ``key``: the ``c`` sum to 0, so ranks with one ``D`` send ``v`` that sum to 0 mod Q.
+    ``c`` its :func:`coefficient`: ranks with one ``D`` send ``v`` that sum to 0 mod Q.
     """
-    c = _g(key, rank) - _g(key, (rank + 1) % ranks)
-    return (B if found else 0) + c * share % Q
+    return (B if found else 0) + coefficient(rank, ranks, key) * share % Q
 
 
 def lane_verdict(total: int) -> tuple[bool, bool]:
@@ -274,6 +278,48 @@ class DeviceDigest:
         d1 = (sums[0] + float(host[0])) % float(P1)  # exact: a - P*floor(a/P), a < 2**46
         d2 = (sums[1] + float(host[1])) % float(P2)
         return (d1 * 2.0**25 + d2) * 4.0
+
+
+def mulmod(k: int, x: Any) -> Any:
+    """``k * x mod Q`` for a host integer ``k`` and int64 values ``x`` in ``[0, Q)`` (an array on
+    any device), without overflow: ``k * 2**(16j) mod Q`` times the 16-bit digits of ``x``, each
+    product below 2**59, three summed below 2**61."""
+    k %= Q
+    return (k * (x & 0xFFFF) + k * 2**16 % Q * ((x >> 16) & 0xFFFF) + k * 2**32 % Q * (x >> 32)) % Q
+
+
+class DeviceLane:
+    """The one-value message ``f * B + (c * D mod Q)`` computed on the state's device, without a
+    host read (GPU arrays): equal to :func:`lane` on the host.
+
+    In int64: each product of a weight (below 2**43) and a 16-bit half is below 2**59, the state's
+    six of them and the host share sum below 2**62; ``c * D mod Q`` is :func:`mulmod`.
+    """
+
+    def __init__(self, xp: Any, device: Any) -> None:
+        self.xp, self.device = xp, device
+        self._powers = _powers(xp, device)
+        weights = [w for i in range(HOST_FIELDS, len(FIELDS)) for w in WQ[i]]  # (lo, hi) per state field
+        self._weights = xp.asarray(np.array(weights, np.int64), dtype=xp.int64, device=device)
+
+    def __call__(self, share: int, found: Any, c: int, scale: Any = None, growth: Any = None,
+                 backoff: Any = None) -> Any:
+        """The message, int64 of shape (1,): ``share`` the :func:`lane_share` of the host fields (of
+        every field when ``scale`` is None), ``found`` a device flag (non-zero: inf/nan) or a bool,
+        ``c`` this rank's :func:`coefficient`."""
+        xp, i64 = self.xp, self.xp.int64
+        if scale is None:
+            v: Any = xp.full((), c * share % Q, dtype=i64, device=self.device)
+        else:
+            pattern = xp.astype(_pattern(xp, self._powers, scale), i64)
+            words = xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in (pattern, growth, backoff)]) & _MASK
+            halves = xp.reshape(xp.stack([words & 0xFFFF, words >> 16], axis=1), (-1,))
+            v = mulmod(c, (xp.sum(self._weights * halves) + share) % Q)
+        if isinstance(found, bool):
+            f: Any = B if found else 0
+        else:
+            f = xp.reshape(xp.astype(xp.asarray(found, device=self.device) != 0, i64), ()) * B
+        return xp.reshape(f + v, (1,))
 
 
 class DeviceEncoder:

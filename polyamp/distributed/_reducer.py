@@ -108,6 +108,12 @@ class Reducer(abc.ABC):
     """
 
     def __init__(self, name: str, rank: int, size: int, timeout: float | None) -> None:
+        if not 0 <= int(rank) < int(size):
+            raise ConfigError(
+                f"reducer {name!r}: rank={rank!r} is not within the group's ranks 0 to size - 1 "
+                f"(size={size!r}). Fix: give this process's rank within the reducer's group (the "
+                "agreement's message counts on every rank of 0 .. size - 1 taking part), not a global rank."
+            )
         self.name = name
         self.rank = int(rank)
         self.size = int(size)

@@ -120,6 +120,42 @@ def test_the_one_value_constants():
             assert fp.lane_share(other) != fp.lane_share(base), (name, delta)
 
 
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("found", [False, True, "array0", "array3"])
+def test_the_device_lane_equals_the_host_lane(library, scale, found):
+    """The one-value message computed from the state arrays (a GPU rank's, here on the CPU): equal
+    to the host's, whatever the fields (up to 2**32 - 1), the scale and the flag."""
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        import array_api_compat
+
+        xp, device = array_api_compat.array_namespace(torch.zeros(())), torch.device("cpu")
+        to_array = lambda value, dtype: torch.tensor(np.asarray(value).tolist(), dtype=getattr(torch, dtype))  # noqa: E731
+    else:
+        xp, device = np, "cpu"
+        to_array = lambda value, dtype: np.asarray(value, dtype)  # noqa: E731
+    mine = _print(config=2**32 - 1, iteration=2**31 + 5, scale=fp.scale_bits(np.float32(scale)),
+                  growth_tracker=2**31 - 1, backoff_tracker=65537)
+    flag = found if isinstance(found, bool) else to_array(float(found[-1]), "float32")
+    lane = fp.DeviceLane(xp, device)
+    for rank, ranks, key in ((0, 2, 0), (1, 2, 7), (5, 1023, 2**40 + 1)):
+        c = fp.coefficient(rank, ranks, key)
+        want = fp.lane(fp.lane_share(mine), found not in (False, "array0"), rank, ranks, key)
+        state = (to_array(np.float32(fp._from_bits(mine.scale)), "float32"),
+                 to_array(mine.growth_tracker, "int32"), to_array(mine.backoff_tracker, "int32"))
+        got = lane(fp.lane_share(mine[:fp.HOST_FIELDS]), flag, c, *state)
+        assert str(got.dtype).endswith("int64") and tuple(got.shape) == (1,) and int(got[0]) == want
+        assert int(lane(fp.lane_share(mine), flag, c)[0]) == want  # a host state: every field's share
+
+
+def test_mulmod_is_exact():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.integers(0, fp.Q, 1000), [0, 1, fp.Q - 1]]).astype(np.int64)
+    for k in (0, 1, 2**16 + 3, fp.Q - 1, fp.Q + 5, int(rng.integers(0, fp.Q))):
+        assert fp.mulmod(k, x).tolist() == [k * int(v) % fp.Q for v in x]
+
+
 def _lane_sum(prints: list[fp.Fingerprint], found, key: int) -> tuple[int, np.int64]:
     """Every rank's one value summed: exactly (a Python int) and as an int64 all-reduce sums it."""
     values = [fp.lane(fp.lane_share(p), bool(f), r, len(prints), key)

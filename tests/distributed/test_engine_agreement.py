@@ -161,6 +161,45 @@ def test_overflow_on_one_rank_skips_on_every_rank_mpi(run_mpi):
     check_engine_job(run_mpi(engine_run, 3, "mpi").results(), 3)
 
 
+def mixed_paths(rank: int, size: int, group: str) -> dict:
+    """Rank 0's agreements take the device path (as a GPU rank's; forced on NumPy arrays), the
+    others the host path: one message either way, so aligned ranks agree; the last rank overflows
+    at step 1, and at step 3 rank 0 alone holds another scale."""
+    import polyamp._agreement as agreement
+    from polyamp import LossScaleConfig, LossScaler
+
+    if rank == 0:
+        agreement._on_host = lambda *args: False
+    scaler = LossScaler(LossScaleConfig(init_scale=2.0**8), reducer=group)
+    applied: list[int] = []
+    try:
+        for step in range(4):
+            g = np.full(3, 2.0, np.float32)
+            if step == 1 and rank == size - 1:
+                g[0] = np.inf
+            if step == 3 and rank == 0:
+                scaler.set_scale(4.0)
+            scaler.step([g], lambda step=step: applied.append(step))
+            scaler.update()
+    except Exception as exc:
+        return {"applied": applied, "error": type(exc).__name__, "message": str(exc)}
+    return {"applied": applied, "error": None, "message": ""}
+
+
+def check_mixed_paths(results: list[dict]) -> None:
+    for out in results:
+        assert out["applied"] == [0, 2], out  # step 1 skipped on every rank, step 3 on none
+        assert out["error"] == "RankMismatchError" and "rank states differ: scale 2**" in out["message"], out
+
+
+def test_host_and_device_ranks_agree_gloo(run_gloo):
+    check_mixed_paths(run_gloo(mixed_paths, 2, "torch").results())
+
+
+def test_host_and_device_ranks_agree_mpi(run_mpi):
+    check_mixed_paths(run_mpi(mixed_paths, 3, "mpi").results())
+
+
 # -- faults: a rank that hangs or dies, seen through LossScaler.step ---------------------------
 
 def wait_for_files(paths: list[Path], limit: float) -> None:

@@ -111,6 +111,20 @@ def test_the_base_class_counts_collectives_and_refusals_issue_none():
     assert repr(local) == "<LocalReducer 'local' rank 0 of 1, timeout engine default, 3 collectives>"
 
 
+@pytest.mark.parametrize("rank, size", [(1, 1), (-1, 2), (4, 3)])
+def test_a_rank_outside_its_group_is_refused(rank, size):
+    """The agreement's coefficients cancel only over ranks 0 .. size - 1 (e.g. not a global rank)."""
+    from polyamp import ConfigError
+
+    class Numbered(LocalReducer):
+        def __init__(self) -> None:
+            Reducer.__init__(self, "numbered", rank, size, None)
+
+    expected = f"rank={rank} is not within .*size={size}.*Fix: give this process's rank"
+    with pytest.raises(ConfigError, match=expected):
+        Numbered()
+
+
 def test_a_registered_plugin_is_asked_and_must_return_a_reducer():
     plugin = types.ModuleType("local_reducer_plugin")
     plugin.make_reducer = hookimpl(lambda group, timeout: LocalReducer(timeout)
