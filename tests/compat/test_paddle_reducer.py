@@ -56,7 +56,7 @@ def test_one_collective_per_step_or_minimize_with_the_fingerprint(use_minimize, 
         assert scaler.last_step_skipped == (grad == np.inf)
     assert counts == [1, 1, 1]
     assert [op for op, _ in red.sent] == ["sum", "sum", "sum"]
-    assert {len(values) for _, values in red.sent} == {1}  # c * D + W * e * f (mod Q)
+    assert {len(values) for _, values in red.sent} == {1}  # f * B + (c * D mod Q)
     assert [f for f, _ in lanes] == [0.0, 1.0, 0.0]
 
 
