@@ -2,7 +2,8 @@
 
 Every rank sends its flag (1 when it found an inf/nan) with a digest of what must be equal on every
 rank (config, position, scale and trackers; see :mod:`polyamp.distributed._fingerprint`): ONE
-int64 summed (host arrays, no extra values, at most 1023 ranks), else ``[4*d + f, f - 4*d]`` and
+int64 summed (no extra values, at most 1023 ranks; on the host or, from the state arrays, on the
+device), else ``[4*d + f, f - 4*d]`` and
 its own slots for ``extra`` values (a global-norm clip's sum of squares) with MAX. All ranks see
 the same reduced values and reach the same verdict: skip together, or, when the digests differ,
 run a second collective that names the difference and raise ``RankMismatchError`` on every rank.
@@ -183,8 +184,9 @@ class Agreement:
         return Agreed(agreed, _new_like(extra, fp.gather_extras(message[fp.HEAD:], red.size), extra))
 
     def _one_value(self, mine: tuple[int, ...], found: bool, share: int, like: Any) -> Agreed:
-        """The host message without extra values in a group of at most 1023 ranks: ONE int64,
-        summed (``_fingerprint.lane``): the flags' count and a check that every rank sent one digest."""
+        """The message without extra values in a group of at most 1023 ranks, on the host: ONE
+        int64, summed (``_fingerprint.lane``): the flags' count and a check that every rank sent
+        one digest (a device computes the same value: ``_lane_on_device``)."""
         fp, red = self._fp, self.reducer
         message = self._one
         message[0] = fp.lane(share, found, red.rank, red.size, mine[3])  # key: the reducer's count

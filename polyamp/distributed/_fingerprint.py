@@ -1,6 +1,7 @@
 """What every rank must hold equal: a digest in the step's one all-reduce, bytes to explain a mismatch.
 
-Host arrays, no extra values, at most 1023 ranks (:data:`LANE_RANKS`): each rank sends ONE int64,
+No extra values, at most 1023 ranks (:data:`LANE_RANKS`): each rank sends ONE int64 (computed on
+the host, or on the device from the state arrays: :class:`DeviceLane`),
 ``f * B + (c * D mod Q)``, reduced with SUM (:func:`lane`). ``f`` is 1 when this rank found an
 inf/nan, ``D`` the :func:`lane_share` digest of its :class:`Fingerprint` mod the prime ``Q``
 (below 2**43), and ``c = g(rank) - g(rank + 1)`` with the ranks in a circle and ``g`` drawn anew
@@ -11,7 +12,7 @@ those are 0 mod Q. Ranks that differ, in any pattern, sum to 0 with probability 
 collective (``g`` of a rank beside a difference is uniform), and their digests collide with
 probability at most 1/(Q - 1): below 2**-41 in all.
 
-With extra values, in larger groups, and on a device, the message is ``[4*d + f, f - 4*d,
+With extra values and in larger groups, the message is ``[4*d + f, f - 4*d,
 *slots]`` (float64), reduced with MAX: ``d < 2**50`` the :func:`digest`, and ``slots`` carry
 extra values (each rank its own ``k`` slots, -inf in the others', see :func:`gather_extras`).
 After the MAX, ``a + b == 2 * OR(f)`` when every rank sent the same ``d``, and ``a + b >= 4``
