@@ -236,7 +236,8 @@ def _twins_class():
                 # computed where the buffer lives, with no host read (tests count the library's)
                 key, n = self.collectives - 1, self.size  # the reducer's count when the message was built
                 flag, v = buffer // fp.B, buffer % fp.B
-                share = fp.mulmod(pow(fp.coefficient(0, n, key), -1, fp.Q), v)  # v = c_0 * D mod Q
+                c0 = fp.coefficient(0, n, key)  # v = c_0 * D mod Q (c_0 is 0 in a group of one)
+                share = fp.mulmod(pow(c0, -1, fp.Q), v) if c0 else v
                 total = flag * (n * fp.B)
                 for r in range(n):
                     total = total + fp.mulmod(fp.coefficient(r, n, key), share)

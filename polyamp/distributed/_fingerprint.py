@@ -291,7 +291,8 @@ def mulmod(k: int, x: Any) -> Any:
 
 class DeviceLane:
     """The one-value message ``f * B + (c * D mod Q)`` computed on the state's device, without a
-    host read (GPU arrays): equal to :func:`lane` on the host.
+    host read (GPU arrays): equal to :func:`lane` on the host for a positive normal float32 scale
+    (the only scales a config and ``set_scale`` let through).
 
     In int64: each product of a weight (below 2**43) and a 16-bit half is below 2**59, the state's
     six of them and the host share sum below 2**62; ``c * D mod Q`` is :func:`mulmod`.

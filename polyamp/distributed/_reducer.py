@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import operator
 import os
 import sys
 import time
@@ -108,7 +109,11 @@ class Reducer(abc.ABC):
     """
 
     def __init__(self, name: str, rank: int, size: int, timeout: float | None) -> None:
-        if not 0 <= int(rank) < int(size):
+        try:
+            valid = not isinstance(rank, bool) and 0 <= operator.index(rank) < operator.index(size)
+        except TypeError:  # not an integer
+            valid = False
+        if not valid:
             raise ConfigError(
                 f"reducer {name!r}: rank={rank!r} is not within the group's ranks 0 to size - 1 "
                 f"(size={size!r}). Fix: give this process's rank within the reducer's group (the "

@@ -111,7 +111,7 @@ def test_the_base_class_counts_collectives_and_refusals_issue_none():
     assert repr(local) == "<LocalReducer 'local' rank 0 of 1, timeout engine default, 3 collectives>"
 
 
-@pytest.mark.parametrize("rank, size", [(1, 1), (-1, 2), (4, 3)])
+@pytest.mark.parametrize("rank, size", [(1, 1), (-1, 2), (4, 3), (None, 2), (0.5, 2), (True, 2), (0, "2")])
 def test_a_rank_outside_its_group_is_refused(rank, size):
     """The agreement's coefficients cancel only over ranks 0 .. size - 1 (e.g. not a global rank)."""
     from polyamp import ConfigError
@@ -120,7 +120,7 @@ def test_a_rank_outside_its_group_is_refused(rank, size):
         def __init__(self) -> None:
             Reducer.__init__(self, "numbered", rank, size, None)
 
-    expected = f"rank={rank} is not within .*size={size}.*Fix: give this process's rank"
+    expected = f"rank={rank!r} is not within .*size={size!r}.*Fix: give this process's rank"
     with pytest.raises(ConfigError, match=expected):
         Numbered()
 
