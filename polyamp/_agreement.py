@@ -160,10 +160,10 @@ class Agreement:
         """The message built, reduced and judged in host memory (NumPy, CPU tensors): no sync."""
         fp, red = self._fp, self.reducer
         mine = (*host, *_host_state(state))  # a Fingerprint's fields (built as one only to explain)
-        _, _, c1, c2, cq = self._config  # type: ignore[misc]  # the config's shares, made by _next
+        _, _, c1, c2, _ = self._config  # type: ignore[misc]  # the config's shares, made by _next
         f = float(found_inf) != 0  # non-zero (NaN too) as read_flag; 0-d on the host: no sync
         if extra is None and red.size <= fp.LANE_RANKS:
-            return self._one_value(mine, f, (cq + fp.lane_share(mine[1:], first=1)) % fp.Q, like)
+            return self._one_value(mine, f, self._lane_share(mine), like)
         d1, d2 = fp.shares(mine[1:], first=1)
         four_d = 4.0 * ((d1 + c1) % fp.P1 * 2**25 + (d2 + c2) % fp.P2)  # exact: below 2**52
         size = fp.HEAD + extras * red.size
@@ -231,6 +231,11 @@ class Agreement:
             summed = summed + slots[r, ...]
         return Agreed(agreed, xp.reshape(xp.astype(summed, extra.dtype), extra.shape))
 
+    def _lane_share(self, fields: Any) -> int:
+        """The one-value digest's share of ``fields`` (the host fields, or all of them), the config's
+        share (made by ``_next``) added: the fields after the config are weighed here."""
+        return (self._config[4] + self._fp.lane_share(fields[1:], first=1)) % self._fp.Q  # type: ignore[index]
+
     def _lane_on_device(self, xp: Any, device: Any, found: Any, host: list[int], state: Any) -> Agreed:
         """The one-value message (as on the host) computed, reduced and judged on the device: the
         agreed flag is 1 also where the ranks differ (every rank skips; :meth:`verify` names it)."""
@@ -240,8 +245,7 @@ class Agreement:
         if isinstance(state, HostState):
             message = lane(fp.lane_share([*host, *_host_state(state)]), found, c)
         else:
-            message = lane((self._config[4] + fp.lane_share(host[1:], first=1)) % fp.Q,  # type: ignore[index]
-                           found, c, *state)
+            message = lane(self._lane_share(host), found, c, *state)
         red.allreduce_sum_(message)
         total = message[0]
         self._sent.append(_Sent(total, host, state, "lane"))
