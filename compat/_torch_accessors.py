@@ -40,9 +40,9 @@ class ScalerAccessors:
 
     def _count_unread(self, skipped: list[bool]) -> None:
         """Count the fused optimizers' steps whose flags were just read, in the order they ran."""
-        tally = self._engine.iteration.tally
+        count = self._engine.iteration.count
         for one in skipped:
-            tally(one)
+            count(one)
         self._skipped_host += sum(skipped)
         self._unread.clear()
 

@@ -158,7 +158,7 @@ class ShardedMethods:
         if iteration.guard is None:
             return iteration.agree_flag(found, whose=optimizer_identity(optimizer))
         # the guard's values (the loss, these shards' squares) ride in the same collective
-        agreed = iteration.agree_group(found, iteration.squares(iteration.backend, grads),
+        agreed = iteration.agree_group(found, iteration.squares(grads),
                                        self._group_of(optimizer), whose=optimizer_identity(optimizer))
         self._values[id(optimizer)] = agreed.extra
         return agreed.found_inf

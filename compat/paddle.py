@@ -171,7 +171,7 @@ class AmpScaler:
                 flag = self._agreed(flag)
             # the one host read, before the optimizer runs: ranks that differ raise (nothing applied),
             # and a report sees the gradients before paddle's kernel of a skipped step writes grad * 0
-            found = iteration.decide(False if flag is None else flag, named=named, local=local)
+            found = iteration.decide(flag, named=named, local=local).skipped
             self.last_skip_reason = "overflow" if found else None
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
             optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
@@ -181,7 +181,7 @@ class AmpScaler:
             result = call() if ran else None
         self._cache_found_inf = self.last_step_skipped = found
         self.skipped_steps += found
-        iteration.tally(found)  # steps and the window of metrics()
+        iteration.count(found)  # steps and the window of metrics()
         return ran, result
 
     def _guarded(self, named: Callable[[], Any], local: Any) -> tuple[bool, Any]:
@@ -192,9 +192,9 @@ class AmpScaler:
         if iteration.checks.found is None:  # no gradients on this rank: it still takes part
             backend, state = iteration.ready()
             iteration.record(backend.full(0.0, "float32", state.scale))
-        found = iteration.decide(named=named, local=local)
-        self.last_skip_reason = iteration.checks.verdict.reason
-        return found, (True if found else iteration.checks.flag)
+        decision = iteration.decide(named=named, local=local)
+        self.last_skip_reason = decision.reason
+        return decision.skipped, (True if decision.skipped else decision.flag)
 
     def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
         """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
@@ -231,10 +231,10 @@ class AmpScaler:
         iteration = self._engine.iteration
         try:  # the scale moved: the iteration ends even if a log handler raises
             if self.is_use_dynamic_loss_scaling():
-                found = bool(self._cache_found_inf)
-                iteration.finish(found, skipped=found, describe=self._describe_change, exact=True)
+                decision = iteration.concluded(bool(self._cache_found_inf))
+                iteration.finish(decision, describe=self._describe_change)
             else:  # a fixed scale: only the checks end (and the guard's histories move on)
-                iteration.settle_guard()
+                iteration.finish(iteration.decided(), rule=False)
         finally:
             self._stages.clear()
 

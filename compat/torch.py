@@ -176,7 +176,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # by collect_grads
         if iteration.guard is not None:  # this optimizer's values, judged at its step
             self._values[id(optimizer)] = iteration.agree_group(
-                found, iteration.squares(iteration.backend, grads), self._group_of(optimizer)).extra
+                found, iteration.squares(grads), self._group_of(optimizer)).extra
         return found
 
     def _group_of(self, optimizer: Any) -> int:
@@ -238,18 +238,15 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         ``optimizer.step(*args, **kwargs)`` unless it says skip."""
         iteration = self._engine.iteration
         named = lambda: self._named_grads([*self._skipped_here, optimizer])  # noqa: E731
-        if id(optimizer) in self._values:  # with a guard: the flag and its values in one read
-            skipped = iteration.decide_group(found, self._values[id(optimizer)], self._group_of(optimizer),
-                                             named=named, keep_report=bool(self._skipped_here))
-            self._last_reason = iteration.checks.verdict.reason
-        else:
-            skipped = iteration.decide(False if found is None else found, named=named,
-                                       keep_report=bool(self._skipped_here))
-            self._last_reason = "overflow" if skipped else None
+        values = self._values.get(id(optimizer))  # with a guard: the flag and its values in one read
+        decision = iteration.decide(found, values=values, group=self._group_of(optimizer), named=named,
+                                    keep_report=bool(self._skipped_here))
+        skipped = decision.skipped
+        self._last_reason = decision.reason
         retval = None if skipped else optimizer.step(*args, **kwargs)
         self._last_skipped = skipped
         self._skipped_host += skipped
-        self._engine.iteration.tally(skipped)  # steps and the window of metrics()
+        iteration.count(skipped)  # steps and the window of metrics()
         if skipped:
             self._skipped_here.append(optimizer)
         return retval
@@ -307,22 +304,20 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         No host sync: the rule runs on the scale's device.
         """
         self._check_initialized("update")
-        if new_scale is not None:
-            if not isinstance(new_scale, float):
-                check_new_scale(new_scale, self._device)
-            self._engine.set_scale(new_scale)
-            self._engine.iteration.end()  # torch's update(new_scale) ends the iteration, across ranks too
-        else:
+        iteration = self._engine.iteration
+        try:
+            if new_scale is not None:  # torch's update(new_scale) ends the iteration, across ranks too
+                if not isinstance(new_scale, float):
+                    check_new_scale(new_scale, self._device)
+                self._engine.set_scale(new_scale)
+                return
             flags = [f for f in self._found.values() if f is not None]
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
             found = flags[0] if len(flags) == 1 else sum(flags[1:], flags[0])
-            try:  # the scale moved: the iteration ends even if a log handler raises
-                self._engine.iteration.finish(found, skipped=bool(self._skipped_here))  # as step() read
-            finally:
-                self._reset_iteration()
-            return
-        self._reset_iteration()
+            iteration.finish(iteration.concluded(found, skipped=bool(self._skipped_here)))  # as step() read
+        finally:
+            self._reset_iteration()
 
     # -- overflow forensics -----------------------------------------------------------
     @property

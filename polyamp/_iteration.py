@@ -7,12 +7,14 @@ order rules and messages; the work is here, once::
 
     unscale(grads) / record(flag)   -> Checks.found     (device flags, no sync)
     agree() / agree_flag(flag)      -> Checks.agreed    (one collective with a reducer)
-    decide(flag)                    -> bool             (the one host read; a report when skipped)
-    finish(found_inf, skipped)      -> the scale update, its log line, the floor warning
+    decide(flag)                    -> Decision         (the one host read; a report when skipped)
+    finish(concluded())             -> the scale update, its log line, the floor warning, the guard
 
-With a :class:`polyamp.StepGuard` the loss and the squared gradient norm travel with the flag
-(one collective, one host read) and each step's verdict moves the guard's histories; the guard's
-methods are :class:`polyamp._guard_steps.GuardSteps`', a base of :class:`Iteration`.
+A step's decision is a value, :class:`Decision`; every way an iteration ends (an update, a new
+scale, a fixed scale, a decision without a step) is :meth:`Iteration.finish` of one, so none can
+skip the guard's record or leave the iteration open. With a :class:`polyamp.StepGuard` the loss and
+the squared gradient norm travel with the flag (one collective, one host read); the guard is a
+component, :class:`polyamp._guard_steps.GuardSteps`, called with explicit arguments.
 
 What one iteration has checked so far is one immutable value, :class:`Checks`, replaced as the
 iteration moves on and reset by :meth:`Iteration.finish`. The persistent part (config, backend,
@@ -41,6 +43,40 @@ logger = logging.getLogger("polyamp")
 
 #: How a shell words one update's scale change: ``describe(skipped, before, after)`` on host states.
 Describe = Callable[[bool, HostState, HostState], "str | None"]
+#: The named gradients of a report, built only when one is due.
+Named = Callable[[], "list[tuple[str, Any]]"]
+
+
+class Decision(NamedTuple):
+    """One step's host decision (immutable), consumed by :meth:`Iteration.finish`.
+
+    ``skipped``: the step was skipped (None: no step was decided, an update without a step).
+    ``flag``: what the scale rule advances on (the agreed device flag, or a host bool). ``exact``:
+    ``skipped`` was read from this very flag, so the state after the update is the rule's on the
+    host state read before it. ``verdicts``: the guard's (group, verdict) pairs.
+    """
+
+    skipped: bool | None
+    flag: Any
+    exact: bool = False
+    verdicts: tuple[tuple[int, guard.Verdict], ...] = ()
+
+    @property
+    def verdict(self) -> guard.Verdict | None:
+        """The guard's last verdict, or None without a guard."""
+        return self.verdicts[-1][1] if self.verdicts else None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the step was skipped (None: applied); ``"overflow"`` without a guard."""
+        verdict = self.verdict
+        return verdict.reason if verdict is not None else ("overflow" if self.skipped else None)
+
+    @property
+    def held(self) -> bool:
+        """The guard skipped with finite gradients: the scale state stays as it is."""
+        reasons = {v.reason for _, v in self.verdicts}
+        return "overflow" not in reasons and bool(reasons - {None})
 
 
 class Checks(NamedTuple):
@@ -48,27 +84,33 @@ class Checks(NamedTuple):
 
     ``found``: this rank's device flags of the iteration, summed (None before the first check).
     ``agreed``: ``found`` agreed over the ranks (None until agreed). ``unscaled``: the shell's
-    single unscale ran. ``skipped``: the host skip decision of the step (None before it).
-    ``checked``: (name, gradient) pairs for a report (``diagnose=True`` only). ``summed``: the
-    gradients themselves were summed over the ranks (:meth:`Iteration.sum_payload`), so every
-    flag checked after it is the same on every rank and needs no agreement of its own.
+    single unscale ran. ``decisions``: the host decisions of the iteration's steps (one per
+    optimizer for the torch facade). ``checked``: (name, gradient) pairs for a report
+    (``diagnose=True`` only). ``summed``: the gradients themselves were summed over the ranks
+    (:meth:`Iteration.sum_payload`), so every flag checked after it is the same on every rank.
+    ``loss``, ``sumsq``: the guard's loss and squared norm (device values); ``values``: what was
+    agreed with the flag.
     """
 
     found: Any = None
     agreed: Any = None
     summed: bool = False
     unscaled: bool = False
-    skipped: bool | None = None
+    decisions: tuple[Decision, ...] = ()
     checked: tuple[tuple[str, Any], ...] = ()
-    loss: Any = None  # the guard's: this rank's loss (0-d device array), the squares of its gradients,
-    sumsq: Any = None  # the values agreed with the flag (summed over ranks), the step's verdicts
-    values: Any = None  # (group -> verdict: one group per step, the torch facade's per optimizer)
-    verdicts: tuple[tuple[int, guard.Verdict], ...] = ()
+    loss: Any = None
+    sumsq: Any = None
+    values: Any = None
+
+    @property
+    def skipped(self) -> bool | None:
+        """Whether a step of this iteration was skipped (None before any decision)."""
+        return any(d.skipped for d in self.decisions) if self.decisions else None
 
     @property
     def verdict(self) -> guard.Verdict | None:
         """The last verdict of this iteration (the engine's one step's), or None."""
-        return self.verdicts[-1][1] if self.verdicts else None
+        return self.decisions[-1].verdict if self.decisions else None
 
     @property
     def flag(self) -> Any:
@@ -76,7 +118,11 @@ class Checks(NamedTuple):
         return self.found if self.agreed is None else self.agreed
 
 
-class Iteration(GuardSteps):
+#: ``decide()``'s default flag: the iteration's own (agreed first).
+OWN: Any = object()
+
+
+class Iteration:
     """A scaler's state and the steps of its iteration (see the module docstring).
 
     ``agreement`` (a :class:`polyamp._agreement.Agreement`, or None) agrees flags across ranks;
@@ -90,10 +136,7 @@ class Iteration(GuardSteps):
         if backend is not None:
             _registry.check_in_place(backend)
         self.config = config
-        self.guard = step_guard  # None: no guard; else its histories and streaks per group
-        self.histories: dict[int, guard.GuardHistory] = {}
-        self.replicated = False  # the shell's gradients are already summed over the ranks (the norm's)
-        self.last_verdict: guard.Verdict | None = None
+        self.guarding = None if step_guard is None else GuardSteps(step_guard)  # its histories, per group
         self.backend = backend
         self.state: LossScaleState | None = None  # device arrays, made on the first array seen
         self.host = HostState(float(config.init_scale), 0, 0)  # the state until then
@@ -106,6 +149,31 @@ class Iteration(GuardSteps):
         self.steps = 0
         self.skipped_steps = 0
         self.window = SkipWindow()  # the skips of the last steps, for metrics(); host-only
+
+    @property
+    def guard(self) -> guard.StepGuard | None:
+        """The :class:`polyamp.StepGuard` judging each step, or None."""
+        return None if self.guarding is None else self.guarding.guard
+
+    @property
+    def watches_norm(self) -> bool:
+        """Whether a guard's norm rule needs each group's sum of squares."""
+        return self.guarding is not None and self.guarding.guard.watches_norm
+
+    @property
+    def histories(self) -> dict[int, guard.GuardHistory]:
+        """The guard's history per group (empty without a guard); set to load saved ones."""
+        return {} if self.guarding is None else self.guarding.histories
+
+    @histories.setter
+    def histories(self, value: dict[int, guard.GuardHistory]) -> None:
+        if self.guarding is not None:
+            self.guarding.histories = dict(value)
+
+    @property
+    def last_verdict(self) -> guard.Verdict | None:
+        """The guard's last verdict (None without a guard or before its first)."""
+        return None if self.guarding is None else self.guarding.last_verdict
 
     # -- the state and its backend ------------------------------------------------------
     def bind(self, array: Any) -> Backend:
@@ -198,7 +266,7 @@ class Iteration(GuardSteps):
             by = backend.full(1.0, "float32", state.scale) if check_only else state.scale
             # with diagnose=True, a kernel that overwrites an overflowing step's values must not
             fused = backend.unscale_and_squares
-            if fused is not None and self.guard is not None and self.guard.watches_norm and not (
+            if fused is not None and self.watches_norm and not (
                     self.diagnose or check_only):  # the norm's squares in the unscale's pass
                 squares = fused(arrays, by, found)
             else:
@@ -211,7 +279,7 @@ class Iteration(GuardSteps):
         sumsq = checks.sumsq
         if squares is not None:
             sumsq = plus(sumsq, squares)
-        elif arrays and self.guard is not None and self.guard.watches_norm:
+        elif arrays and self.watches_norm:
             sumsq = plus(sumsq, _guard_values.squared_norm(backend, arrays))
         self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
                                       sumsq=sumsq)
@@ -237,12 +305,12 @@ class Iteration(GuardSteps):
         an agreement the local values and nothing is sent. Once per iteration, after the checks."""
         found = self.checks.found
         check_extra(extra)
-        sent = self._guard_sent()
+        sent = self._sent(self.checks.sumsq)
         if self.agreement is None:
             self.checks = self.checks._replace(values=sent)
             return Agreed(found, extra)
         both, users = _guard_values.joined(extra, sent)
-        whose = self._whose(0, 0)
+        whose = self.whose(0)
         agreed = self.agreement.flag_and_extra(found, both, self.config, self.state, whose=whose)
         theirs, values = _guard_values.split(agreed.extra, users, extra, sent)
         self.checks = self.checks._replace(agreed=agreed.found_inf, values=values)
@@ -301,40 +369,102 @@ class Iteration(GuardSteps):
         if self.agreement is not None:
             self.agreement.verify()
 
+    # -- the guard's inputs ------------------------------------------------------------------
+    def take_loss(self, loss: Any, where: str) -> None:
+        """Add ``loss`` to this iteration's loss for the guard (summed, as the facades' losses since
+        the last update); ignored without a guard. No sync (a number goes to the device)."""
+        if self.guarding is None or loss is None:
+            return
+        self._refuse_after_agreement(f"{where} with loss=")
+        backend = self.backend
+        if self.state is None:  # no gradients yet: the loss's own library decides the backend
+            backend = self.bind(loss) if hasattr(loss, "shape") else self.ready()[0]
+        like = self.ready()[1].scale
+        value = _guard_values.loss_value(loss, backend, like, where)
+        self.checks = self.checks._replace(loss=plus(self.checks.loss, value))
+
+    def require_loss(self, loss: Any, where: str,
+                     give: str = "pass loss= (e.g. step(grads, step_fn, loss=loss))") -> None:
+        """Refuse a step of a loss guard that was given no loss (before anything changes)."""
+        if self.guarding is not None:
+            self.guarding.require_loss(loss is not None or self.checks.loss is not None, where, give)
+
+    def squares(self, arrays: list[Any]) -> Any:
+        """One group's sum of squares when a norm rule is set, else None (no sync)."""
+        if not self.watches_norm or not arrays:
+            return None
+        return _guard_values.squared_norm(self.ready()[0], arrays)
+
+    def whose(self, whose: int, group: int = 0) -> int:
+        """The identity a collective names: ``whose``, with the guard's settings, this rank's loss
+        and the group's history folded in when there is a guard."""
+        if self.guarding is None:
+            return whose
+        return self.guarding.whose(whose, group, self.checks.loss is not None)
+
+    def _sent(self, squares: Any) -> Any:
+        """This rank's guard values to agree (None without a guard)."""
+        if self.guarding is None:
+            return None
+        backend, state = self.ready()
+        return self.guarding.sent(backend, self.checks.loss, squares, state.scale)
+
+    def agree_group(self, found: Any, squares: Any, group: int, *, whose: int = 0) -> Agreed:
+        """One group's flag and guard values (the iteration's loss, its squares) agreed over the
+        ranks in ONE collective (the torch facades' per-optimizer agreement)."""
+        backend, state = self.ready()
+        if found is None or isinstance(found, bool):
+            found = backend.full(float(bool(found)), "float32", state.scale)
+        sent = self._sent(squares)
+        if self.agreement is None:
+            return Agreed(found, sent)
+        return self.agreement.flag_and_extra(found, sent, self.config, state, whose=self.whose(whose, group))
+
     # -- the decision -----------------------------------------------------------------------
     def decide(
-        self, flag: Any = None, *, named: Callable[[], list[tuple[str, Any]]] | None = None,
+        self, flag: Any = OWN, *, values: Any = None, group: int = 0, named: Named | None = None,
         local: Any = None, keep_report: bool = False,
-    ) -> bool:
-        """The skip decision: ``flag`` (default: the iteration's, agreed first) read on the host,
-        the one sync of a step. When it says skip, misaligned ranks raise first, and with
+    ) -> Decision:
+        """The skip decision, recorded in :attr:`checks`: ``flag`` (default: the iteration's, agreed
+        first; None: no gradients) read on the host, the one sync of a step. With a guard the flag
+        and the guard's ``values`` (default: the iteration's) are read together and judged against
+        ``group``'s history. When it says skip, misaligned ranks raise first, and with
         ``diagnose=True`` the report is made (on ``named()``'s gradients, else the checked ones;
-        ``local``: this rank's own flag before the agreement, to tell whether another rank
-        overflowed). ``keep_report``: an applied step keeps an earlier report of this iteration.
+        ``local``: this rank's own flag before the agreement). ``keep_report``: an applied step
+        keeps an earlier report of this iteration. A failure ends the iteration.
         """
-        if flag is None:
+        try:
+            decision = self._decision(flag, values, group)
+            if decision.skipped and decision.reason == "overflow":  # a flag 0: the ranks align
+                self.verify()  # ranks that differ: RankMismatchError before anything applies
+        except BaseException:
+            self.end()
+            raise
+        self.checks = self.checks._replace(decisions=(*self.checks.decisions, decision))
+        if self.diagnose and (decision.skipped or not keep_report):
+            self.last_overflow = self._report_or_warn(named, local) if decision.skipped else None
+        return decision
+
+    def _decision(self, flag: Any, values: Any, group: int) -> Decision:
+        """The flag (and the guard's values) read on the host, judged: one :class:`Decision`."""
+        own = flag is OWN
+        if own:
             self.agree_found()
             flag = self.checks.flag
+        flag = False if flag is None else flag
         backend = self.backend if self.backend is not None or isinstance(flag, bool) else self.bind(flag)
-        if self.guard is not None and flag is self.checks.flag:
-            agreed = self.checks.agreed is not None  # else this rank's values (the trainer's are summed)
-            skipped = self._judge(backend, flag, self.checks.values if agreed else self._guard_sent(), 0,
-                                  agreed)
-        else:
+        if self.guarding is None or not (own or values is not None):
             skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
-        verdict = self.checks.verdict
-        if skipped and (verdict is None or verdict.reason == "overflow"):  # a flag 0: the ranks align
-            self.verify()  # ranks that differ: RankMismatchError before anything applies
-        if self.diagnose and (skipped or not keep_report):
-            self.last_overflow = self._report_or_warn(named, local) if skipped else None
-        return skipped
+            return Decision(skipped, flag, exact=own)
+        agreed = self.agreement is not None and (values is not None or self.checks.agreed is not None)
+        if values is None:  # the iteration's: agreed with the flag, or this rank's (the trainer's are summed)
+            values = self.checks.values if self.checks.agreed is not None else self._sent(self.checks.sumsq)
+        ranks = self.agreement.reducer.size if agreed else 1
+        verdict = self.guarding.judge(backend, flag, values, group=group, ranks=ranks,
+                                      given_loss=self.checks.loss is not None)
+        return Decision(verdict.reason is not None, flag, exact=own, verdicts=((group, verdict),))
 
     def count(self, skipped: bool) -> None:
-        """Record a step's decision (the engine's step: counters and the pending update)."""
-        self.checks = self.checks._replace(skipped=skipped)
-        self.tally(skipped)
-
-    def tally(self, skipped: bool) -> None:
         """Count one optimizer step's host decision: steps, skipped steps, the window of recent skips
         (every shell, for ``metrics()``; the facades keep their own ``skipped_steps`` beside it)."""
         self.steps += 1
@@ -363,28 +493,23 @@ class Iteration(GuardSteps):
         if agreed and local is not None and not isinstance(local, bool):
             local = bool(self.ready()[0].read_flag(local))
         grads = named() if named is not None else list(self.checks.checked)
-        verdict = self.checks.verdict
-        if verdict is not None and verdict.reason not in (None, "overflow"):  # the guard's skip
-            report = overflow.build_report(grads, scale=self.host_state().scale)
-            line = guard.diagnosis(verdict, self.guard, self._judged(self.checks.verdicts[-1][0], verdict))
+        scale = self.host_state().scale
+        last = self.checks.decisions[-1] if self.checks.decisions else None
+        if last is not None and last.verdicts and last.reason != "overflow" and self.guarding is not None:
+            group, verdict = last.verdicts[-1]  # the guard's skip
+            line = self.guarding.diagnosis(group, verdict)
+            report = overflow.build_report(grads, scale=scale)
             return replace(report, reason=verdict.reason, loss=verdict.loss, grad_norm=verdict.grad_norm,
                            zscores=verdict.zscores, diagnosis=line)
-        return overflow.build_report(grads, scale=self.host_state().scale, skipped=True, agreed=agreed,
+        return overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed,
                                      local_flag=None if not agreed or local is None else bool(local))
 
-    # -- the update -----------------------------------------------------------------------
-    def finish(self, found_inf: Any = None, *, skipped: bool | None = None,
-               describe: Describe | None = None, exact: bool = False) -> None:
-        """Advance the scale with ``found_inf`` (default: the iteration's flag, agreed first), log
-        the change (``describe``, default :meth:`describe_change`; the first skips at INFO, then a
-        summary per window: :mod:`polyamp._skip_log`), warn once at the floor, end the iteration.
-
-        ``skipped``: the host decision of the step(s), None when none was taken (an update
-        without a step: with ``diagnose=True`` or a device-checked agreement the flag is read once).
-        Reads the scale only when a line is due. ``exact``: ``skipped`` is what the flag says (the
-        decision read this very flag), so the state after the update is the rule's on the host state
-        read before it, and is not read again.
-        """
+    # -- the end of an iteration ------------------------------------------------------------
+    def concluded(self, found_inf: Any = None, *, skipped: bool | None = None) -> Decision:
+        """The iteration's decision for its update: its steps' decisions merged, advancing on
+        ``found_inf`` (default: the iteration's flag, agreed first). Without a decided step
+        (``skipped``: a shell's own answer, e.g. the torch facade's fused steps) an update reads the
+        flag once where ``diagnose=True`` or a device-checked agreement needs it."""
         if found_inf is None:
             self.agree_found()
         flag = self.checks.flag if found_inf is None else found_inf
@@ -393,39 +518,64 @@ class Iteration(GuardSteps):
                 "update() found no inf checks recorded this iteration. Fix: call "
                 "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
             )
-        unverified = found_inf is None and self.agreement is not None and self.agreement.unverified
-        if skipped is None and (self.diagnose or unverified):  # update() without step(): one read
+        decisions = self.checks.decisions
+        if decisions:
+            one = decisions[0]
+            exact = len(decisions) == 1 and (
+                one.exact and found_inf is None or isinstance(flag, bool) and flag == one.skipped)
+            return self.decided()._replace(flag=flag, exact=exact)
+        if skipped is None and (self.diagnose or found_inf is None and self.agreement is not None
+                                and self.agreement.unverified):  # update() without step(): one read
             skips = flag if isinstance(flag, bool) else self.ready()[0].read_flag(flag)
-            if skips and unverified:
+            if skips and found_inf is None and self.agreement is not None and self.agreement.unverified:
                 self.verify()  # ranks that differ: RankMismatchError before the scale moves
             if self.diagnose:
                 self.last_overflow = self._report_or_warn() if skips else None
-        log = self.log
-        verdicts = self.checks.verdicts
-        reasons = {v.reason for _, v in verdicts}
-        held = "overflow" not in reasons and bool(reasons - {None})  # the guard's skip: the scale stays
+        return Decision(skipped, flag, isinstance(flag, bool) and flag == skipped)
+
+    def decided(self) -> Decision:
+        """This iteration's decisions merged, whatever its flag (an end without an update)."""
+        checks = self.checks
+        verdicts = tuple(gv for d in checks.decisions for gv in d.verdicts)
+        return Decision(checks.skipped, checks.flag, False, verdicts)
+
+    def finish(self, decision: Decision, *, describe: Describe | None = None, rule: bool = True,
+               new_scale: float | None = None) -> None:
+        """End the iteration with ``decision``: the scale rule on its flag (``rule=False``: a fixed
+        scale; ``new_scale``: set instead, as torch's ``update(new_scale)``), the log line
+        (``describe``, default :meth:`describe_change`; the first skips at INFO, then a summary per
+        window: :mod:`polyamp._skip_log`), the floor warning, the guard's histories and a streak's
+        action. Reads the scale only when a line is due; not again when ``decision.exact``."""
+        reports = [] if self.guarding is None else self.guarding.advance(decision.verdicts)
+        try:
+            if new_scale is not None:
+                self.set_scale(new_scale)
+            elif rule:
+                self._update(decision, describe)
+        finally:  # the iteration ends even if a log handler raises
+            self.end()
+        if reports:  # after the iteration ended: the hook may load a checkpoint
+            self.guarding.act(reports)
+
+    def _update(self, decision: Decision, describe: Describe | None) -> None:
+        """The scale rule on ``decision.flag`` (unless the guard held it), its log line, the floor."""
+        skipped, flag, held, log = decision.skipped, decision.flag, decision.held, self.log
         before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
         if self.config.raise_error_at_min_scale and skipped is not False and not held:
             self.refuse_backoff_at_floor(flag, before)
         if not held:  # a guard-skipped step leaves the scale state as it is
             self._advance(flag)
         read = self.host_state
-        if exact and before is not None:  # the device ran the rule on the same flag: no second read
+        if decision.exact and before is not None:  # the device ran the rule on the same flag: no read
             after = before if held else next_host_state(before, bool(skipped), self.config)
             read = lambda: after  # noqa: E731
         if held:
-            describe = self._describe_guarded(*next(gv for gv in verdicts if gv[1].reason is not None))
-        reports = self._advance_guard(verdicts)
-        try:  # the scale has moved: the iteration ends even if a log handler raises
-            if skipped is not None:
-                log.after_update(skipped, before, read, describe or self.describe_change,
-                                 overflow.log_summary(self.last_overflow),
-                                 reason=_first_reason(reasons))
-            self.warn_if_at_floor(bool(skipped) and not held)
-        finally:
-            self.end()
-        for report in reports:  # after the iteration ended: the hook may load a checkpoint
-            guard.act(self.guard, report)
+            describe = self.guarding.describer(*next(gv for gv in decision.verdicts if gv[1].reason))
+        if skipped is not None:
+            log.after_update(skipped, before, read, describe or self.describe_change,
+                             overflow.log_summary(self.last_overflow),
+                             reason=_first_reason({v.reason for _, v in decision.verdicts}))
+        self.warn_if_at_floor(bool(skipped) and not held)
 
     def refuse_backoff_at_floor(self, flag: Any, state: HostState | None) -> None:
         """DeepSpeed's ``raise_error_at_min_scale``: MinScaleError, before the rule runs, when this
@@ -505,10 +655,6 @@ class Iteration(GuardSteps):
     def __setstate__(self, state: dict[str, Any]) -> None:
         name = state["backend"]
         backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
-        state.setdefault("window", SkipWindow())  # copies made before metrics() existed
-        defaults = (("guard", None), ("histories", {}), ("replicated", False), ("last_verdict", None))
-        for name, value in defaults:
-            state.setdefault(name, value)  # copies made before the step guard existed
         self.__dict__.update(state, backend=backend)
 
 

@@ -163,7 +163,8 @@ class LossScaler:
     @property
     def guard_history(self) -> _guard.GuardHistory:
         """The guard's histories of applied steps and its streak of skips (immutable)."""
-        return self._iteration.history
+        guarding = self._iteration.guarding
+        return _guard.GuardHistory() if guarding is None else guarding.history_of(0)
 
     @property
     def reducer(self) -> Any:
@@ -342,15 +343,16 @@ class LossScaler:
         if not iteration.checks.unscaled:
             iteration.unscale(grads, where="step()")
         iteration.take_loss(loss, "step()")
-        skipped = iteration.decide()
+        decision = iteration.decide()
         before = iteration.ready()[1].scale + 0  # a copy: update() may change the scale in place
-        if not skipped:
+        if not decision.skipped:
             step_fn()
-        iteration.count(skipped)
-        verdict = iteration.checks.verdict
+        iteration.count(decision.skipped)
+        verdict = decision.verdict
         if verdict is None:
-            return StepResult(skipped, before, "overflow" if skipped else None)
-        return StepResult(skipped, before, verdict.reason, verdict.loss, verdict.grad_norm, verdict.zscores)
+            return StepResult(decision.skipped, before, decision.reason)
+        return StepResult(decision.skipped, before, verdict.reason, verdict.loss, verdict.grad_norm,
+                          verdict.zscores)
 
     def update(self, found_inf: Any = None) -> None:
         """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync.
@@ -367,8 +369,7 @@ class LossScaler:
             found_inf = _inputs.flag_value(found_inf, iteration.backend)
             if not isinstance(found_inf, bool):
                 self.bind(found_inf)  # picks the backend if none; the state goes to the flag's device
-        skipped = iteration.checks.skipped
-        iteration.finish(found_inf, skipped=skipped, exact=found_inf is None and skipped is not None)
+        iteration.finish(iteration.concluded(found_inf))
 
     def set_scale(self, value: Any) -> None:
         """Set the scale (a number, or a 1-element array read once to check it); trackers kept.
@@ -376,7 +377,9 @@ class LossScaler:
         Like torch's ``update(new_scale)`` it ends the iteration. The value must be a
         positive normal float32 (ConfigError otherwise, nothing changed).
         """
-        self._iteration.set_scale(_inputs.scale_value(value))
+        value = _inputs.scale_value(value)
+        iteration = self._iteration
+        iteration.finish(iteration.decided(), new_scale=value)  # the guard records this iteration's steps
 
     # -- reading back (host syncs) ----------------------------------------------------
     def host_state(self) -> HostState:
@@ -403,7 +406,7 @@ class LossScaler:
             )
         return checkpoint.to_state_dict(iteration.config, iteration.host_state(), iteration.steps,
                                         iteration.skipped_steps,
-                                        None if iteration.guard is None else iteration.history)
+                                        None if iteration.guard is None else self.guard_history)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; validated whole before anything changes."""
@@ -415,8 +418,9 @@ class LossScaler:
         iteration = self._iteration
         iteration.config, iteration.steps, iteration.skipped_steps = config, steps, skipped
         iteration.load(host)
-        if iteration.guard is not None:  # an older checkpoint (or one saved without a guard): empty
-            iteration.history = (history or _guard.GuardHistory()).fitted(iteration.guard.window)
+        if iteration.guarding is not None:  # an older checkpoint (or one saved without a guard): empty
+            fitted = (history or _guard.GuardHistory()).fitted(iteration.guard.window)
+            iteration.guarding.histories = {0: fitted}
 
     def save(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Write :meth:`state_dict` to a path (atomically; gzip when it ends in .gz) or a binary file."""
@@ -433,25 +437,13 @@ class LossScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         iteration = object.__new__(Iteration)
-        iteration.__setstate__(state["iteration"] if "iteration" in state else _from_attributes(state))
+        iteration.__setstate__(state["iteration"])
         self._iteration = iteration
 
     def __repr__(self) -> str:
         backend = self._iteration.backend
         name = backend.name if backend else "undecided"
         return f"LossScaler(backend={name!r}, config={self._iteration.config!r})"
-
-
-def _from_attributes(old: dict[str, Any]) -> dict[str, Any]:
-    """An Iteration's state from a LossScaler pickled before the iteration had its own class."""
-    fresh = Iteration(old["_config"], None)
-    state = {**fresh.__dict__, "backend": old.get("_backend"), "host": old["_host"],
-             "steps": old.get("steps", 0), "skipped_steps": old.get("skipped_steps", 0)}
-    for new, name in (("agreement", "_agreement"), ("diagnose", "_diagnose"), ("log", "_skip_log"),
-                      ("floor_warned", "_floor_warned"), ("last_overflow", "_last_overflow")):
-        if name in old:
-            state[new] = old[name]
-    return state
 
 
 def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:

@@ -261,7 +261,7 @@ class MixedPrecisionTrainer:
             size += 1
         # every rank must clip alike and guard alike: the clip setting, the guard's settings and
         # history are part of what is agreed
-        whose = self._iteration._whose(self._clip_id, 0)
+        whose = self._iteration.whose(self._clip_id)
         if not self._aligned_once:
             self._iteration.check_payload(size, grads.flat, whose=whose)
             self._aligned_once = True
@@ -281,8 +281,9 @@ class MixedPrecisionTrainer:
             return True
         iteration = self._iteration
         iteration.record(bad)
-        skipped = iteration.decide()  # ranks found to differ on the device: raised here
-        iteration.end()
+        decision = iteration.decide()  # ranks found to differ on the device: raised here
+        iteration.finish(decision, rule=False)
+        skipped = decision.skipped
         self._unscaled_skips += skipped
         return not skipped
 
