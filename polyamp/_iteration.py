@@ -498,9 +498,7 @@ class Iteration:
         if last is not None and last.verdicts and last.reason != "overflow" and self.guarding is not None:
             group, verdict = last.verdicts[-1]  # the guard's skip
             line = self.guarding.diagnosis(group, verdict)
-            report = overflow.build_report(grads, scale=scale)
-            return replace(report, reason=verdict.reason, loss=verdict.loss, grad_norm=verdict.grad_norm,
-                           zscores=verdict.zscores, diagnosis=line)
+            return replace(overflow.build_report(grads, scale=scale), verdict=verdict, diagnosis=line)
         return overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed,
                                      local_flag=None if not agreed or local is None else bool(local))
 

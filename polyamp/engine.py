@@ -24,6 +24,7 @@ from ._errors import ScalerStateError
 from ._iteration import Iteration
 from .backend import Backend
 from .config import LossScaleConfig, config_from
+from .guard import why
 from .policy import HostState, LossScaleState
 
 logger = logging.getLogger("polyamp")
@@ -45,13 +46,30 @@ class StepResult:
 
     skipped: bool
     scale_before: Any
-    reason: str | None = None
-    loss: float | None = None
-    grad_norm: float | None = None
-    zscores: dict[str, float] | None = None
+    verdict: _guard.Verdict | None = None  # the guard's (None without a guard)
 
     def __bool__(self) -> bool:
         return not self.skipped
+
+    @property
+    def reason(self) -> str | None:
+        """Why the step was skipped (None when applied): a guard's reason, else ``"overflow"``."""
+        return why(self.verdict, self.skipped)
+
+    @property
+    def loss(self) -> float | None:
+        """The agreed loss the guard judged (None when not seen)."""
+        return None if self.verdict is None else self.verdict.loss
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The agreed gradient norm the guard judged (None when not seen)."""
+        return None if self.verdict is None else self.verdict.grad_norm
+
+    @property
+    def zscores(self) -> dict[str, float] | None:
+        """Quantity -> z-score judged (None before ``min_history``)."""
+        return None if self.verdict is None else self.verdict.zscores
 
     @property
     def applied(self) -> bool:
@@ -348,11 +366,7 @@ class LossScaler:
         if not decision.skipped:
             step_fn()
         iteration.count(decision.skipped)
-        verdict = decision.verdict
-        if verdict is None:
-            return StepResult(decision.skipped, before, decision.reason)
-        return StepResult(decision.skipped, before, verdict.reason, verdict.loss, verdict.grad_norm,
-                          verdict.zscores)
+        return StepResult(decision.skipped, before, decision.verdict)
 
     def update(self, found_inf: Any = None) -> None:
         """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync.

@@ -178,12 +178,19 @@ def _finite_number(value: Any) -> bool:
 
 
 class Verdict(NamedTuple):
-    """One step's decision: ``reason`` (None: applied), the agreed values, the z-scores judged."""
+    """One step's decision: ``reason`` (None: applied), the agreed values, the z-scores judged.
+    The reports of a step (``StepResult``, ``OverflowReport``, ``StepMetrics``, ``GuardReport``)
+    embed one instead of copying its fields."""
 
     reason: str | None
     loss: float | None
     grad_norm: float | None
     zscores: dict[str, float] | None
+
+
+def why(verdict: Verdict | None, skipped: bool | None) -> str | None:
+    """A step's reason: the guard's verdict's, else ``"overflow"`` when it was skipped."""
+    return verdict.reason if verdict is not None else ("overflow" if skipped else None)
 
 
 @dataclass(frozen=True)
@@ -194,9 +201,22 @@ class GuardReport:
     reasons: tuple[str, ...]
     mean: dict[str, float]
     std: dict[str, float]
-    loss: float | None
-    grad_norm: float | None
-    zscores: dict[str, float] | None
+    verdict: Verdict  # the last skip's
+
+    @property
+    def loss(self) -> float | None:
+        """The last skipped step's loss (None when not seen)."""
+        return self.verdict.loss
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last skipped step's gradient norm (None when not seen)."""
+        return self.verdict.grad_norm
+
+    @property
+    def zscores(self) -> dict[str, float] | None:
+        """The last skipped step's z-scores (None before ``min_history``)."""
+        return self.verdict.zscores
 
     def __str__(self) -> str:
         counts = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))
@@ -257,8 +277,7 @@ def advance(guard: StepGuard, history: GuardHistory, verdict: Verdict
         return history._replace(streak=streak, reasons=reasons), None
     stats = {q: mean_std(getattr(history, q)) for q in QUANTITIES if len(getattr(history, q)) >= 2}
     report = GuardReport(streak, reasons, {q: m for q, (m, _) in stats.items()},
-                         {q: sd for q, (_, sd) in stats.items()}, verdict.loss, verdict.grad_norm,
-                         verdict.zscores)
+                         {q: sd for q, (_, sd) in stats.items()}, verdict)
     return history._replace(streak=0, reasons=()), report
 
 

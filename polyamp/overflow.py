@@ -19,6 +19,7 @@ from ._dtypes import short_name
 from ._inputs import FLOATING
 from ._registry import backend_of
 from .config import short_repr
+from .guard import Verdict
 
 __all__ = ["OverflowReport", "TensorOverflow", "explain_overflow", "floor_note", "log_summary"]
 
@@ -58,19 +59,38 @@ class OverflowReport:
     loss_finite: bool | None
     tensors: tuple[TensorOverflow, ...]
     diagnosis: str
-    reason: str | None = None
-    loss: float | None = None
-    grad_norm: float | None = None
-    zscores: dict[str, float] | None = None
+    verdict: Verdict | None = None  # the guard's, on a step it skipped
 
     def __bool__(self) -> bool:
         return self.found
 
+    @property
+    def reason(self) -> str | None:
+        """The guard's reason for the skip (None: not a guard's skip)."""
+        return None if self.verdict is None else self.verdict.reason
+
+    @property
+    def loss(self) -> float | None:
+        """The agreed loss the guard judged (None when not seen)."""
+        return None if self.verdict is None else self.verdict.loss
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The agreed gradient norm the guard judged (None when not seen)."""
+        return None if self.verdict is None else self.verdict.grad_norm
+
+    @property
+    def zscores(self) -> dict[str, float] | None:
+        """Quantity -> z-score judged (None before ``min_history``)."""
+        return None if self.verdict is None else self.verdict.zscores
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-serialisable data (shapes as lists)."""
+        """Plain JSON-serialisable data (shapes as lists; the verdict's fields flat)."""
         data = asdict(self)
+        del data["verdict"]
         data["tensors"] = [dict(t, shape=list(t["shape"])) for t in data["tensors"]]
-        return data
+        return {**data, "reason": self.reason, "loss": self.loss, "grad_norm": self.grad_norm,
+                "zscores": self.zscores}
 
     def __str__(self) -> str:
         loss = {None: "loss not checked", True: "loss finite", False: "loss NOT finite"}[self.loss_finite]

@@ -38,7 +38,7 @@ from .adapters import iter_params
 from .config import LossScaleConfig
 from .engine import LossScaler
 from .grads import GradBuffer, _check_max_norm
-from .guard import StepGuard, check_guard
+from .guard import StepGuard, Verdict, check_guard, why
 from .noop import NoOpLossScaler
 from .overflow import OverflowReport, build_report, check_diagnose
 from .parameter import Parameter
@@ -84,7 +84,12 @@ class StepMetrics:
     skipped: bool
     grad_norm: float
     overflow: OverflowReport | None = None
-    reason: str | None = None  # None when applied, else why (polyamp.StepGuard's reasons)
+    verdict: Verdict | None = None  # the guard's (None without a guard, or a non-finite norm)
+
+    @property
+    def reason(self) -> str | None:
+        """None when applied, else why (``"overflow"``, or polyamp.StepGuard's reasons)."""
+        return why(self.verdict, self.skipped)
 
 
 class MixedPrecisionTrainer:
@@ -228,8 +233,7 @@ class MixedPrecisionTrainer:
         skipped = bool(result.skipped) or not finite
         loss, scale = float(loss), float(result.scale_before)
         report = self._explain(loss, scale) if skipped and self._diagnose else None
-        reason = result.reason if finite else "overflow"
-        return StepMetrics(loss, scale, skipped, float(norm), report, reason if skipped else None)
+        return StepMetrics(loss, scale, skipped, float(norm), report, result.verdict if finite else None)
 
     def _explain(self, loss: float, scale: float) -> OverflowReport:
         """The report on a skipped step: each parameter's gradient (a view of the buffer), the loss."""
