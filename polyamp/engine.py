@@ -129,18 +129,14 @@ class LossScaler:
         **fields: Any,
     ) -> None:
         config = config_from(config, fields, type(self).__name__)
-        if not isinstance(config, LossScaleConfig):
-            raise TypeError(
-                f"config must be a polyamp.LossScaleConfig, got config={config!r}; "
-                "build one with polyamp.LossScaleConfig(init_scale=..., ...)"
-            )
-        name, source = _registry.requested_backend(backend)
-        chosen = _registry.get_backend(name, source) if name else None
-        diagnose = overflow.check_diagnose(diagnose)
-        step_guard = _guard.check_guard(guard)
-        agreement = None if reducer is None else Agreement(reducer)
-        self._iteration = Iteration(config, chosen, agreement=agreement, diagnose=diagnose,
-                                    step_guard=step_guard)
+        self._iteration = make_iteration(config, backend, reducer=reducer, diagnose=diagnose, guard=guard)
+
+    @classmethod
+    def over(cls, iteration: Iteration) -> LossScaler:
+        """The engine over an iteration a facade made (:func:`make_iteration`) and drives itself."""
+        engine = object.__new__(cls)
+        engine._iteration = iteration
+        return engine
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -458,6 +454,24 @@ class LossScaler:
         backend = self._iteration.backend
         name = backend.name if backend else "undecided"
         return f"LossScaler(backend={name!r}, config={self._iteration.config!r})"
+
+
+def make_iteration(config: LossScaleConfig | None, backend: str | None, *, reducer: Any = None,
+                   diagnose: bool = False, guard: _guard.StepGuard | None = None) -> Iteration:
+    """A checked :class:`Iteration` (the arguments as :class:`LossScaler` takes them; None: the
+    default config); errors about the backend are raised here, before anything exists."""
+    config = LossScaleConfig() if config is None else config
+    if not isinstance(config, LossScaleConfig):
+        raise TypeError(
+            f"config must be a polyamp.LossScaleConfig, got config={config!r}; "
+            "build one with polyamp.LossScaleConfig(init_scale=..., ...)"
+        )
+    name, source = _registry.requested_backend(backend)
+    chosen = _registry.get_backend(name, source) if name else None
+    diagnose = overflow.check_diagnose(diagnose)
+    step_guard = _guard.check_guard(guard)
+    agreement = None if reducer is None else Agreement(reducer)
+    return Iteration(config, chosen, agreement=agreement, diagnose=diagnose, step_guard=step_guard)
 
 
 def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
