@@ -36,7 +36,7 @@ from ._masters import check_masters
 from ._registry import model_steps
 from .adapters import iter_params
 from .config import LossScaleConfig
-from .engine import LossScaler
+from .engine import LossScaler, make_iteration
 from .grads import GradBuffer, _check_max_norm
 from .guard import StepGuard, Verdict, check_guard, why
 from .noop import NoOpLossScaler
@@ -141,8 +141,9 @@ class MixedPrecisionTrainer:
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
         self._clip_id = 0 if max_grad_norm is None else zlib.crc32(repr(float(max_grad_norm)).encode()) or 1
         if loss_scaling:
-            self._scaler: Any = LossScaler(config, backend, reducer=reducer, guard=guard)
-            self._iteration = self._scaler.iteration  # the one iteration: gradients summed, decided, updated
+            # the one iteration: gradients summed, decided, updated
+            self._iteration = make_iteration(config, backend, reducer=reducer, guard=guard)
+            self._scaler: Any = LossScaler.over(self._iteration)
         else:  # no scaling: a fixed scale of 1 to fingerprint, and the decision on a non-finite norm
             self._scaler = NoOpLossScaler(config, backend)
             agreement = None if reducer is None else Agreement(reducer)
