@@ -44,6 +44,7 @@ from typing import Any
 
 from polyamp import _guard_values as guard_values
 from polyamp import metrics, schedule
+from polyamp.config import FIXED_ONE
 from polyamp.engine import LossScaler, make_iteration
 from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
@@ -79,9 +80,14 @@ class AmpScaler:
     """Drop-in ``paddle.amp.AmpScaler``: ``scale`` and ``minimize``, on any backend and on CPU."""
 
     _enable = True
-    _diagnose = False  # class defaults: scalers copied before diagnose= existed load as off
+    _diagnose = False
+    _guard_only = False  # enable=False with a guard: steps judged and skipped, the scale fixed at 1
 
     def __new__(cls, enable: bool = True, *args: Any, **kwargs: Any) -> AmpScaler:
+        if not enable and kwargs.get("guard") is not None:  # guard-only: the scale fixed at 1
+            scaler = object.__new__(cls)
+            scaler._guard_only = True
+            return scaler
         return object.__new__(cls if enable else disabled_type(cls, issubclass(cls, GradScaler)))
 
     def __init__(
@@ -102,11 +108,11 @@ class AmpScaler:
         guard: StepGuard | None = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
-        config = make_config(
+        config = FIXED_ONE if self._guard_only else make_config(
             init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf,
             use_dynamic_loss_scaling, min_scale=min_scale, max_scale=max_scale,
         )
-        self._init_loss_scaling = init_loss_scaling if self._enable else 1.0
+        self._init_loss_scaling = init_loss_scaling if self._enable and not self._guard_only else 1.0
         enabled = self._enable  # a disabled scaler steps on every rank: nothing to agree
         self._iteration = make_iteration(
             config, backend if enabled else None, reducer=reducer if enabled else None,

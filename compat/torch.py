@@ -37,7 +37,7 @@ from polyamp import _guard_values as guard_values
 from polyamp import metrics, schedule
 from polyamp._agreement import Agreement
 from polyamp._errors import ConfigError
-from polyamp.config import short_repr
+from polyamp.config import FIXED_ONE, short_repr
 from polyamp.distributed import Reducer
 from polyamp.engine import LossScaler, make_iteration
 from polyamp.guard import StepGuard
@@ -134,6 +134,7 @@ class GradScaler:
     _allow_fp16 = False  # torch's GradScaler refuses to unscale FP16 gradients
     _flags_are_sums = False  # an optimizer's flag is this rank's (sharded: agreed over the ranks)
     _unscale_call: UnscaleCall | None = None  # set only while a hooked unscale is in flight
+    _guard_only = False  # disabled (or "cuda" without CUDA) with a guard: the scale fixed at 1
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
         """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type.
@@ -146,6 +147,10 @@ class GradScaler:
             return object.__new__(cls)
         if enabled and cuda_missing(device, kwargs.get("backend")):
             enabled = False
+        if not enabled and kwargs.get("guard") is not None:  # guard-only: the scale fixed at 1
+            scaler = object.__new__(cls)
+            scaler._guard_only = True
+            return scaler
         return object.__new__(cls if enabled else disabled_class(cls))
 
     def __init__(
@@ -165,8 +170,9 @@ class GradScaler:
         guard: StepGuard | None = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
-        config = torch_config(init_scale, growth_factor, backoff_factor, growth_interval,
-                               backoff_interval, min_scale, max_scale)
+        config = FIXED_ONE if self._guard_only else torch_config(
+            init_scale, growth_factor, backoff_factor, growth_interval, backoff_interval, min_scale,
+            max_scale)
         self._device = device
         self._enabled = True
         self._backend_name = backend
@@ -617,7 +623,8 @@ class GradScaler:
                                                                  ConfigError))
 
     def is_enabled(self) -> bool:
-        """True: a disabled scaler is a DisabledGradScaler."""
+        """True: a disabled scaler is a DisabledGradScaler (a guard-only one takes part in every
+        step, so it says True too: code that asks before calling ``step`` must not bypass it)."""
         return True
 
     @property
