@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyamp import LossScaleConfig, LossScaler
+from polyamp import LossScaleConfig, LossScaler, _inspect
 from polyamp.cli import main
 
 
@@ -127,6 +127,13 @@ def test_a_nul_in_the_path_is_a_clean_error(capsys):
     (line,) = captured.err.strip().splitlines()
     assert captured.out == "" and line.startswith("polyamp inspect: error: ")
     assert repr("a\0b.json") in line and "NUL" in line and "Fix:" in line
+
+
+def test_the_docs_say_torch_save_files_are_read_safely():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text()
+    section = " ".join(page.split("## Inspecting a checkpoint", 1)[1].split("\n## ", 1)[0].split())
+    assert "torch.load(weights_only=True)" in section and "a pickle, is refused" not in section
+    assert f"{_inspect.MAX_DEPTH} levels" in section and f"{_inspect.MAX_ITEMS:,} items" in section
 
 
 def test_a_json_torch_state_says_which_fields_it_does_not_hold(tmp_path, capsys):
