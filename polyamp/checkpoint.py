@@ -228,18 +228,24 @@ def _refuse_special(path: str, name: str) -> None:
     """Refuse a path that is not a regular file (FIFO, socket, device) before opening it: reading a
     FIFO without a writer would block forever. A missing file is left to open() (FileNotFoundError)."""
     try:
-        mode = os.stat(path).st_mode
+        kind = special_kind(os.stat(path).st_mode)
     except OSError:
         return
-    if stat.S_ISREG(mode):
+    if kind is None:
         return
-    kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a device or other special file")
     raise StateDictError(
         f"load() got {name}, which is {kind}, not a regular file: polyamp reads checkpoints from "
         "regular files (a pipe would block until something writes to it). Fix: pass the path of the "
         "file LossScaler.save() wrote, or open the stream yourself and pass the binary file object."
     )
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file of this ``st_mode`` is, for messages ("a FIFO (named pipe)"); None: a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device or other special file")
 
 
 def _gunzip(raw: bytes, name: str) -> bytes:
