@@ -19,6 +19,7 @@ from polyamp._errors import ConfigError, StateDictError
 from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
 from polyamp.guard import GuardHistory
+from polyamp.policy import fit_to_config
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 INTERVAL_LIMIT = 2**63 - 1  # torch's _amp_update_scale_ takes growth_interval as an int64
@@ -36,8 +37,10 @@ class StateDictKeyError(StateDictError, KeyError):
 
 
 def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory]) -> dict[str, Any]:
-    """The engine's state in torch's GradScaler format (a device sync)."""
-    config, host = engine.config, engine.host_state()
+    """The engine's state in torch's GradScaler format (a device sync); trackers fitted to the
+    config (``polyamp.policy.fit_to_config``), so the dict loads."""
+    config = engine.config
+    host = fit_to_config(engine.host_state(), config)
     state: dict[str, Any] = {
         "scale": host.scale,
         "growth_factor": config.growth_factor,

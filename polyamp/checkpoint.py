@@ -19,7 +19,7 @@ from ._atomic_file import atomic_write
 from ._errors import StateDictError
 from .config import LossScaleConfig, check_scale, short_repr
 from .guard import GuardHistory
-from .policy import HostState, tracker_limits
+from .policy import HostState, fit_to_config, tracker_limits
 
 FORMAT = "polyamp.LossScaler"
 VERSION = 1
@@ -40,7 +40,10 @@ def to_state_dict(
     guard: GuardHistory | None = None,
 ) -> dict[str, Any]:
     """The engine's checkpoint: every config field, the state and the counters (and a StepGuard's
-    histories and streak under ``"guard"``, a key older checkpoints lack)."""
+    histories and streak under ``"guard"``, a key older checkpoints lack). Trackers past the
+    config's limits (an interval shortened since) are written fitted (the same trajectory), so
+    the checkpoint loads."""
+    host = fit_to_config(host, config)
     extra = {} if guard is None else {"guard": guard.to_dict()}
     return {**extra,
         "format": FORMAT,
