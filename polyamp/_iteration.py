@@ -37,7 +37,15 @@ from ._skip_log import SkipLog
 from .backend import Backend
 from .config import SCALE_FLOOR, LossScaleConfig
 from .metrics import SkipWindow
-from .policy import HostState, LossScaleState, backs_off_at_floor, next_host_state, scale_floor
+from .policy import (
+    HostState,
+    LossScaleState,
+    backs_off_at_floor,
+    fit_to_config,
+    next_host_state,
+    scale_floor,
+    tracker_limits,
+)
 
 logger = logging.getLogger("polyamp")
 
@@ -224,6 +232,25 @@ class Iteration:
             self.state = self._make_state(self.backend, host, self.state.scale)
         self.host = host
         self.checks = Checks()
+
+    def reconfigure(self, config: LossScaleConfig) -> LossScaleConfig:
+        """Put ``config`` in force; trackers past its shrunk limits are cut to them (the scale and
+        the checks kept), so every backend's kernel moves the scale as the rule does. A sync only
+        when a limit shrank."""
+        old, self.config = self.config, config
+        if all(n >= o for n, o in zip(tracker_limits(config), tracker_limits(old))):
+            return config
+        host = self.host_state()
+        fitted = fit_to_config(host, config)
+        if fitted == host:
+            return config
+        if self.state is None or self.backend is None:
+            self.host = fitted
+        else:
+            full, like = self.backend.full, self.state.scale
+            self.state = self.state._replace(growth_tracker=full(fitted.growth_tracker, "int32", like),
+                                             backoff_tracker=full(fitted.backoff_tracker, "int32", like))
+        return config
 
     def set_scale(self, scale: float) -> None:
         """Replace the scale (trackers kept); forget the checks (the agreement's count is kept)."""

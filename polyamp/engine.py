@@ -212,8 +212,7 @@ class LossScaler:
 
     def reconfigure(self, **changes: Any) -> LossScaleConfig:
         """Replace some config fields (validated first: a bad value changes nothing)."""
-        self._iteration.config = self._iteration.config.replace(**changes)
-        return self._iteration.config
+        return self._iteration.reconfigure(self._iteration.config.replace(**changes))
 
     # -- state set-up -----------------------------------------------------------------
     def bind(self, array: Any) -> Backend:

@@ -169,18 +169,12 @@ def _engine_run(scaler: polyamp.LossScaler, flags: list[bool]) -> list[HostState
     return got
 
 
-ENGINE_FIT = ("engine.reconfigure does not call polyamp.policy.fit_to_config yet (issue 32: the "
-              "lead wires it); torch's fused update compares == and never grows from tracker 8")
-
-
 @pytest.mark.parametrize("name", ["issue-32", "torch-min-scale", "megatron"])
-def test_the_engine_after_reconfigure_is_the_rule_and_its_checkpoint_loads(request, backend_name, name):
+def test_the_engine_after_reconfigure_is_the_rule_and_its_checkpoint_loads(backend_name, name):
     """LossScaler(..., growth_interval=10), 7 clean steps, reconfigure(growth_interval=3), 4 clean
     steps (issue 32): the scales are the rule's on every backend; state_dict() then loads and
     resumes on the same trajectory."""
     before, first, after, _, second = reference(name)
-    if _fused_torch(backend_name, after):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=ENGINE_FIT))
     kwargs, flags, change, flags_after = SCENARIOS[name]
     scaler = polyamp.LossScaler(LossScaleConfig(**kwargs))
     scaler.bind(_like(backend_name))

@@ -51,13 +51,9 @@ def test_torch_never_grows_past_a_shortened_interval_until_an_overflow(pair):
 
 
 @pytest.mark.parametrize("bounds", [{}, {"min_scale": 1.0}], ids=["torch-fused-op", "tensor-ops"])
-def test_the_facade_grows_at_the_next_clean_step_as_the_rule(request, pair, bounds):
+def test_the_facade_grows_at_the_next_clean_step_as_the_rule(pair, bounds):
     """The facade follows polyamp's rule on every backend path: 7 clean steps, set_growth_interval(3),
     4 clean steps grow at the first and the fourth; its state_dict loads into torch and the facade."""
-    if not bounds:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "engine.reconfigure does not call polyamp.policy.fit_to_config yet (issue 32: the lead "
-            "wires it), so torch's fused update (==) still never grows, as real torch")))
     polyamp_side = polyamp_only(pair, init_scale=1024.0, growth_interval=10, **bounds)
     pair.run([polyamp_side], 7, clean_or_overflow(pair))
     polyamp_side.scaler.set_growth_interval(3)
