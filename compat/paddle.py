@@ -134,7 +134,7 @@ class AmpScaler:
                 f"numpy, torch, cupy), but received {type(var)}. Fix: scale the loss tensor."
             )
         backend = self._engine.bind(var)
-        scaled = backend.scale_array(var, self._iteration.ready()[1].scale)
+        scaled = backend.scale_array(var, self._engine.state.scale)
         if self._engine.guard is not None and guard_values.one_value(var):  # the losses since update()
             self._iteration.take_loss(var, "scale()")
         return scaled
@@ -198,7 +198,7 @@ class AmpScaler:
         paddle optimizer: True when the guard skips a step with finite gradients)."""
         iteration = self._iteration
         if iteration.checks.found is None:  # no gradients on this rank: it still takes part
-            backend, state = iteration.ready()
+            backend, state = iteration.scaling.ready()
             iteration.record(backend.full(0.0, "float32", state.scale))
         decision = iteration.decide(named=named, local=local)
         self.last_skip_reason = decision.reason
@@ -230,7 +230,7 @@ class AmpScaler:
         a copy its host bool; having no device flag of their own, they get a host bool (one read)."""
         agreed = self._engine.agree_flag(flag)
         if flag is None or isinstance(flag, bool):
-            return bool(self._iteration.ready()[0].read_flag(agreed))
+            return self._iteration.scaling.read_flag(agreed)
         return agreed
 
     def _update(self) -> None:

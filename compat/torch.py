@@ -769,7 +769,7 @@ class ShardedGradScaler(GradScaler):
         (one sync) so that misaligned ranks raise here; they skip on the device regardless."""
         iteration = self._iteration
         agreement = iteration.agreement
-        if agreement is not None and agreement.unverified and iteration.backend.read_flag(found):
+        if agreement is not None and agreement.unverified and iteration.scaling.read_flag(found):
             iteration.verify()
 
     def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:

@@ -147,17 +147,17 @@ class LossScaler:
     @property
     def config(self) -> LossScaleConfig:
         """The immutable config in force; change it with :meth:`reconfigure`."""
-        return self._iteration.config
+        return self._iteration.scaling.config
 
     @property
     def backend(self) -> Backend | None:
         """The bound backend, or None until the first arrays decide it."""
-        return self._iteration.backend
+        return self._iteration.scaling.backend
 
     @property
     def state(self) -> LossScaleState | None:
         """The device state arrays, or None before the first array is seen."""
-        return self._iteration.state
+        return self._iteration.scaling.state
 
     @property
     def steps(self) -> int:
@@ -212,12 +212,12 @@ class LossScaler:
 
     def reconfigure(self, **changes: Any) -> LossScaleConfig:
         """Replace some config fields (validated first: a bad value changes nothing)."""
-        return self._iteration.reconfigure(self._iteration.config.replace(**changes))
+        return self._iteration.scaling.reconfigure(self.config.replace(**changes))
 
     # -- state set-up -----------------------------------------------------------------
     def bind(self, array: Any) -> Backend:
         """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
-        return self._iteration.bind(array)
+        return self._iteration.scaling.bind(array)
 
     # -- the four verbs ---------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -227,7 +227,7 @@ class LossScaler:
         if first is None:
             return outputs
         backend = self.bind(first)
-        scale = self._iteration.ready()[1].scale
+        scale = self._iteration.scaling.ready()[1].scale
         return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
 
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False, loss: Any = None) -> Any:
@@ -274,9 +274,9 @@ class LossScaler:
         iteration's pending check, so the coming skip decision counts it. No host synchronisation.
         """
         iteration = self._iteration
-        flag = _inputs.flag_value(flag, iteration.backend, "record_found_inf()", "flag")
+        flag = _inputs.flag_value(flag, iteration.scaling.backend, "record_found_inf()", "flag")
         if isinstance(flag, bool):  # on the state's device, as a flag array
-            backend, state = iteration.ready()
+            backend, state = iteration.scaling.ready()
             flag = backend.full(float(flag), "float32", state.scale)
         iteration.record(flag)
 
@@ -357,7 +357,7 @@ class LossScaler:
             iteration.unscale(grads, where="step()")
         iteration.take_loss(loss, "step()")
         decision = iteration.decide()
-        before = iteration.ready()[1].scale + 0  # a copy: update() may change the scale in place
+        before = iteration.scaling.ready()[1].scale + 0  # a copy: update() may change the scale in place
         if not decision.skipped:
             step_fn()
         iteration.count(decision.skipped)
@@ -375,7 +375,7 @@ class LossScaler:
         """
         iteration = self._iteration
         if found_inf is not None:
-            found_inf = _inputs.flag_value(found_inf, iteration.backend)
+            found_inf = _inputs.flag_value(found_inf, iteration.scaling.backend)
             if not isinstance(found_inf, bool):
                 self.bind(found_inf)  # picks the backend if none; the state goes to the flag's device
         iteration.finish(iteration.concluded(found_inf))
@@ -393,11 +393,11 @@ class LossScaler:
     # -- reading back (host syncs) ----------------------------------------------------
     def host_state(self) -> HostState:
         """The state as Python numbers: a device sync when the state lives on a GPU."""
-        return self._iteration.host_state()
+        return self._iteration.scaling.host_state()
 
     def get_scale(self) -> float:
         """The current scale as a float (a device sync)."""
-        return self._iteration.host_state().scale
+        return self._iteration.scaling.host_state().scale
 
     # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -413,7 +413,7 @@ class LossScaler:
                 "the scale it leads to is not computed yet, so a checkpoint now would resume with the "
                 f"old scale. Fix: call update() first, and save after it (the loop is `{_LOOP}`)."
             )
-        return checkpoint.to_state_dict(iteration.config, iteration.host_state(), iteration.steps,
+        return checkpoint.to_state_dict(self.config, iteration.scaling.host_state(), iteration.steps,
                                         iteration.skipped_steps,
                                         None if iteration.guard is None else self.guard_history)
 
@@ -425,8 +425,8 @@ class LossScaler:
     def _apply(self, parts: tuple[LossScaleConfig, HostState, int, int, _guard.GuardHistory | None]) -> None:
         config, host, steps, skipped, history = parts
         iteration = self._iteration
-        iteration.config, iteration.steps, iteration.skipped_steps = config, steps, skipped
-        iteration.load(host)
+        iteration.steps, iteration.skipped_steps = steps, skipped
+        iteration.load(config, host)
         if iteration.guarding is not None:  # an older checkpoint (or one saved without a guard): empty
             fitted = (history or _guard.GuardHistory()).fitted(iteration.guard.window)
             iteration.guarding.histories = {0: fitted}
@@ -446,13 +446,13 @@ class LossScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         iteration = object.__new__(Iteration)
-        iteration.__setstate__(state["iteration"])
+        iteration.__dict__.update(state["iteration"])
         self._iteration = iteration
 
     def __repr__(self) -> str:
-        backend = self._iteration.backend
+        backend = self._iteration.scaling.backend
         name = backend.name if backend else "undecided"
-        return f"LossScaler(backend={name!r}, config={self._iteration.config!r})"
+        return f"LossScaler(backend={name!r}, config={self._iteration.scaling.config!r})"
 
 
 def make_iteration(config: LossScaleConfig | None, backend: str | None, *, reducer: Any = None,
