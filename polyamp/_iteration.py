@@ -264,7 +264,7 @@ class Iteration:
             return Agreed(found, extra)
         both, users = _guard_values.joined(extra, sent)
         whose = self.whose(0)
-        agreed = self.agreement.flag_and_extra(found, both, self.config, self.scaling.state, whose=whose)
+        agreed = self.agreement.flag_and_extra(found, both, self.config, self._fingerprinted(), whose=whose)
         theirs, values = _guard_values.split(agreed.extra, users, extra, sent)
         self.checks = self.checks._replace(agreed=agreed.found_inf, values=values)
         return Agreed(agreed.found_inf, theirs)

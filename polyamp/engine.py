@@ -257,18 +257,6 @@ class LossScaler:
         iteration.take_loss(loss, "unscale_()")
         return found
 
-    def unscale_group_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
-        """Unscale one group of this iteration's gradients (one optimizer's); return its flag.
-
-        For facades that keep their own per-optimizer stages: may be called once per group in
-        an iteration, and the flags are summed into the pending check. No host synchronisation.
-        """
-        if self._iteration.checks.skipped is not None:
-            raise ScalerStateError(
-                f"unscale_group_() was called after step(). Fix: call update() after step() (`{_LOOP}`)."
-            )
-        return self._iteration.unscale(grads, check_only=check_only, where="unscale_group_()")
-
     def record_found_inf(self, flag: Any) -> None:
         """Add a device flag (non-zero = bad step, e.g. a non-finite gradient norm) to the
         iteration's pending check, so the coming skip decision counts it. No host synchronisation.
@@ -316,14 +304,6 @@ class LossScaler:
         copy's) 0 or 1. Without a reducer: ``found_inf`` as it is.
         """
         return self._iteration.agree_flag(found_inf)
-
-    def verify_agreement(self) -> None:
-        """After a skip decision read a non-zero agreed flag: RankMismatchError if the ranks differ.
-
-        Free where the message lived on the host (it was checked as it arrived); on a GPU one
-        read of this iteration's messages, on skipped steps only. Without a reducer: nothing.
-        """
-        self._iteration.verify()
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any], *, loss: Any = None) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
