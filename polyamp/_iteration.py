@@ -201,41 +201,21 @@ class Iteration:
             grads, None)
         if self.diagnose:
             given = list(given)  # read twice: checked here, named for the report below
-        if owned and self.scaling.backend is not None and self.scaling.state is not None:
+        scaling = self.scaling
+        if owned and scaling.backend is not None and scaling.state is not None:
             arrays = given  # the shell checked their library and dtypes (the torch facade's collect_grads)
         else:
             arrays = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
-            owned = False
-        if arrays:
-            backend = self.scaling.bind(arrays[0])
-            if not owned:
-                _inputs.check_owned(arrays, backend, where)
-            state = self.scaling.state
-        else:
-            backend, state = self.scaling.ready()
-        found = backend.full(0.0, "float32", state.scale)
-        squares = None
-        if arrays:
-            by = backend.full(1.0, "float32", state.scale) if check_only else state.scale
-            # with diagnose=True, a kernel that overwrites an overflowing step's values must not
-            fused = backend.unscale_and_squares
-            if fused is not None and self.watches_norm and not (
-                    self.diagnose or check_only):  # the norm's squares in the unscale's pass
-                squares = fused(arrays, by, found)
-            else:
-                unscale = backend.unscale_and_check_keep if self.diagnose else backend.unscale_and_check
-                unscale(arrays, by, found)
+            if arrays:
+                _inputs.check_owned(arrays, scaling.bind(arrays[0]), where)
+        found, squares = scaling.unscale(arrays, check_only=check_only, keep=self.diagnose,
+                                         squares=self.watches_norm)
         checks = self.checks
         checked = checks.checked
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
-        sumsq = checks.sumsq
-        if squares is not None:
-            sumsq = plus(sumsq, squares)
-        elif arrays and self.watches_norm:
-            sumsq = plus(sumsq, _guard_values.squared_norm(backend, arrays))
         self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
-                                      sumsq=sumsq)
+                                      sumsq=plus(checks.sumsq, squares))
         return found
 
     def record(self, flag: Any) -> None:

@@ -69,6 +69,21 @@ class Scaling:
         scale, growth, backoff = self.state
         return HostState(float(to_host(scale)), int(to_host(growth)), int(to_host(backoff)))
 
+    def unscale(self, arrays: list[Any], *, check_only: bool, keep: bool, squares: bool) -> tuple[Any, Any]:
+        """Divide ``arrays`` (of the bound backend) by the scale in place (``check_only``: only check
+        them): (their device flag, their sum of squares when ``squares``, else None). ``keep``: an
+        overflowing step's values stay as they were (for a report). No sync."""
+        backend, state = self.ready() if not arrays else (self.bind(arrays[0]), self.state)
+        found = backend.full(0.0, "float32", state.scale)
+        if not arrays:
+            return found, None
+        by = backend.full(1.0, "float32", state.scale) if check_only else state.scale
+        fused = backend.unscale_and_squares
+        if squares and fused is not None and not (keep or check_only):  # the squares in the same pass
+            return found, fused(arrays, by, found)
+        (backend.unscale_and_check_keep if keep else backend.unscale_and_check)(arrays, by, found)
+        return found, backend.sum_of_squares(arrays) if squares else None
+
     def read_flag(self, flag: Any) -> bool:
         """A flag (a device array or a host bool) on the host: one read of an array."""
         return flag if isinstance(flag, bool) else bool(self.ready()[0].read_flag(flag))
