@@ -359,13 +359,11 @@ class Iteration:
         local: Any = None, keep_report: bool = False,
     ) -> Decision:
         """The skip decision, recorded in :attr:`checks`: ``flag`` (default: the iteration's, agreed
-        first; None: no gradients) read on the host, the one sync of a step. With a guard the flag
-        and the guard's ``values`` (default: the iteration's) are read together and judged against
-        ``group``'s history. When it says skip, misaligned ranks raise first, and with
-        ``diagnose=True`` the report is made (on ``named()``'s gradients, else the checked ones;
-        ``local``: this rank's own flag before the agreement). ``keep_report``: an applied step
-        keeps an earlier report of this iteration. A failure ends the iteration.
-        """
+        first; None: no gradients) and a guard's ``values`` read on the host in the step's one sync,
+        judged against ``group``'s history. A skip raises for misaligned ranks first, then makes
+        the report (``diagnose=True``: on ``named()``'s gradients, else the checked ones; ``local``:
+        this rank's flag). ``keep_report``: an applied step keeps an earlier report. A failure ends
+        the iteration."""
         try:
             decision = self._decision(flag, values, group)
             if decision.skipped and decision.reason == "overflow":  # a flag 0: the ranks align
@@ -375,7 +373,7 @@ class Iteration:
             raise
         self.checks = self.checks._replace(decisions=(*self.checks.decisions, decision))
         if self.diagnose and (decision.skipped or not keep_report):
-            self.last_overflow = self._report_or_warn(named, local) if decision.skipped else None
+            self.last_overflow = self._report(named, local) if decision.skipped else None
         return decision
 
     def _decision(self, flag: Any, values: Any, group: int) -> Decision:
@@ -406,36 +404,28 @@ class Iteration:
         self.skipped_steps += skipped
         self.window.record(skipped)
 
-    def _report_or_warn(self, named: Callable[[], list[tuple[str, Any]]] | None = None, local: Any = None
-                        ) -> overflow.OverflowReport | None:
-        """:meth:`report`, or None and a WARNING when it cannot be built (e.g. gradients of a layout
-        the counts do not support): a diagnostic aid never leaves the iteration open."""
+    def _report(self, named: Named | None = None, local: Any = None) -> overflow.OverflowReport | None:
+        """The report on a skipped step's gradients (reads the scale, and with an agreement this
+        rank's own flag, to tell whether another rank overflowed); None and a WARNING when it
+        cannot be built (e.g. a layout the counts do not support): it never leaves the iteration open."""
         try:
-            return self.report(named, local)
+            agreed, checks = self.agreement is not None, self.checks
+            local = checks.found if agreed and local is None and checks.agreed is not None else local
+            local = None if not agreed or local is None else self.scaling.read_flag(local)
+            grads = named() if named is not None else list(checks.checked)
+            scale = self.scaling.host_state().scale
+            last = checks.decisions[-1] if checks.decisions else None
+            if last is None or not last.verdicts or last.reason == "overflow":
+                return overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed,
+                                             local_flag=local)
+            group, verdict = last.verdicts[-1]  # the guard's skip
+            return replace(overflow.build_report(grads, scale=scale), verdict=verdict,
+                           diagnosis=self.guarding.diagnosis(group, verdict))
         except Exception as exc:  # noqa: BLE001 - any failure of the report, reported and survived
             logger.warning("diagnose=True: the overflow report on this skipped step could not be built "
                            "(%s: %s); the step was skipped as decided. Fix: call polyamp.explain_overflow "
                            "on dense gradients to see them.", type(exc).__name__, exc)
             return None
-
-    def report(self, named: Callable[[], list[tuple[str, Any]]] | None = None, local: Any = None
-               ) -> overflow.OverflowReport:
-        """The report on this iteration's gradients after a skip (reads the scale, and with an
-        agreement this rank's own flag, to tell whether another rank overflowed)."""
-        agreed = self.agreement is not None
-        if agreed and local is None and self.checks.agreed is not None:
-            local = self.checks.found
-        if agreed and local is not None and not isinstance(local, bool):
-            local = bool(self.scaling.ready()[0].read_flag(local))
-        grads = named() if named is not None else list(self.checks.checked)
-        scale = self.scaling.host_state().scale
-        last = self.checks.decisions[-1] if self.checks.decisions else None
-        if last is not None and last.verdicts and last.reason != "overflow" and self.guarding is not None:
-            group, verdict = last.verdicts[-1]  # the guard's skip
-            line = self.guarding.diagnosis(group, verdict)
-            return replace(overflow.build_report(grads, scale=scale), verdict=verdict, diagnosis=line)
-        return overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed,
-                                     local_flag=None if not agreed or local is None else bool(local))
 
     # -- the end of an iteration ------------------------------------------------------------
     def concluded(self, found_inf: Any = None, *, skipped: bool | None = None) -> Decision:
@@ -463,7 +453,7 @@ class Iteration:
             if skips and found_inf is None and self.agreement is not None and self.agreement.unverified:
                 self.verify()  # ranks that differ: RankMismatchError before the scale moves
             if self.diagnose:
-                self.last_overflow = self._report_or_warn() if skips else None
+                self.last_overflow = self._report() if skips else None
         return Decision(skipped, flag, isinstance(flag, bool) and flag == skipped)
 
     def decided(self) -> Decision:
