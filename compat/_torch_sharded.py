@@ -12,7 +12,6 @@ GradScaler. Importing it does not import torch.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import weakref
 import zlib
@@ -58,32 +57,66 @@ def mesh_inside(mesh: Any, red: Reducer) -> bool:
 
 
 
-def optimizer_identity(optimizer: Any) -> int:
-    """Whose flag a sharded step agrees: the number of parameters in each param group and their
-    dtypes, as every rank of a sharded job sees them (not their shapes, which differ between shards).
+def dtensor_shapes(optimizer: Any) -> tuple[Any, ...]:
+    """The global shapes and dtypes of the optimizer's DTensor parameters, per param group in
+    order: equal on every rank of the mesh (a DTensor's ``shape`` is the global one). Empty
+    where no parameter is a DTensor; other parameters are left out (their shards differ)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:  # never imported: no parameter is a DTensor
+        return ()
+    shapes = tuple(tuple((tuple(p.shape), str(p.dtype)) for p in group["params"] if isinstance(p, dtensor))
+                   for group in _groups(optimizer))
+    return shapes if any(shapes) else ()
 
-    Remembered per optimizer while its groups keep their sizes (a per-parameter pass only then).
-    """
-    if optimizer is None:
-        return 0
+
+def _groups(optimizer: Any) -> list[Any]:
+    """The optimizer's param groups (one group of its parameters where it has none)."""
     groups = getattr(optimizer, "param_groups", None)
-    groups = groups if isinstance(groups, list) else [{"params": list(iter_params(optimizer))}]
-    sizes = tuple(len(group["params"]) for group in groups)
-    try:
-        known = _IDENTITIES.get(optimizer)
-    except TypeError:  # not weakly referenceable: computed each time
-        known = None
-    if known is not None and known[0] == sizes:
-        return known[1]
-    dtypes = tuple(tuple(sorted({str(p.dtype) for p in group["params"]})) for group in groups)
-    identity = zlib.crc32(repr((sizes, dtypes)).encode()) or 1  # 0 means "none named"
-    with contextlib.suppress(TypeError):
-        _IDENTITIES[optimizer] = (sizes, identity)
-    return identity
+    return groups if isinstance(groups, list) else [{"params": list(iter_params(optimizer))}]
 
 
-#: optimizer -> (its groups' sizes, its identity); weak, so no optimizer is kept alive by it
-_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class Places:
+    """Whose flag a sharded step agrees (:meth:`identity`): equal on every rank of a legitimate
+    sharded job, whatever each rank's shard holds.
+
+    An optimizer is named by its place among the optimizers this scaler stepped, in the order first
+    stepped (since construction, ``load_state_dict`` or unpickling), its class, and where its
+    parameters are DTensors their global shapes and dtypes. Not the number, shapes or dtypes of
+    a rank's own parameters: they differ between shards (uneven FSDP shards, a ZeRO partition).
+    So an optimizer stepped at another place than on the other ranks is found (also one stepped
+    in another order from some iteration on); two optimizers of one class swapped on a rank from
+    their first step on are found only where their DTensors' global shapes differ.
+    """
+
+    def __init__(self) -> None:
+        # id(optimizer) -> its weak reference (None: not weakly referenceable), place, group sizes, identity
+        self._known: dict[int, tuple[Any, int, tuple[int, ...], int]] = {}
+        self._count = 0  # places given so far (a dead optimizer's place is not given again)
+
+    def identity(self, optimizer: Any) -> int:
+        """The optimizer's identity, never 0 (0: none named; None gives 0). Computed once per
+        optimizer while its groups keep their sizes (a pass over its parameters only then)."""
+        if optimizer is None:
+            return 0
+        key = id(optimizer)
+        sizes = tuple(len(group["params"]) for group in _groups(optimizer))
+        known = self._known.get(key)
+        if known is not None and known[0] is not None and known[0]() is not optimizer:
+            known = None  # the id of an optimizer that is gone: this one is new
+        if known is not None and known[2] == sizes:
+            return known[3]
+        place = self._count if known is None else known[1]
+        kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        identity = zlib.crc32(repr((place, kind, dtensor_shapes(optimizer))).encode()) or 1
+        try:
+            ref = weakref.ref(optimizer)
+        except TypeError:  # not weakly referenceable: known by its id
+            ref = None
+        self._known[key] = (ref, place, sizes, identity)
+        if known is None:
+            self._count += 1
+        return identity
+
 
 class ShardedMethods:
     """Mixin of :class:`polyamp.compat.torch.ShardedGradScaler`: torch's signature, the group,
@@ -117,6 +150,7 @@ class ShardedMethods:
             backend=backend, backoff_interval=backoff_interval, min_scale=min_scale,
             max_scale=max_scale, diagnose=diagnose, guard=guard,
         )
+        self._places = Places()  # whose flag each optimizer's agreement is
         self.process_group = process_group
 
     @property
@@ -148,7 +182,7 @@ class ShardedMethods:
 
         Every rank issues the same collective, also one with no gradients (its flag is 0).
         The same collective finds ranks whose config, state or collectives differ, or that step
-        another optimizer at this point (its shape: :func:`optimizer_identity`): RankMismatchError.
+        another optimizer at this point (:class:`Places`): RankMismatchError.
         """
         agreement, iteration = self._agreed(), self._engine.iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
@@ -156,17 +190,17 @@ class ShardedMethods:
                                "scale the loss (a tensor holding one value) with scaler.scale(loss)")
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
         if iteration.guard is None:
-            return iteration.agree_flag(found, whose=optimizer_identity(optimizer))
+            return iteration.agree_flag(found, whose=self._places.identity(optimizer))
         # the guard's values (the loss, these shards' squares) ride in the same collective
         agreed = iteration.agree_group(found, iteration.squares(iteration.backend, grads),
-                                       self._group_of(optimizer), whose=optimizer_identity(optimizer))
+                                       self._group_of(optimizer), whose=self._places.identity(optimizer))
         self._values[id(optimizer)] = agreed.extra
         return agreed.found_inf
 
     def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
         """A flag an ``_unscale_grads_`` override computed itself, agreed over the group (one collective)."""
         self._agreed()
-        return self._engine.iteration.agree_flag(flag, whose=optimizer_identity(optimizer))
+        return self._engine.iteration.agree_flag(flag, whose=self._places.identity(optimizer))
 
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag
@@ -193,14 +227,20 @@ class ShardedMethods:
         if group is not None and not isinstance(group, str):
             raise TypeError(_PICKLE.format(group=short_repr(group)))
         state = super().__getstate__()  # type: ignore[misc]
-        for name in ("_group", "_agreement", "_meshes"):
+        for name in ("_group", "_agreement", "_meshes", "_places"):
             state["extra"].pop(name, None)
         state["process_group"] = group
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[misc]
+        self._places = Places()  # the order of first step restarts, as the guard's groups do
         self.process_group = state.get("process_group")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """GradScaler's load; the optimizers' places restart (every rank loads alike)."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        self._places = Places()
 
     def __repr__(self) -> str:
         return (f"ShardedGradScaler(device={self._device!r}, process_group={short_repr(self._group)}, "
