@@ -57,14 +57,27 @@ def mesh_inside(mesh: Any, red: Reducer) -> bool:
 
 
 
-def dtensor_shapes(optimizer: Any) -> tuple[Any, ...]:
-    """The global shapes and dtypes of the optimizer's DTensor parameters, per param group in
-    order: equal on every rank of the mesh (a DTensor's ``shape`` is the global one). Empty
-    where no parameter is a DTensor; other parameters are left out (their shards differ)."""
+def mesh_holds(mesh: Any, red: Reducer | None) -> bool:
+    """Whether a DeviceMesh holds every rank of the torch process group behind ``red``: then every
+    rank of the group holds a shard of the mesh's DTensors (not so for pipeline stages, each on
+    its own mesh). The same answer on every rank of the group."""
+    group = getattr(red, "group", None)
+    dist = sys.modules.get("torch.distributed")
+    if group is None or dist is None or not isinstance(group, dist.ProcessGroup):
+        return False
+    return set(dist.get_process_group_ranks(group)) <= set(mesh.mesh.flatten().tolist())
+
+
+def dtensor_shapes(optimizer: Any, holds: Any) -> tuple[Any, ...]:
+    """The global shapes and dtypes of the optimizer's DTensor parameters whose mesh ``holds(mesh)``
+    every rank of the group, per param group in order: the same on every rank (a DTensor's
+    ``shape`` is the global one). Empty where there are none; other parameters are left out
+    (their shards differ)."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is None:  # never imported: no parameter is a DTensor
         return ()
-    shapes = tuple(tuple((tuple(p.shape), str(p.dtype)) for p in group["params"] if isinstance(p, dtensor))
+    shapes = tuple(tuple((tuple(p.shape), str(p.dtype)) for p in group["params"]
+                         if isinstance(p, dtensor) and holds(p.device_mesh))
                    for group in _groups(optimizer))
     return shapes if any(shapes) else ()
 
@@ -80,22 +93,25 @@ class Places:
     sharded job, whatever each rank's shard holds.
 
     An optimizer is named by its place among the optimizers this scaler stepped, in the order first
-    stepped (since construction, ``load_state_dict`` or unpickling), its class, and where its
-    parameters are DTensors their global shapes and dtypes. Not the number, shapes or dtypes of
-    a rank's own parameters: they differ between shards (uneven FSDP shards, a ZeRO partition).
-    So an optimizer stepped at another place than on the other ranks is found (also one stepped
-    in another order from some iteration on); two optimizers of one class swapped on a rank from
-    their first step on are found only where their DTensors' global shapes differ.
+    stepped (since construction, a new process group, ``load_state_dict`` or unpickling), its class,
+    and the global shapes and dtypes of its DTensors whose mesh holds every rank of the group
+    (:func:`mesh_holds`). Not the number, shapes or dtypes of a rank's own parameters: they differ
+    between shards (uneven FSDP shards, a ZeRO partition, pipeline stages). So an optimizer stepped
+    at another place than on the other ranks is found (also one stepped in another order from some
+    iteration on); two optimizers of one class swapped on a rank from their first step on are
+    found only where their DTensors' global shapes differ.
     """
 
     def __init__(self) -> None:
+        self._holds: dict[Any, bool] = {}  # DeviceMesh -> does it hold every rank of the group
         # id(optimizer) -> its weak reference (None: not weakly referenceable), place, group sizes, identity
         self._known: dict[int, tuple[Any, int, tuple[int, ...], int]] = {}
         self._count = 0  # places given so far (a dead optimizer's place is not given again)
 
-    def identity(self, optimizer: Any) -> int:
-        """The optimizer's identity, never 0 (0: none named; None gives 0). Computed once per
-        optimizer while its groups keep their sizes (a pass over its parameters only then)."""
+    def identity(self, optimizer: Any, red: Reducer | None) -> int:
+        """The optimizer's identity over ``red`` (one reducer for the life of these places; None: no
+        DTensor counts), never 0 (0: none named; None gives 0). Computed once per optimizer while
+        its groups keep their sizes (a pass over its parameters only then)."""
         if optimizer is None:
             return 0
         key = id(optimizer)
@@ -107,7 +123,8 @@ class Places:
             return known[3]
         place = self._count if known is None else known[1]
         kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-        identity = zlib.crc32(repr((place, kind, dtensor_shapes(optimizer))).encode()) or 1
+        shapes = dtensor_shapes(optimizer, lambda mesh: self._mesh_holds(mesh, red))
+        identity = zlib.crc32(repr((place, kind, shapes)).encode()) or 1
         try:
             ref = weakref.ref(optimizer)
         except TypeError:  # not weakly referenceable: known by its id
@@ -116,6 +133,11 @@ class Places:
         if known is None:
             self._count += 1
         return identity
+
+    def _mesh_holds(self, mesh: Any, red: Reducer | None) -> bool:
+        if mesh not in self._holds:
+            self._holds[mesh] = mesh_holds(mesh, red)
+        return self._holds[mesh]
 
 
 class ShardedMethods:
@@ -150,7 +172,6 @@ class ShardedMethods:
             backend=backend, backoff_interval=backoff_interval, min_scale=min_scale,
             max_scale=max_scale, diagnose=diagnose, guard=guard,
         )
-        self._places = Places()  # whose flag each optimizer's agreement is
         self.process_group = process_group
 
     @property
@@ -164,6 +185,7 @@ class ShardedMethods:
         self._engine.iteration.agreement = None if group is None else Agreement(build_reducer(group))
         self._group = group
         self._meshes: dict[Any, bool] = {}  # DeviceMesh -> do the group's ranks cover it
+        self._places = Places()  # whose flag each optimizer's agreement is: restarts with the group
 
     @property
     def reducer(self) -> Reducer:
@@ -190,17 +212,18 @@ class ShardedMethods:
                                "scale the loss (a tensor holding one value) with scaler.scale(loss)")
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
         if iteration.guard is None:
-            return iteration.agree_flag(found, whose=self._places.identity(optimizer))
+            return iteration.agree_flag(found, whose=self._places.identity(optimizer, agreement.reducer))
         # the guard's values (the loss, these shards' squares) ride in the same collective
+        whose = self._places.identity(optimizer, agreement.reducer)
         agreed = iteration.agree_group(found, iteration.squares(iteration.backend, grads),
-                                       self._group_of(optimizer), whose=self._places.identity(optimizer))
+                                       self._group_of(optimizer), whose=whose)
         self._values[id(optimizer)] = agreed.extra
         return agreed.found_inf
 
     def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
         """A flag an ``_unscale_grads_`` override computed itself, agreed over the group (one collective)."""
-        self._agreed()
-        return self._engine.iteration.agree_flag(flag, whose=self._places.identity(optimizer))
+        whose = self._places.identity(optimizer, self._agreed().reducer)
+        return self._engine.iteration.agree_flag(flag, whose=whose)
 
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag
@@ -234,7 +257,6 @@ class ShardedMethods:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[misc]
-        self._places = Places()  # the order of first step restarts, as the guard's groups do
         self.process_group = state.get("process_group")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -2,9 +2,10 @@
 
 The ranks' optimizers hold different parameters: (a) rank 0 three, one of them float16, the
 others two float32 of other shapes; (b) a ZeRO-style partition of one model, each rank's optimizer
-owning other parameters (other counts, shapes and param groups). Each rank trains twice side by
-side, under torch's ``ShardedGradScaler`` and under polyamp's; one rank overflows at some steps.
-Per step both must make the same skip decisions with the same scale and growth tracker, and the
+owning other parameters (other counts, shapes and param groups); (c) two FSDP2 meshes under the
+scaler's one group, as pipeline stages (DTensors of other global shapes). Each rank trains twice
+side by side, under torch's ``ShardedGradScaler`` and under polyamp's; one rank overflows at some
+steps. Per step both must make the same skip decisions with the same scale and growth tracker, and the
 parameters must end bitwise equal. Then ranks that are really misaligned still raise
 ``RankMismatchError`` on every rank before any applies the step.
 """
@@ -30,6 +31,7 @@ CASES = {
     # rank 0's float16 parameter also overflows by itself at the larger scales (its gradient is cast)
     "uneven_dtypes": Case(10, dict(init_scale=2.0**13, growth_interval=2), {4: 2}),
     "zero_partition": Case(9, dict(init_scale=2.0**10, growth_interval=2), {2: 1, 6: 0}),
+    "pipeline_stages": Case(6, dict(init_scale=2.0**10, growth_interval=2), {1: 0, 3: 2}),
 }
 
 
@@ -52,11 +54,32 @@ def uneven_params(torch, rank):
     return params
 
 
-def uneven_step(torch, rank, step, params, scaler, opt, bad):
-    gen = torch.Generator().manual_seed(100 * rank + step)
-    loss = sum(((p.float() - torch.randn(p.shape, generator=gen)) ** 2).sum() for p in params)
-    scaler.scale(loss * (math.inf if bad else 1.0)).backward()
-    scaler.step(opt)
+class Run:
+    """One side of a case on this rank: its parameters, optimizer, and how one step trains."""
+
+    def __init__(self, params, opt, step, after=lambda: None):
+        self.params, self.opt, self.step, self.after = params, opt, step, after
+
+    def local(self):
+        """The parameters as this rank holds them (a DTensor's local shard)."""
+        return [local(p) for p in self.params]
+
+
+def local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def uneven_run(torch, rank, scaler):
+    params = uneven_params(torch, rank)
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+    def step(step, bad):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        loss = sum(((p.float() - torch.randn(p.shape, generator=gen)) ** 2).sum() for p in params)
+        scaler.scale(loss * (math.inf if bad else 1.0)).backward()
+        scaler.step(opt)
+
+    return Run(params, opt, step)
 
 
 def zero_model(torch):
@@ -74,35 +97,62 @@ def zero_owners(params, size):
     return owners
 
 
-def zero_optimizer(torch, params, owners, rank):
-    """SGD over this rank's parameters: weights (decayed) and biases, empty groups left out."""
+def zero_run(torch, rank, size, scaler):
+    """SGD over this rank's parameters of one model: weights (decayed) and biases, empty groups left
+    out. A step: backward on this rank's data, each gradient summed onto its owner, the owners
+    step, then every parameter is sent from its owner to every rank."""
+    import torch.distributed as dist
+
+    model = zero_model(torch)
+    params = list(model.parameters())
+    owners = zero_owners(params, size)
     mine = [p for i, p in enumerate(params) if owners[i] == rank]
     groups = [{"params": [p for p in mine if p.dim() > 1], "weight_decay": 1e-2},
               {"params": [p for p in mine if p.dim() == 1]}]
-    return torch.optim.SGD([g for g in groups if g["params"]], lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD([g for g in groups if g["params"]], lr=0.05, momentum=0.9)
+
+    def step(step, bad):
+        model.zero_grad(set_to_none=True)
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(6, 8, generator=gen), torch.randn(6, 3, generator=gen)
+        scaler.scale(((model(x) - y) ** 2).mean()).backward()
+        for i, p in enumerate(params):
+            dist.reduce(p.grad, dst=owners[i])
+        if bad:
+            mine[0].grad.view(-1)[0] = math.inf
+        scaler.step(opt)
+
+    def after():
+        for i, p in enumerate(params):
+            dist.broadcast(p.data, src=owners[i])
+
+    return Run(params, opt, step, after)
 
 
-def zero_step(torch, dist, rank, step, model, owners, scaler, opt, bad):
-    """Backward on this rank's data, each gradient summed onto its owner, the owners step, then
-    every parameter is sent from its owner to every rank."""
-    params = list(model.parameters())
-    gen = torch.Generator().manual_seed(100 * rank + step)
-    x, y = torch.randn(6, 8, generator=gen), torch.randn(6, 3, generator=gen)
-    scaler.scale(((model(x) - y) ** 2).mean()).backward()
-    for i, p in enumerate(params):
-        dist.reduce(p.grad, dst=owners[i])
-    if bad:
-        next(p for i, p in enumerate(params) if owners[i] == rank).grad.view(-1)[0] = math.inf
-    scaler.step(opt)
-    return params
+def stages_run(torch, rank, size, scaler, meshes):
+    """Two FSDP2 meshes under one scaler group, as pipeline stages: ranks 0 and 1 shard one layer,
+    the last rank holds another (DTensors of other global shapes)."""
+    from torch.distributed.fsdp import fully_shard
+
+    stage = 0 if rank < size - 1 else 1
+    torch.manual_seed(stage)
+    layer = fully_shard(torch.nn.Linear(8, 16) if stage == 0 else torch.nn.Linear(16, 4), mesh=meshes[stage])
+    opt = torch.optim.SGD(layer.parameters(), lr=0.05, momentum=0.9)
+
+    def step(step, bad):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        loss = (layer(torch.randn(4, layer.in_features, generator=gen)) ** 2).mean()
+        scaler.scale(loss * (math.inf if bad else 1.0)).backward()
+        scaler.step(opt)
+
+    return Run(list(layer.parameters()), opt, step)
 
 
-def side_by_side(rank: int, size: int, name: str) -> dict:
+def side_by_side(rank: int, size: int, name: str, meshes) -> dict:
     import torch
     import torch.distributed as dist
 
     case = CASES[name]
-    scalers = make_scalers(case.scaler)
     calls = {"n": 0}
     all_reduce = dist.all_reduce
 
@@ -110,58 +160,51 @@ def side_by_side(rank: int, size: int, name: str) -> dict:
         calls["n"] += 1
         return all_reduce(*args, **kwargs)
 
-    dist.all_reduce = counted
-    sides = {}
-    for kind, scaler in scalers.items():
+    runs = {}
+    for kind, scaler in make_scalers(case.scaler).items():
         if name == "uneven_dtypes":
-            params = uneven_params(torch, rank)
-            opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-            sides[kind] = (scaler, params, opt, None)
+            runs[kind] = (scaler, uneven_run(torch, rank, scaler))
+        elif name == "zero_partition":
+            runs[kind] = (scaler, zero_run(torch, rank, size, scaler))
         else:
-            model = zero_model(torch)
-            owners = zero_owners(list(model.parameters()), size)
-            opt = zero_optimizer(torch, list(model.parameters()), owners, rank)
-            sides[kind] = (scaler, model, opt, owners)
-    traces = {kind: [] for kind in sides}
+            runs[kind] = (scaler, stages_run(torch, rank, size, scaler, meshes))
+    traces = {kind: [] for kind in runs}
+    dist.all_reduce = counted
     try:
         for step in range(case.steps):
             bad = case.overflow.get(step) == rank
-            for kind, (scaler, held, opt, owners) in sides.items():
-                opt.zero_grad(set_to_none=True)
-                if name == "zero_partition":
-                    held.zero_grad(set_to_none=True)
+            for kind, (scaler, run) in runs.items():
+                run.opt.zero_grad(set_to_none=True)
                 before = calls["n"]
-                if name == "uneven_dtypes":
-                    uneven_step(torch, rank, step, held, scaler, opt, bad)
-                else:
-                    zero_step(torch, dist, rank, step, held, owners, scaler, opt, bad)
+                run.step(step, bad)
                 step_calls = calls["n"] - before
-                flag = sum(float(v.item()) for v in scaler._found_inf_per_device(opt).values())
+                flag = sum(float(v.item()) for v in scaler._found_inf_per_device(run.opt).values())
                 scaler.update()
-                if name == "zero_partition":
-                    for i, p in enumerate(held.parameters()):
-                        dist.broadcast(p.data, src=owners[i])
+                run.after()
                 traces[kind].append((flag, scaler.get_scale(), scaler._get_growth_tracker(), step_calls))
     finally:
         dist.all_reduce = all_reduce
-    tensors = {kind: [p.detach().clone() for p in (held.parameters() if owners else held)]
-               for kind, (_, held, _, owners) in sides.items()}
-    opt_t, opt_p = sides["torch"][2], sides["polyamp"][2]
-    momentum = [torch.equal(opt_t.state[a]["momentum_buffer"], opt_p.state[b]["momentum_buffer"])
-                for ga, gb in zip(opt_t.param_groups, opt_p.param_groups, strict=True)
-                for a, b in zip(ga["params"], gb["params"], strict=True) if a in opt_t.state]
+    (_, t), (_, p) = runs["torch"], runs["polyamp"]
+    buffer = "momentum_buffer"
+    momentum = [torch.equal(local(t.opt.state[a][buffer]), local(p.opt.state[b][buffer]))
+                for ga, gb in zip(t.opt.param_groups, p.opt.param_groups, strict=True)
+                for a, b in zip(ga["params"], gb["params"], strict=True) if a in t.opt.state]
     return {
         "traces": traces,
-        "same_params": all(torch.equal(a, b) for a, b in zip(*tensors.values(), strict=True)),
+        "same_params": all(torch.equal(a, b) for a, b in zip(t.local(), p.local(), strict=True)),
         "same_momentum": bool(momentum) and all(momentum),
-        "values": torch.cat([p.float().flatten() for p in tensors["polyamp"]]).tolist(),
-        "group_sizes": [len(g["params"]) for g in opt_p.param_groups],
-        "dtypes": sorted({str(p.dtype) for g in opt_p.param_groups for p in g["params"]}),
+        "values": torch.cat([v.float().flatten() for v in p.local()]).tolist(),
+        "group_sizes": [len(g["params"]) for g in p.opt.param_groups],
+        "dtypes": sorted({str(v.dtype) for g in p.opt.param_groups for v in g["params"]}),
+        "shapes": [tuple(v.shape) for v in p.params],
     }
 
 
 def every_case(rank: int, size: int) -> dict:
-    return {name: side_by_side(rank, size, name) for name in CASES}
+    from torch.distributed.device_mesh import DeviceMesh
+
+    meshes = [DeviceMesh("cpu", list(range(size - 1))), DeviceMesh("cpu", [size - 1])]  # on every rank
+    return {name: side_by_side(rank, size, name, meshes) for name in CASES}
 
 
 # -- the checks ------------------------------------------------------------------------------
@@ -213,6 +256,14 @@ def test_zero_partition_trains_like_torch(ranks):
     assert len({tuple(s) for s in sizes}) > 1, sizes  # each rank owns other parameters
     assert ranks[0]["zero_partition"]["values"] == ranks[1]["zero_partition"]["values"] \
         == ranks[2]["zero_partition"]["values"]  # one model again after the owners' broadcasts
+
+
+def test_pipeline_stages_on_meshes_of_their_own_train_like_torch(ranks):
+    pytest.importorskip("torch.distributed.fsdp")
+    check_case(ranks, "pipeline_stages")
+    # the stages' DTensors differ in global shape, so those shapes do not name the flag
+    assert ranks[0]["pipeline_stages"]["shapes"] == ranks[1]["pipeline_stages"]["shapes"] \
+        != ranks[2]["pipeline_stages"]["shapes"]
 
 
 # -- misaligned ranks still raise on every rank ------------------------------------------------
