@@ -1,5 +1,5 @@
 """What ShardedGradScaler's agreement needs: the reducer over a process group, whether a group
-covers a DeviceMesh, and whose flag a collective agrees (an optimizer's identity).
+covers a DeviceMesh, and whose flag a collective agrees (:class:`Places`: an optimizer's place).
 
 torch's FSDP scaler all-reduces one flag per device per optimizer inside ``unscale_``; polyamp
 folds every device into one flag per optimizer, and one all-reduce through a
@@ -9,7 +9,6 @@ Imports nothing of the facade. Importing it does not import torch.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import weakref
 import zlib
@@ -53,29 +52,84 @@ def mesh_inside(mesh: Any, red: Reducer) -> bool:
 
 
 
-def optimizer_identity(optimizer: Any) -> int:
-    """Whose flag a sharded step agrees: the number of parameters in each param group and their
-    dtypes, as every rank of a sharded job sees them (not their shapes, which differ between shards).
+def mesh_holds(mesh: Any, red: Reducer | None) -> bool:
+    """Whether a DeviceMesh holds every rank of the torch process group behind ``red``: then every
+    rank of the group holds a shard of the mesh's DTensors (not so for pipeline stages, each on
+    its own mesh). The same answer on every rank of the group."""
+    group = getattr(red, "group", None)
+    dist = sys.modules.get("torch.distributed")
+    if group is None or dist is None or not isinstance(group, dist.ProcessGroup):
+        return False
+    return set(dist.get_process_group_ranks(group)) <= set(mesh.mesh.flatten().tolist())
 
-    Remembered per optimizer while its groups keep their sizes (a per-parameter pass only then).
-    """
-    if optimizer is None:
-        return 0
+
+def dtensor_shapes(optimizer: Any, holds: Any) -> tuple[Any, ...]:
+    """The global shapes and dtypes of the optimizer's DTensor parameters whose mesh ``holds(mesh)``
+    every rank of the group, per param group in order: the same on every rank (a DTensor's
+    ``shape`` is the global one). Empty where there are none; other parameters are left out
+    (their shards differ)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:  # never imported: no parameter is a DTensor
+        return ()
+    shapes = tuple(tuple((tuple(p.shape), str(p.dtype)) for p in group["params"]
+                         if isinstance(p, dtensor) and holds(p.device_mesh))
+                   for group in _groups(optimizer))
+    return shapes if any(shapes) else ()
+
+
+def _groups(optimizer: Any) -> list[Any]:
+    """The optimizer's param groups (one group of its parameters where it has none)."""
     groups = getattr(optimizer, "param_groups", None)
-    groups = groups if isinstance(groups, list) else [{"params": list(iter_params(optimizer))}]
-    sizes = tuple(len(group["params"]) for group in groups)
-    try:
-        known = _IDENTITIES.get(optimizer)
-    except TypeError:  # not weakly referenceable: computed each time
-        known = None
-    if known is not None and known[0] == sizes:
-        return known[1]
-    dtypes = tuple(tuple(sorted({str(p.dtype) for p in group["params"]})) for group in groups)
-    identity = zlib.crc32(repr((sizes, dtypes)).encode()) or 1  # 0 means "none named"
-    with contextlib.suppress(TypeError):
-        _IDENTITIES[optimizer] = (sizes, identity)
-    return identity
+    return groups if isinstance(groups, list) else [{"params": list(iter_params(optimizer))}]
 
 
-#: optimizer -> (its groups' sizes, its identity); weak, so no optimizer is kept alive by it
-_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class Places:
+    """Whose flag a sharded step agrees (:meth:`identity`): equal on every rank of a legitimate
+    sharded job, whatever each rank's shard holds.
+
+    An optimizer is named by its place among the optimizers this scaler stepped, in the order first
+    stepped (since construction, a new process group, ``load_state_dict`` or unpickling), its class,
+    and the global shapes and dtypes of its DTensors whose mesh holds every rank of the group
+    (:func:`mesh_holds`). Not the number, shapes or dtypes of a rank's own parameters: they differ
+    between shards (uneven FSDP shards, a ZeRO partition, pipeline stages). So an optimizer stepped
+    at another place than on the other ranks is found (also one stepped in another order from some
+    iteration on); two optimizers of one class swapped on a rank from their first step on are
+    found only where their DTensors' global shapes differ.
+    """
+
+    def __init__(self) -> None:
+        self._holds: dict[Any, bool] = {}  # DeviceMesh -> does it hold every rank of the group
+        # id(optimizer) -> its weak reference (None: not weakly referenceable), place, group sizes, identity
+        self._known: dict[int, tuple[Any, int, tuple[int, ...], int]] = {}
+        self._count = 0  # places given so far (a dead optimizer's place is not given again)
+
+    def identity(self, optimizer: Any, red: Reducer | None) -> int:
+        """The optimizer's identity over ``red`` (one reducer for the life of these places; None: no
+        DTensor counts), never 0 (0: none named; None gives 0). Computed once per optimizer while
+        its groups keep their sizes (a pass over its parameters only then)."""
+        if optimizer is None:
+            return 0
+        key = id(optimizer)
+        sizes = tuple(len(group["params"]) for group in _groups(optimizer))
+        known = self._known.get(key)
+        if known is not None and known[0] is not None and known[0]() is not optimizer:
+            known = None  # the id of an optimizer that is gone: this one is new
+        if known is not None and known[2] == sizes:
+            return known[3]
+        place = self._count if known is None else known[1]
+        kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        shapes = dtensor_shapes(optimizer, lambda mesh: self._mesh_holds(mesh, red))
+        identity = zlib.crc32(repr((place, kind, shapes)).encode()) or 1
+        try:
+            ref = weakref.ref(optimizer)
+        except TypeError:  # not weakly referenceable: known by its id
+            ref = None
+        self._known[key] = (ref, place, sizes, identity)
+        if known is None:
+            self._count += 1
+        return identity
+
+    def _mesh_holds(self, mesh: Any, red: Reducer | None) -> bool:
+        if mesh not in self._holds:
+            self._holds[mesh] = mesh_holds(mesh, red)
+        return self._holds[mesh]

@@ -49,7 +49,7 @@ from ._torch_disabled import cuda_missing
 from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
 from ._torch_grads import collect_grads
 from ._torch_install import Installation, Installer
-from ._torch_sharded import _PICKLE, build_reducer, mesh_inside, optimizer_identity
+from ._torch_sharded import _PICKLE, Places, build_reducer, mesh_inside
 from ._torch_state import (
     TorchConfigError,
     check_interval,
@@ -726,6 +726,7 @@ class ShardedGradScaler(GradScaler):
         self._iteration.agreement = None if group is None else Agreement(build_reducer(group))
         self._group = group
         self._meshes: dict[Any, bool] = {}  # DeviceMesh -> do the group's ranks cover it
+        self._places = Places()  # whose flag each optimizer's agreement is: restarts with the group
 
     @property
     def reducer(self) -> Reducer:
@@ -744,25 +745,26 @@ class ShardedGradScaler(GradScaler):
 
         Every rank issues the same collective, also one with no gradients (its flag is 0).
         The same collective finds ranks whose config, state or collectives differ, or that step
-        another optimizer at this point (:func:`optimizer_identity`): RankMismatchError.
+        another optimizer at this point (:class:`Places`): RankMismatchError.
         """
         agreement, iteration = self._agreed(), self._iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
         iteration.require_loss(None, "ShardedGradScaler.step()",
                                "scale the loss (a tensor holding one value) with scaler.scale(loss)")
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
+        whose = self._places.identity(optimizer, agreement.reducer)
         if iteration.guard is None:
-            return iteration.agree_flag(found, whose=optimizer_identity(optimizer))
+            return iteration.agree_flag(found, whose=whose)
         # the guard's values (the loss, these shards' squares) ride in the same collective
         agreed = iteration.agree_group(found, iteration.squares(grads), self._group_of(optimizer),
-                                       whose=optimizer_identity(optimizer))
+                                       whose=whose)
         self._record(optimizer).values = agreed.extra
         return agreed.found_inf
 
     def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
         """A flag an ``_unscale_grads_`` override computed itself, agreed over the group (one collective)."""
-        self._agreed()
-        return self._iteration.agree_flag(flag, whose=optimizer_identity(optimizer))
+        whose = self._places.identity(optimizer, self._agreed().reducer)
+        return self._iteration.agree_flag(flag, whose=whose)
 
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag
@@ -789,7 +791,7 @@ class ShardedGradScaler(GradScaler):
         if group is not None and not isinstance(group, str):
             raise TypeError(_PICKLE.format(group=short_repr(group)))
         state = super().__getstate__()
-        for name in ("_group", "_meshes"):
+        for name in ("_group", "_meshes", "_places"):
             state["extra"].pop(name, None)
         state["process_group"] = group
         return state
@@ -797,6 +799,11 @@ class ShardedGradScaler(GradScaler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.process_group = state["process_group"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """GradScaler's load; the optimizers' places restart (every rank loads alike)."""
+        super().load_state_dict(state_dict)
+        self._places = Places()
 
     def __repr__(self) -> str:
         return (f"ShardedGradScaler(device={self._device!r}, process_group={short_repr(self._group)}, "
