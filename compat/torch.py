@@ -204,9 +204,9 @@ class GradScaler:
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor/array, or an iterable of them, by the current scale (no sync)."""
         if is_array(outputs):
-            engine = self._engine
-            scaled = engine.bind(outputs).scale_array(outputs, engine.state.scale)
-            if engine.guard is not None and guard_values.one_value(outputs):  # the losses since update()
+            scaling = self._iteration.scaling
+            scaled = scaling.bind(outputs).scale_array(outputs, scaling.state.scale)
+            if self._iteration.guarding is not None and guard_values.one_value(outputs):  # since update()
                 self._iteration.take_loss(outputs, "scale()")
             return scaled
         return self._scale_tree(outputs)
@@ -221,7 +221,7 @@ class GradScaler:
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
     def _check_initialized(self, funcname: str) -> None:
-        if self._engine.state is None:
+        if self._iteration.scaling.state is None:
             raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED)
 
     # -- unscaling --------------------------------------------------------------------
@@ -236,10 +236,11 @@ class GradScaler:
     def _unscale_optimizer(self, optimizer: Any, check_only: bool, allow_fp16: bool) -> Any:
         """One optimizer's device flag (None without gradients): unscaled (or checked) directly,
         or through a subclass's ``_unscale_grads_`` with torch's arguments. No sync."""
+        scaling = self._iteration.scaling
         if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
-            grads = collect_grads(optimizer, allow_fp16=allow_fp16, backend=self._engine.backend)
+            grads = collect_grads(optimizer, allow_fp16=allow_fp16, backend=scaling.backend)
             return self._check_grads(grads, check_only, optimizer)
-        backend, scale = self._engine.backend, self._engine.state.scale
+        backend, scale = scaling.backend, scaling.state.scale
         one = backend.full(1.0, "float32", scale)
         inv_scale = one if check_only else one / scale  # == float32(1/float64(scale)): 53 >= 2*24+2 bits
         call = self._unscale_call = UnscaleCall(inv_scale, check_only)
@@ -259,11 +260,12 @@ class GradScaler:
         if not grads:
             return None
         iteration = self._iteration
+        if iteration.guarding is None:
+            return iteration.unscale(grads, check_only=check_only, owned=True)  # checked by collect_grads
         iteration.require_loss(None, "GradScaler.step()", _GIVE_LOSS)
-        found = iteration.unscale(grads, check_only=check_only, owned=True)  # checked by collect_grads
-        if iteration.guard is not None:  # this optimizer's values, judged at its step
-            agreed = iteration.agree_group(found, iteration.squares(grads), self._group_of(optimizer))
-            self._record(optimizer).values = agreed.extra
+        found = iteration.unscale(grads, check_only=check_only, owned=True)
+        agreed = iteration.agree_group(found, iteration.squares(grads), self._group_of(optimizer))
+        self._record(optimizer).values = agreed.extra  # this optimizer's values, judged at its step
         return found
 
     def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
@@ -323,7 +325,7 @@ class GradScaler:
         self._check_initialized("step")
         record = self._record(optimizer)
         check_step(record.stage)
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._engine.guard is None:
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._iteration.guarding is None:
             return self._self_scaling_step(optimizer, record, args, kwargs)  # with a guard: decided here
         if record.stage is READY:
             self.unscale_(optimizer)
@@ -369,12 +371,12 @@ class GradScaler:
     def _decide_and_step(self, record: OptimizerRecord, args: Any, kwargs: dict[str, Any]) -> Any:
         """The skip decision on the record's flag (the one host read; a report only when skipped),
         then ``optimizer.step(*args, **kwargs)`` unless it says skip."""
-        optimizer = record.optimizer
-        earlier = [r.optimizer for r in self._records.values() if r.skipped]
+        optimizer, iteration = record.optimizer, self._iteration
+        earlier = [r.optimizer for r in self._records.values() if r.skipped] if len(self._records) > 1 else []
         named = lambda: self._named_grads([*earlier, optimizer])  # noqa: E731
-        iteration = self._iteration
-        decision = iteration.decide(record.found, values=record.values, group=self._group_of(optimizer),
-                                    named=named, keep_report=bool(earlier))
+        group = 0 if iteration.guarding is None else self._group_of(optimizer)
+        decision = iteration.decide(record.found, values=record.values, group=group, named=named,
+                                    keep_report=bool(earlier))
         skipped = record.skipped = decision.skipped
         self._last_reason = decision.reason
         retval = None if skipped else optimizer.step(*args, **kwargs)
@@ -444,11 +446,13 @@ class GradScaler:
                     check_new_scale(new_scale, self._device)
                 self._engine.set_scale(new_scale)
                 return
-            flags = [r.found for r in self._records.values() if r.found is not None]
-            if not flags:
+            found, skipped = None, False
+            for record in self._records.values():
+                skipped = skipped or record.skipped  # as step() read it
+                if record.found is not None:
+                    found = record.found if found is None else found + record.found
+            if found is None:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            found = flags[0] if len(flags) == 1 else sum(flags[1:], flags[0])
-            skipped = any(r.skipped for r in self._records.values())  # as step() read it
             iteration = self._iteration
             iteration.finish(iteration.concluded(found, skipped=skipped))
         finally:

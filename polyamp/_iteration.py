@@ -74,12 +74,15 @@ class Decision(NamedTuple):
     @property
     def reason(self) -> str | None:
         """Why the step was skipped (None: applied); ``"overflow"`` without a guard."""
-        verdict = self.verdict
-        return verdict.reason if verdict is not None else ("overflow" if self.skipped else None)
+        if self.verdicts:
+            return self.verdicts[-1][1].reason
+        return "overflow" if self.skipped else None
 
     @property
     def held(self) -> bool:
         """The guard skipped with finite gradients: the scale state stays as it is."""
+        if not self.verdicts:
+            return False
         reasons = {v.reason for _, v in self.verdicts}
         return "overflow" not in reasons and bool(reasons - {None})
 
@@ -196,7 +199,8 @@ class Iteration:
         the caller has already found to be floating arrays of the bound backend (the torch facade's
         ``collect_grads``), so they are not read again here.
         """
-        self._refuse_after_agreement("unscale_()")
+        if self.checks.agreed is not None:
+            self._refuse_after_agreement("unscale_()")
         given, names = (list(grads.values()), list(map(str, grads))) if isinstance(grads, Mapping) else (
             grads, None)
         if self.diagnose:
@@ -208,14 +212,15 @@ class Iteration:
             arrays = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
             if arrays:
                 _inputs.check_owned(arrays, scaling.bind(arrays[0]), where)
-        found, squares = scaling.unscale(arrays, check_only=check_only, keep=self.diagnose,
-                                         squares=self.watches_norm)
+        norm = self.guarding is not None and self.guarding.guard.watches_norm
+        found, squares = scaling.unscale(arrays, check_only=check_only, keep=self.diagnose, squares=norm)
         checks = self.checks
         checked = checks.checked
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
-        self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
-                                      sumsq=plus(checks.sumsq, squares))
+        total = found if checks.found is None else checks.found + found
+        sumsq = checks.sumsq if squares is None else plus(checks.sumsq, squares)
+        self.checks = checks._replace(found=total, unscaled=True, checked=checked, sumsq=sumsq)
         return found
 
     def record(self, flag: Any) -> None:
@@ -366,7 +371,7 @@ class Iteration:
         the iteration."""
         try:
             decision = self._decision(flag, values, group)
-            if decision.skipped and decision.reason == "overflow":  # a flag 0: the ranks align
+            if decision.skipped and (not decision.verdicts or decision.verdicts[-1][1].reason == "overflow"):
                 self.verify()  # ranks that differ: RankMismatchError before anything applies
         except BaseException:
             self.end()
@@ -442,11 +447,12 @@ class Iteration:
                 "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
             )
         decisions = self.checks.decisions
-        if decisions:
+        if len(decisions) == 1:  # one step (the engine's, paddle's, one optimizer's)
             one = decisions[0]
-            exact = len(decisions) == 1 and (
-                one.exact and found_inf is None or isinstance(flag, bool) and flag == one.skipped)
-            return self.decided()._replace(flag=flag, exact=exact)
+            exact = one.exact and found_inf is None or isinstance(flag, bool) and flag == one.skipped
+            return Decision(one.skipped, flag, exact, one.verdicts)
+        if decisions:
+            return self.decided()._replace(flag=flag)
         if skipped is None and (self.diagnose or found_inf is None and self.agreement is not None
                                 and self.agreement.unverified):  # update() without step(): one read
             skips = flag if isinstance(flag, bool) else self.scaling.ready()[0].read_flag(flag)
@@ -469,7 +475,7 @@ class Iteration:
         (``describe``, default :meth:`describe_change`; the first skips at INFO, then a summary per
         window: :mod:`polyamp._skip_log`), the floor warning, the guard's histories and a streak's
         action. Reads the scale only when a line is due; not again when ``decision.exact``."""
-        reports = [] if self.guarding is None else self.guarding.advance(decision.verdicts)
+        reports = self.guarding.advance(decision.verdicts) if self.guarding is not None else ()
         try:
             if new_scale is not None:
                 self.scaling.set_scale(new_scale)
@@ -482,23 +488,25 @@ class Iteration:
 
     def _update(self, decision: Decision, describe: Describe | None) -> None:
         """The scale rule on ``decision.flag`` (unless the guard held it), its log line, the floor."""
-        skipped, flag, held, log = decision.skipped, decision.flag, decision.held, self.log
-        before = self.scaling.host_state() if skipped is not None and log.wants_scale(skipped) else None
-        if self.config.raise_error_at_min_scale and skipped is not False and not held:
-            self.scaling.refuse_backoff_at_floor(flag, before)
+        skipped, flag, held = decision.skipped, decision.flag, decision.held
+        log, scaling = self.log, self.scaling
+        before = scaling.host_state() if skipped is not None and log.wants_scale(skipped) else None
+        if skipped is not False and not held and scaling.config.raise_error_at_min_scale:
+            scaling.refuse_backoff_at_floor(flag, before)
         if not held:  # a guard-skipped step leaves the scale state as it is
-            self.scaling.advance(flag)
-        read = self.scaling.host_state
+            scaling.advance(flag)
+        read = scaling.host_state
         if decision.exact and before is not None:  # the device ran the rule on the same flag: no read
-            after = before if held else next_host_state(before, bool(skipped), self.config)
+            after = before if held else next_host_state(before, bool(skipped), scaling.config)
             read = lambda: after  # noqa: E731
         if held:
             describe = self.guarding.describer(*next(gv for gv in decision.verdicts if gv[1].reason))
         if skipped is not None:
-            log.after_update(skipped, before, read, describe or self.scaling.describe_change,
-                             overflow.log_summary(self.last_overflow),
-                             reason=_first_reason({v.reason for _, v in decision.verdicts}))
-        self.scaling.warn_if_at_floor(bool(skipped) and not held, self.last_overflow)
+            reason = _first_reason({v.reason for _, v in decision.verdicts}) if decision.verdicts else None
+            detail = "" if self.last_overflow is None else overflow.log_summary(self.last_overflow)
+            log.after_update(skipped, before, read, describe or scaling.describe_change, detail, reason)
+        if skipped and not held:
+            scaling.warn_if_at_floor(True, self.last_overflow)
 
     def end(self) -> None:
         """Forget this iteration's checks; the agreement's next collective opens a new iteration."""

@@ -125,7 +125,7 @@ class Scaling:
         if isinstance(flag, bool) and self.state is None:
             self.host = next_host_state(self.host, flag, self.config)
             return
-        backend, state = self.ready()
+        backend, state = (self.backend, self.state) if self.state is not None else self.ready()
         if isinstance(flag, bool):
             flag = backend.full(float(flag), "float32", state.scale)
         self.state = backend.update_scale(state, flag, self.config)

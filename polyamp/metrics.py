@@ -43,14 +43,12 @@ class SkipWindow:
     def record(self, skipped: bool) -> None:
         """Add one step's decision (a host bool the caller already has)."""
         self.seen += 1
+        skips = self._skips
         if skipped:
-            self._skips.append(self.seen)
-        self._trim()
-
-    def _trim(self) -> None:
+            skips.append(self.seen)
         oldest = self.seen - self.size
-        while self._skips and self._skips[0] <= oldest:
-            self._skips.popleft()
+        while skips and skips[0] <= oldest:
+            skips.popleft()
 
     @property
     def skips(self) -> int:
