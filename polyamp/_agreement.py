@@ -72,7 +72,7 @@ class _Sent(NamedTuple):
     wire: Any  # its format (a polyamp.distributed._wire.Wire)
     message: Any  # the reduced message
     aligned: Any  # 0-d bool on the device: every rank sent the same fingerprint
-    fields: Any  # this rank's fingerprint as sent (host fields, state words)
+    fields: Any  # this rank's fingerprint as sent (host fields, the state's halves)
     state: Any
 
 
@@ -234,7 +234,7 @@ class Agreement:
 
     def _explain(self, wire: Any, message: Any, fields: Any, state: Any) -> NoReturn:
         """The ranks differ: the wire names what differs (on every rank), then RankMismatchError."""
-        mine = list(fields.host) if fields.words is None else [*fields.host, *_host_state(state)]
+        mine = list(fields.host) if fields.state is None else [*fields.host, *_host_state(state)]
         self._raise(wire.explain(self.reducer, message, self._fp.Fingerprint(*mine)))
 
     def _raise(self, what: str) -> NoReturn:

@@ -103,15 +103,19 @@ class Hash(NamedTuple):
 LANE, HIGH, LOW = Hash(Q, _weights(Q, "q")), Hash(P1, _weights(P1, "p1")), Hash(P2, _weights(P2, "p2"))
 
 
-def share(xp: Any, words: Any, weights: Any, prime: int, base: Any = 0) -> Any:
-    """``(base + sum(w * h)) mod prime`` over the 16-bit halves ``h`` of ``words``: a digest's share of
-    those fields (shares of disjoint fields add up). The one computation for host and device.
+def share(xp: Any, halves: Any, weights: Any, prime: int, base: Any = 0) -> Any:
+    """``(base + sum(w * h)) mod prime`` over the 16-bit halves ``h`` of some fields: a digest's share
+    of those fields (shares of disjoint fields add up). The one computation for host and device.
 
-    ``words``: 1-d int64 values below 2**32, ``weights`` their (n, 2) int64 weights, in ``xp``'s
-    library on one device. Each product (below 2**59) is reduced mod ``prime`` before the sum.
+    ``halves`` and ``weights``: (n, 2) int64 in ``xp``'s library on one device (the low half
+    first). Each product (below 2**59) is reduced mod ``prime`` before the sum.
     """
-    products = weights[:, 0] * (words & 0xFFFF) % prime + weights[:, 1] * (words >> 16) % prime
-    return (xp.sum(products) + base) % prime
+    return (xp.sum(weights * halves % prime) + base) % prime
+
+
+def _halves(xp: Any, words: Any) -> Any:
+    """The 16-bit halves of 1-d int64 ``words`` below 2**32: (n, 2), the low half first."""
+    return xp.stack([words & 0xFFFF, words >> 16], axis=1)
 
 
 def scale_bits(scale: float) -> int:
@@ -121,10 +125,12 @@ def scale_bits(scale: float) -> int:
 
 class Fields(NamedTuple):
     """A fingerprint where its message is built: ``host`` the fields known on the host (all ten, or
-    the first HOST_FIELDS), ``words`` the state's three (int64, on its device) or None."""
+    the first HOST_FIELDS) and ``halves`` theirs (in host memory), ``state`` the halves of the state's
+    three (on its device) or None."""
 
     host: list[int]
-    words: Any
+    halves: np.ndarray
+    state: Any
 
 
 def _pattern(xp: Any, powers: Any, scale: Any) -> Any:
@@ -155,35 +161,35 @@ class Place:
 
     def fields(self, host: list[int], state: Any = None) -> Fields:
         """The fingerprint from host integers and, on a device, the state arrays (scale, growth, backoff)."""
-        words = None
+        halves = None
         if state is not None:
             xp, i64 = self.xp, self.xp.int64
             powers = self.constant("powers", np.ldexp(1.0, np.arange(-126, 128)))
             scale, growth, backoff = state
-            parts = (_pattern(xp, powers, scale), growth, backoff)
-            words = xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in parts]) & _MASK
-        return Fields([v & _MASK for v in host], words)
+            words = [_pattern(xp, powers, scale), growth, backoff]
+            halves = _halves(xp, xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in words]) & _MASK)
+        host = [v & _MASK for v in host]
+        return Fields(host, np.array([(v & 0xFFFF, v >> 16) for v in host], np.int64), halves)
 
     def share(self, fields: Fields, digest: Hash) -> Any:
-        """``digest`` of every field: the host fields' share on the host, the state words' added here
-        (a Python int, or a 0-d int64 array here)."""
+        """``digest`` of every field: the host fields' share on the host, the state's added here (a
+        Python int, or a 0-d int64 array here)."""
         n = len(fields.host)
-        base = int(share(np, np.array(fields.host, np.int64), digest.weights[:n], digest.prime))
-        if fields.words is None:
+        base = int(share(np, fields.halves, digest.weights[:n], digest.prime))
+        if fields.state is None:
             return base
         weights = self.constant(digest.prime, digest.weights[n:])
-        return share(self.xp, fields.words, weights, digest.prime, base)
+        return share(self.xp, fields.state, weights, digest.prime, base)
 
     def encode(self, fields: Fields, encoding: Encoding) -> Any:
         """The fields as ``encoding.size`` float64 values here (field by field, lowest digit first)."""
-        xp = self.xp
-        words = self.vector(fields.host, "int64")
-        if fields.words is not None:
-            words = xp.concat([words, fields.words])
-        bits = encoding.digit_bits
-        shifts = self.constant(("shifts", bits), np.arange(0, WIDTH, bits, dtype=np.int64))
-        digits = (words[:, None] >> shifts[None, :]) & (2**bits - 1)
-        digits = xp.astype(xp.reshape(digits, (-1,)), xp.float64)
+        xp, bits = self.xp, encoding.digit_bits
+        halves = fields.halves if self.host else _halves(xp, self.vector(fields.host, "int64"))
+        if fields.state is not None:
+            halves = xp.concat([halves, fields.state])
+        shifts = self.constant(("shifts", bits), np.arange(0, 16, bits, dtype=np.int64))
+        digits = xp.reshape((halves[:, :, None] >> shifts) & (2**bits - 1), (-1,))
+        digits = xp.astype(digits, xp.float64)
         return xp.concat([digits, digits * digits]) if encoding.squares else digits
 
     def bit(self, found: Any) -> Any:

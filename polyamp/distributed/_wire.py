@@ -156,9 +156,8 @@ class TwoValueMax(Wire):
         mine = xp.reshape(xp.astype(values, xp.float64), (-1,))
         mine = xp.where(xp.isnan(mine), xp.full_like(mine, math.inf), mine)  # inf survives a MAX
         k = mine.shape[0]
-        before, after = (xp.full((n * k,), -math.inf, dtype=xp.float64, device=place.device)
-                         for n in (self.rank, self.size - self.rank - 1))
-        return xp.concat([head, before, mine, after])
+        others = xp.full(((self.size - 1) * k,), -math.inf, dtype=xp.float64, device=place.device)
+        return xp.concat([head, others[:self.rank * k], mine, others[self.rank * k:]])
 
     def read(self, message: Any) -> Read:
         total = message[0] + message[1]  # 0 or 2 when aligned, 4 and more when not: exact

@@ -141,9 +141,9 @@ def test_the_one_value_constants():
     assert _is_prime(fp.Q) and 2**42 < fp.Q < 2**43  # a mismatch goes unseen with a chance below 2**-41
     assert wire.LANE_RANKS * (fp.Q - 1) < wire.B and wire.LANE_RANKS * wire.B + wire.B <= 2**63  # exact
     base = _print()
-    words, weights = np.array(base, np.int64), fp.LANE.weights
-    parts = [fp.share(np, words[:k], weights[:k], fp.Q) for k in (1, 7)]
-    rests = [fp.share(np, words[k:], weights[k:], fp.Q, part) for k, part in zip((1, 7), parts)]
+    halves, weights = fp.HOST.fields(list(base)).halves, fp.LANE.weights
+    parts = [fp.share(np, halves[:k], weights[:k], fp.Q) for k in (1, 7)]
+    rests = [fp.share(np, halves[k:], weights[k:], fp.Q, part) for k, part in zip((1, 7), parts)]
     assert rests == [_reference(base, fp.LANE)] * 2  # shares of disjoint fields add up
     for name in fp.FIELDS:  # every field moves the digest (a difference below 2**16 per half, never 0 mod Q)
         for delta in (1, 2**16, 2**31):
