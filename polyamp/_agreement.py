@@ -103,6 +103,7 @@ class Agreement:
         self._fp, self._wire, self._mismatch = _fingerprint, _wire, RankMismatchError
         self._crc, self._to_host = config_fingerprint, _to_host
         self._sent: list[_Sent] = []  # this iteration's messages checked on the device only
+        self._host = _fingerprint.Place(_fingerprint.HOST.xp, "cpu", host=True)  # its buffers are ours
         self._places: dict[Any, Any] = {}  # (xp, device) -> its Place
         self._config: tuple[LossScaleConfig, int] | None = None  # the last config and its crc
 
@@ -184,7 +185,7 @@ class Agreement:
         """The next collective's wire format (the one choice: ``_wire.wire_for``), built where
         ``like`` lives (None: in host memory)."""
         fp, red = self._fp, self.reducer
-        place = fp.HOST
+        place = self._host
         if like is not None:
             xp, device = array_api_compat.array_namespace(like), array_api_compat.device(like)
             place = self._places.get((xp, device))

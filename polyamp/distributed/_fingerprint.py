@@ -200,16 +200,21 @@ class Place:
         return xp.reshape(xp.astype(xp.asarray(found, device=self.device) != 0, xp.int64), ())
 
     def vector(self, values: list[Any], dtype: str) -> Any:
-        """``values`` (Python numbers, or 0-d arrays here) as one 1-d array of ``dtype`` here."""
+        """``values`` (Python numbers, or 0-d arrays here) as one 1-d array of ``dtype`` here; in host
+        memory one buffer per length, reused (a reducer may keep its view: torch's from_numpy)."""
         xp = self.xp
         if self.host:
-            return np.array(values, getattr(np, dtype))
+            buffer = self._made.get((dtype, len(values)))
+            if buffer is None:
+                buffer = self._made[(dtype, len(values))] = np.empty(len(values), getattr(np, dtype))
+            buffer[:] = values
+            return buffer
         kind = getattr(xp, dtype)
         return xp.stack([xp.full((), v, dtype=kind, device=self.device) if isinstance(v, (int, float))
                          else xp.astype(xp.reshape(v, ()), kind) for v in values])
 
 
-#: Host memory: the messages of NumPy arrays and CPU tensors, and every explanation's reading.
+#: Host memory (an Agreement holds a place of its own, whose message buffers only it reuses).
 HOST = Place(np_xp, "cpu", host=True)
 
 
