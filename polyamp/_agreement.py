@@ -71,7 +71,7 @@ class _Sent(NamedTuple):
 
     wire: Any  # its format (a polyamp.distributed._wire.Wire)
     message: Any  # the reduced message
-    aligned: Any  # 0-d bool on the device: every rank sent the same fingerprint
+    aligned: Any  # bool of shape (1,) on the device: every rank sent the same fingerprint
     fields: Any  # this rank's fingerprint as sent (host fields, the state's halves)
     state: Any
 
@@ -217,7 +217,7 @@ class Agreement:
             flag = None if read.flag is None else _new_flag(like, 1.0 if read.flag else 0.0)
             return Agreed(flag, None if extra is None else _new_like(extra, read.extra))
         xp = wire.place.xp
-        self._sent.append(_Sent(wire, message, read.aligned, fields, state))
+        self._sent.append(_Sent(wire, message, xp.reshape(read.aligned, (1,)), fields, state))
         differ = xp.logical_not(read.aligned)
         flag = xp.astype(differ if read.flag is None else xp.logical_or(read.flag, differ), xp.float32)
         if extra is None:
@@ -230,7 +230,7 @@ class Agreement:
         ranks that differ (reads them: a host sync, only on skipped steps; where a digest
         differs, the second collective that names the difference, on every rank)."""
         for sent in self._sent:
-            if not bool(self._to_host(sent.wire.place.xp.reshape(sent.aligned, (1,)))[0]):
+            if not self._to_host(sent.aligned)[0]:
                 self._explain(sent.wire, sent.message, sent.fields, sent.state)
 
     def _explain(self, wire: Any, message: Any, fields: Any, state: Any) -> NoReturn:
