@@ -227,24 +227,25 @@ __host__ __device__ inline void update_state(float* scale, int* growth, int* bac
   const bool f32 = (flags & @FLOAT32_PRODUCT@) != 0;
   float s = *scale;
   if (*found_inf != 0.0f) {  // nan counts as an overflow, as in the policy
-    int b = (int)((unsigned)*backoff + 1u);
-    if (b == backoff_interval) {
+    // >= as in the policy: a tracker past the limit (a shortened interval) is spent, not stuck
+    unsigned b = (unsigned)*backoff + 1u;
+    if (b >= (unsigned)backoff_interval) {
       s = scaled(s, backoff_factor, f32);
       // The floor: min_scale when set (never below SCALE_FLOOR), else SCALE_FLOOR = 2**-126,
       // so the scale never turns subnormal or 0. Python max(s, floor).
       const float floor = (flags & @HAS_MIN@) ? min_scale : @SCALE_FLOOR@;
       if (floor > s) s = floor;
       // a spent hysteresis stays spent with KEEPS_COUNT (megatron, deepspeed)
-      b = (flags & @KEEPS_COUNT@) ? backoff_interval - 1 : 0;
+      b = (flags & @KEEPS_COUNT@) ? (unsigned)backoff_interval - 1u : 0u;
     }
     *growth = 0;
-    *backoff = b;
+    *backoff = (int)b;
   } else {
     // unsigned: growth_interval + delay may be 2**31, beyond int
     const unsigned delay = (flags & @GROWTH_DELAY@) ? 1u : 0u;
     unsigned g = (unsigned)*growth + 1u;
     int b = (flags & @FINITE_REFILLS@) ? 0 : *backoff;
-    if (g == (unsigned)growth_interval + delay) {
+    if (g >= (unsigned)growth_interval + delay) {  // >=: see the backoff above
       float grown = scaled(s, growth_factor, f32);
       if (is_finite(grown)) {
         if ((flags & @HAS_MAX@) && max_scale < grown) grown = max_scale;

@@ -232,7 +232,10 @@ def _torch_rule(config: Any) -> bool:
 def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
     """torch's fused ``_amp_update_scale_`` for torch's rule, else the rule as tensor ops.
 
-    Either way the state tensors are updated in place on their device, with no host read.
+    Either way the state tensors are updated in place on their device, with no host read. torch's
+    op compares ``==`` where the rule compares ``>=``: the same for every state within
+    :func:`polyamp.policy.tracker_limits`, where the engine keeps it (``fit_to_config`` after a
+    reconfigure); a tracker past the interval would never grow here until the next overflow.
     """
     scale, growth, backoff = state
     if _torch_rule(config):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyamp.engine import LossScaler
+from polyamp.engine import LossScaler, make_iteration
 
-_REBUILT = ("_engine", "_found_inf")
+_REBUILT = ("_engine", "_iteration", "_found_inf")
 
 
 def facade_state(scaler: Any) -> dict[str, Any]:
@@ -37,12 +37,13 @@ def restore_facade(scaler: Any, state: dict[str, Any]) -> None:
     """Fill a bare ``scaler`` from :func:`facade_state`'s output, with an engine of its own."""
     state = dict(state)
     saved = state.pop("_engine")
-    engine = LossScaler(backend=saved["backend"], reducer=saved.get("reducer"),
-                        diagnose=bool(state.get("_diagnose", False)) and state.get("_enable", True),
-                        guard=saved.get("guard"))
+    diagnose = bool(state["_diagnose"]) and state.get("_enable", True)
+    iteration = make_iteration(None, saved["backend"], reducer=saved["reducer"], diagnose=diagnose,
+                               guard=saved["guard"])
+    engine = LossScaler.over(iteration)
     engine.load_state_dict(saved["state_dict"])
-    engine.iteration.last_overflow = saved.get("last_overflow", state.pop("_last_overflow", None))
-    scaler.__dict__.update(state, _engine=engine)
+    iteration.last_overflow = saved["last_overflow"]
+    scaler.__dict__.update(state, _engine=engine, _iteration=iteration)
 
 
 def restore(cls: type, enable: bool, state: dict[str, Any]) -> Any:

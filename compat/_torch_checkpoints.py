@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 from polyamp._errors import StateDictError, install_hint
@@ -63,20 +62,6 @@ def _numpy_arrays() -> list[Any]:
                                                     "Int32DType", "Int64DType", "BoolDType")
              if hasattr(getattr(np, "dtypes", None), name)]
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, *kinds]
-
-
-def scaler_states(obj: Any, is_state: Any, where: str = "checkpoint") -> Iterator[tuple[str, dict]]:
-    """``(path, state)`` for each dict inside ``obj`` (dicts, lists, tuples, nested) that
-    ``is_state`` accepts, e.g. ``('checkpoint["scaler"]', {...})``; a state's insides are not searched."""
-    if isinstance(obj, dict):
-        if is_state(obj):
-            yield where, obj
-            return
-        for key, value in obj.items():
-            yield from scaler_states(value, is_state, f"{where}[{key!r}]".replace("'", '"'))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from scaler_states(value, is_state, f"{where}[{i}]")
 
 
 def plain(state: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from polyamp._errors import ConfigError, StateDictError
 from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
 from polyamp.guard import GuardHistory
+from polyamp.policy import fit_to_config
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 INTERVAL_LIMIT = 2**63 - 1  # torch's _amp_update_scale_ takes growth_interval as an int64
@@ -35,9 +36,11 @@ class StateDictKeyError(StateDictError, KeyError):
         return str(self.args[0])
 
 
-def to_torch_state(engine: LossScaler) -> dict[str, Any]:
-    """The engine's state in torch's GradScaler format (a device sync)."""
-    config, host = engine.config, engine.host_state()
+def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory]) -> dict[str, Any]:
+    """The engine's state in torch's GradScaler format (a device sync); trackers fitted to the
+    config (``polyamp.policy.fit_to_config``), so the dict loads."""
+    config = engine.config
+    host = fit_to_config(engine.host_state(), config)
     state: dict[str, Any] = {
         "scale": host.scale,
         "growth_factor": config.growth_factor,
@@ -53,14 +56,14 @@ def to_torch_state(engine: LossScaler) -> dict[str, Any]:
     if config.max_scale is not None:
         state["max_scale"] = config.max_scale
     if engine.guard is not None:  # polyamp's: each optimizer's StepGuard history, in step order
-        histories = engine.iteration.histories
         groups = range(max(histories, default=-1) + 1)
         state["guard"] = [histories.get(g, GuardHistory()).to_dict() for g in groups]
     return state
 
 
-def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> None:
-    """Load a torch-format (or polyamp engine) state dict into ``engine``; all or nothing.
+def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[int, GuardHistory] | None:
+    """Load a torch-format (or polyamp engine) state dict into ``engine``; all or nothing. Returns
+    the guard's histories per optimizer to load (None: the engine's own format loaded them).
 
     Validated completely before anything changes: a bad dict leaves the scaler as it was,
     and the error names the key as written in the dict.
@@ -72,7 +75,7 @@ def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> None:
         )
     if state.get("format") == checkpoint.FORMAT:
         engine.load_state_dict(dict(state))
-        return
+        return None
     histories = _guard_histories(state)
     missing = [k for k in TORCH_KEYS if k not in state]
     if missing:
@@ -88,8 +91,9 @@ def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> None:
             "GradScaler.state_dict(), or correct that value; the scaler is unchanged."
         ) from None
     engine.load_state_dict(full)
-    if engine.guard is not None:  # a state dict without histories (torch's, older ones): empty ones
-        engine.iteration.histories = {g: h.fitted(engine.guard.window) for g, h in enumerate(histories)}
+    if engine.guard is None:
+        return {}
+    return {g: h.fitted(engine.guard.window) for g, h in enumerate(histories)}  # none in torch's: empty
 
 
 def _guard_histories(state: Mapping[str, Any]) -> list[GuardHistory]:

@@ -44,7 +44,8 @@ from typing import Any
 
 from polyamp import _guard_values as guard_values
 from polyamp import metrics, schedule
-from polyamp.engine import LossScaler
+from polyamp.config import FIXED_ONE
+from polyamp.engine import LossScaler, make_iteration
 from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
@@ -79,9 +80,14 @@ class AmpScaler:
     """Drop-in ``paddle.amp.AmpScaler``: ``scale`` and ``minimize``, on any backend and on CPU."""
 
     _enable = True
-    _diagnose = False  # class defaults: scalers copied before diagnose= existed load as off
+    _diagnose = False
+    _guard_only = False  # enable=False with a guard: steps judged and skipped, the scale fixed at 1
 
     def __new__(cls, enable: bool = True, *args: Any, **kwargs: Any) -> AmpScaler:
+        if not enable and kwargs.get("guard") is not None:  # guard-only: the scale fixed at 1
+            scaler = object.__new__(cls)
+            scaler._guard_only = True
+            return scaler
         return object.__new__(cls if enable else disabled_type(cls, issubclass(cls, GradScaler)))
 
     def __init__(
@@ -102,14 +108,16 @@ class AmpScaler:
         guard: StepGuard | None = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
-        config = make_config(
+        config = FIXED_ONE if self._guard_only else make_config(
             init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf,
             use_dynamic_loss_scaling, min_scale=min_scale, max_scale=max_scale,
         )
-        self._init_loss_scaling = init_loss_scaling if self._enable else 1.0
+        self._init_loss_scaling = init_loss_scaling if self._enable and not self._guard_only else 1.0
         enabled = self._enable  # a disabled scaler steps on every rank: nothing to agree
-        self._engine = LossScaler(config, backend if enabled else None, reducer=reducer if enabled else None,
-                                  diagnose=self._diagnose and enabled, guard=guard if enabled else None)
+        self._iteration = make_iteration(
+            config, backend if enabled else None, reducer=reducer if enabled else None,
+            diagnose=self._diagnose and enabled, guard=guard if enabled else None)
+        self._engine = LossScaler.over(self._iteration)
         self._stages: dict[int, OptimizerState] = {}
         self._found_inf: Any = None  # the last unscale's device flag, whichever optimizer
         self._cache_found_inf: bool | None = None  # the last step's decision
@@ -126,9 +134,9 @@ class AmpScaler:
                 f"numpy, torch, cupy), but received {type(var)}. Fix: scale the loss tensor."
             )
         backend = self._engine.bind(var)
-        scaled = backend.scale_array(var, self._engine.iteration.ready()[1].scale)
+        scaled = backend.scale_array(var, self._engine.state.scale)
         if self._engine.guard is not None and guard_values.one_value(var):  # the losses since update()
-            self._engine.iteration.take_loss(var, "scale()")
+            self._iteration.take_loss(var, "scale()")
         return scaled
 
     def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -150,11 +158,11 @@ class AmpScaler:
     def _unscale(self, optimizer: Any) -> None:
         """Divide ``optimizer``'s gradients by the scale in place; keep this call's flag (no sync)."""
         check_unscale(self._stage(optimizer))
-        self._engine.iteration.require_loss(None, f"{type(self).__name__} step/minimize",
-                                            "scale the loss (one value) with scaler.scale(loss) first")
+        self._iteration.require_loss(None, f"{type(self).__name__} step/minimize",
+                                     "scale the loss (one value) with scaler.scale(loss) first")
         grads = [grad for _, grad in param_grad_pairs(optimizer)]
         engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
-        self._found_inf = engine.iteration.unscale(grads) if grads or engine.state is not None else None
+        self._found_inf = self._iteration.unscale(grads) if grads or engine.state is not None else None
         self._stages[id(optimizer)] = OptimizerState.UNSCALED
 
     def _run(self, optimizer: Any, call: Callable[[], Any]) -> tuple[bool, Any]:
@@ -162,7 +170,7 @@ class AmpScaler:
         take the flag as their ``found_inf`` auxiliary variable and decide themselves, as in paddle.
         """
         flag = local = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
-        iteration = self._engine.iteration
+        iteration = self._iteration
         named = lambda: paddle_named_grads(optimizer)  # noqa: E731  # only for a report
         if iteration.guard is not None:  # the flag and the guard's values: one collective, one read
             found, flag = self._guarded(named, local)
@@ -188,9 +196,9 @@ class AmpScaler:
         """The guard's decision on this iteration's checks (the engine's path: the flag and the
         values agreed in one collective, read in one host read); (skipped, the flag to give a
         paddle optimizer: True when the guard skips a step with finite gradients)."""
-        iteration = self._engine.iteration
+        iteration = self._iteration
         if iteration.checks.found is None:  # no gradients on this rank: it still takes part
-            backend, state = iteration.ready()
+            backend, state = iteration.scaling.ready()
             iteration.record(backend.full(0.0, "float32", state.scale))
         decision = iteration.decide(named=named, local=local)
         self.last_skip_reason = decision.reason
@@ -199,7 +207,7 @@ class AmpScaler:
     def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
         """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
         the last overflow's top tensors) as plain numbers (:mod:`polyamp.metrics`). One host read."""
-        iteration = self._engine.iteration
+        iteration = self._iteration
         return metrics.measure(iteration, iteration.steps, self.skipped_steps, diagnose=diagnose)
 
     # -- overflow forensics -----------------------------------------------------------
@@ -222,13 +230,13 @@ class AmpScaler:
         a copy its host bool; having no device flag of their own, they get a host bool (one read)."""
         agreed = self._engine.agree_flag(flag)
         if flag is None or isinstance(flag, bool):
-            return bool(self._engine.iteration.ready()[0].read_flag(agreed))
+            return self._iteration.scaling.read_flag(agreed)
         return agreed
 
     def _update(self) -> None:
         """One step of paddle's rule with the last step's flag; reads the scale only to log it
         (``polyamp._skip_log``: the first few overflows at INFO, then a summary; growth at DEBUG)."""
-        iteration = self._engine.iteration
+        iteration = self._iteration
         try:  # the scale moved: the iteration ends even if a log handler raises
             if self.is_use_dynamic_loss_scaling():
                 decision = iteration.concluded(bool(self._cache_found_inf))

@@ -1,41 +1,68 @@
-"""``torch.amp.GradScaler``'s API and state machine over any polyamp backend.
+"""``torch.amp.GradScaler``'s API and state machine over any polyamp backend: one class.
 
-Behaviour, messages and exception types follow torch 2.13 (user code catches them), with
-the state in typed parts: the engine holds the rule and arrays, this module the per-optimizer
-READY/UNSCALED/STEPPED stages and overflow flags. Extra keyword-only arguments: ``backend``,
-``backoff_interval``, ``min_scale``, ``max_scale``. ``ShardedGradScaler`` (torch's FSDP
-scaler) adds one collective per step that agrees on overflow across ranks
-(:mod:`polyamp.compat._torch_sharded`). Importing it does not import torch.
+Behaviour, messages and exception types follow torch 2.13 (user code catches them). The engine
+holds the rule and arrays; this class holds torch's per-optimizer READY/UNSCALED/STEPPED stages,
+one typed :class:`OptimizerRecord` per optimizer. ``ShardedGradScaler`` (torch's FSDP scaler)
+overrides only how a flag is agreed: one collective per optimizer across the ranks. The disabled
+scalers are ordinary subclasses whose methods do nothing. Extra keyword-only arguments:
+``backend``, ``backoff_interval``, ``min_scale``, ``max_scale``, ``diagnose``, ``guard``.
+
+torch's two overridable steps are called where torch calls them, with torch's arguments:
+subclasses of ``torch.amp.GradScaler`` override ``_unscale_grads_(optimizer, inv_scale,
+found_inf, allow_fp16)`` (NeMo routes it to an optimizer's own unscale) and
+``_maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)`` (NeMo agrees ``found_inf`` over
+the model-parallel group there). ``step`` calls ``_maybe_opt_step`` with ``optimizer_state =
+{"stage": UNSCALED, "found_inf_per_device": {device: flag}}`` only where a class overrides it; a
+flag the override changes in place, or replaces in the dict, is the one ``update()`` uses.
+``unscale_`` calls ``_unscale_grads_`` only where a class overrides it: ``inv_scale`` is
+``float32(1 / float64(scale))`` (1 for the check-only call), ``found_inf`` a zero float32 array
+beside the scale; the default unscales by the scaler's own scale, so an override that hands it
+another ``inv_scale`` is refused (ValueError).
+
+Importing it does not import torch.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from polyamp import _guard_values as guard_values
-from polyamp.config import short_repr
-from polyamp.engine import LossScaler
+from polyamp import metrics, schedule
+from polyamp._agreement import Agreement
+from polyamp._errors import ConfigError
+from polyamp.config import FIXED_ONE, short_repr
+from polyamp.distributed import Reducer
+from polyamp.engine import LossScaler, make_iteration
 from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 
 from ._explain import torch_named_grads
 from ._stages import check_step, check_unscale
-from ._torch_accessors import ScalerAccessors
-from ._torch_disabled import DisabledMethods, cuda_missing
+from ._torch_disabled import cuda_missing
 from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
-from ._torch_hooks import TorchHooks, combined
+from ._torch_grads import collect_grads
 from ._torch_install import Installation, Installer
-from ._torch_private import TorchPrivateMembers
-from ._torch_sharded import DisabledShardedInit, ShardedMethods
-from ._torch_state import TorchConfigError, check_new_scale, is_array, torch_config
+from ._torch_sharded import _PICKLE, Places, build_reducer, mesh_inside
+from ._torch_state import (
+    TorchConfigError,
+    check_interval,
+    check_new_scale,
+    is_array,
+    load_torch_state,
+    refuse_empty,
+    to_torch_state,
+    torch_config,
+)
 
-__all__ = ["ForwardRecord", "ForwardWatch", "GradScaler", "Installation", "OptState", "ShardedGradScaler",
-           "TorchConfigError", "install", "uninstall", "watch_forward"]
+__all__ = ["ForwardRecord", "ForwardWatch", "GradScaler", "Installation", "OptState", "OptimizerRecord",
+           "ShardedGradScaler", "TorchConfigError", "install", "uninstall", "watch_forward"]
 
 
 _NOT_SCALED = (
@@ -55,7 +82,37 @@ class OptState(Enum):
 READY, UNSCALED, STEPPED = OptState.READY, OptState.UNSCALED, OptState.STEPPED
 
 
+@dataclass
+class OptimizerRecord:
+    """One optimizer's part of an iteration (torch keeps it as a dict per optimizer)."""
+
+    optimizer: Any
+    stage: OptState = READY
+    found: Any = None  # its device flag; None without gradients
+    values: Any = None  # with a guard: its values (agreed over the ranks when sharded)
+    skipped: bool = False  # its step was skipped (read on the host)
+
+
+@dataclass
+class UnscaleCall:
+    """One ``_unscale_grads_`` call in flight: what the default must honour, and whether it ran."""
+
+    inv_scale: Any
+    check_only: bool
+    ran: bool = False
+
+
+_UNDECIDED = object()  # _last_skipped while _maybe_opt_step runs: did the default decide?
 _GIVE_LOSS = "scale the loss (a tensor holding one value) with scaler.scale(loss) before backward()"
+# Attributes pickled through the engine's state dict rather than as they are.
+_INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_iteration", "_records",
+                       "_skipped_host", "_unread", "_last_skipped", "_param_names", "_groups"})
+
+
+def combined(per_device: dict[Any, Any]) -> Any:
+    """torch's ``found_inf_per_device`` summed into one flag; None when empty (no gradients)."""
+    flags = list(per_device.values())
+    return None if not flags else flags[0] if len(flags) == 1 else sum(flags[1:], flags[0])
 
 
 @functools.lru_cache(maxsize=64)
@@ -64,20 +121,20 @@ def _takes_grad_scaler(step_fn: Callable[..., Any]) -> bool:
     return "grad_scaler" in inspect.signature(step_fn).parameters
 
 
-class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
+class GradScaler:
     """Drop-in ``torch.amp.GradScaler`` that also scales NumPy, CuPy and array-API arrays.
 
     Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``, and
     overflow forensics: ``explain(obj)``, and with ``diagnose=True`` ``last_overflow``, the report
     on a skipped step's gradients (named after ``name_parameters(module)``). Subclasses may
-    override torch's ``_unscale_grads_`` and ``_maybe_opt_step`` (:mod:`polyamp.compat._torch_hooks`).
+    override torch's ``_unscale_grads_`` and ``_maybe_opt_step`` (see the module docstring).
     """
 
-    _diagnose = False  # class defaults: scalers pickled before diagnose= existed load as off
     _param_names: dict[int, str] = {}  # id(parameter) -> name; replaced, never mutated
     _allow_fp16 = False  # torch's GradScaler refuses to unscale FP16 gradients
     _flags_are_sums = False  # an optimizer's flag is this rank's (sharded: agreed over the ranks)
-    _last_reason: str | None = None  # why the last step was skipped (scalers pickled before guards: None)
+    _unscale_call: UnscaleCall | None = None  # set only while a hooked unscale is in flight
+    _guard_only = False  # disabled (or "cuda" without CUDA) with a guard: the scale fixed at 1
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
         """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type.
@@ -86,10 +143,14 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         asked of torch whenever torch is installed).
         """
         enabled = kwargs.get("enabled", args[4] if len(args) > 4 else True)
-        if issubclass(cls, DisabledMethods):
+        if issubclass(cls, DisabledGradScaler):
             return object.__new__(cls)
         if enabled and cuda_missing(device, kwargs.get("backend")):
             enabled = False
+        if not enabled and kwargs.get("guard") is not None:  # guard-only: the scale fixed at 1
+            scaler = object.__new__(cls)
+            scaler._guard_only = True
+            return scaler
         return object.__new__(cls if enabled else disabled_class(cls))
 
     def __init__(
@@ -109,27 +170,35 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         guard: StepGuard | None = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
-        config = torch_config(init_scale, growth_factor, backoff_factor, growth_interval,
-                               backoff_interval, min_scale, max_scale)
+        config = FIXED_ONE if self._guard_only else torch_config(
+            init_scale, growth_factor, backoff_factor, growth_interval, backoff_interval, min_scale,
+            max_scale)
         self._device = device
         self._enabled = True
         self._backend_name = backend
-        self._engine = LossScaler(config, backend, diagnose=self._diagnose, guard=guard)
-        self._reset_iteration()
-        self._groups: dict[int, int] = {}  # with a guard: id(optimizer) -> its group, kept across iterations
+        self._iteration = make_iteration(config, backend, diagnose=self._diagnose, guard=guard)
+        self._engine = LossScaler.over(self._iteration)
+        self._records: dict[int, OptimizerRecord] = {}  # this iteration's, by id(optimizer)
+        self._groups: dict[int, int] = {}  # id(optimizer) -> its guard group, kept across iterations
         self._skipped_host = 0
-        self._unread: list[Any] = []
+        self._unread: list[Any] = []  # fused optimizers' flags, read lazily
         self._last_skipped: Any = None
         self._last_reason: str | None = None
 
     def __reduce__(self) -> Any:
         return (_restore, (type(self), self.__getstate__()))
 
-    def _reset_iteration(self) -> None:
-        self._stages: dict[int, OptState] = {}
-        self._found: dict[int, Any] = {}  # per optimizer: its device flag, None if no grads
-        self._skipped_here: list[Any] = []  # optimizers whose step() this iteration skipped (host read)
-        self._values: dict[int, Any] = {}  # with a guard: id(optimizer) -> its values (agreed if sharded)
+    def _record(self, optimizer: Any) -> OptimizerRecord:
+        """``optimizer``'s record of this iteration (READY when new)."""
+        record = self._records.get(id(optimizer))
+        if record is None:
+            record = self._records[id(optimizer)] = OptimizerRecord(optimizer)
+        return record
+
+    @property
+    def _stages(self) -> dict[int, OptState]:
+        """torch's view of the stages: id(optimizer) -> stage (a new dict)."""
+        return {key: record.stage for key, record in self._records.items()}
 
     # -- scaling ----------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -138,7 +207,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
             engine = self._engine
             scaled = engine.bind(outputs).scale_array(outputs, engine.state.scale)
             if engine.guard is not None and guard_values.one_value(outputs):  # the losses since update()
-                engine.iteration.take_loss(outputs, "scale()")
+                self._iteration.take_loss(outputs, "scale()")
             return scaled
         return self._scale_tree(outputs)
 
@@ -159,10 +228,28 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record overflow (no sync)."""
         self._check_initialized("unscale_")
-        key = id(optimizer)
-        check_unscale(self._stages.setdefault(key, READY))
-        self._found[key] = self._unscale_optimizer(optimizer, check_only=False, allow_fp16=self._allow_fp16)
-        self._stages[key] = UNSCALED
+        record = self._record(optimizer)
+        check_unscale(record.stage)
+        record.found = self._unscale_optimizer(optimizer, check_only=False, allow_fp16=self._allow_fp16)
+        record.stage = UNSCALED
+
+    def _unscale_optimizer(self, optimizer: Any, check_only: bool, allow_fp16: bool) -> Any:
+        """One optimizer's device flag (None without gradients): unscaled (or checked) directly,
+        or through a subclass's ``_unscale_grads_`` with torch's arguments. No sync."""
+        if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
+            grads = collect_grads(optimizer, allow_fp16=allow_fp16, backend=self._engine.backend)
+            return self._check_grads(grads, check_only, optimizer)
+        backend, scale = self._engine.backend, self._engine.state.scale
+        one = backend.full(1.0, "float32", scale)
+        inv_scale = one if check_only else one / scale  # == float32(1/float64(scale)): 53 >= 2*24+2 bits
+        call = self._unscale_call = UnscaleCall(inv_scale, check_only)
+        try:
+            per_device = self._unscale_grads_(optimizer, inv_scale, backend.full(0.0, "float32", scale),
+                                              allow_fp16)
+        finally:
+            del self._unscale_call
+        flag = combined(per_device)
+        return flag if call.ran else self._agree_own_flag(flag, optimizer)
 
     def _check_grads(self, grads: list[Any], check_only: bool, optimizer: Any = None) -> Any:
         """One optimizer's device overflow flag, None without gradients (no sync).
@@ -171,13 +258,17 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         """
         if not grads:
             return None
-        iteration = self._engine.iteration
+        iteration = self._iteration
         iteration.require_loss(None, "GradScaler.step()", _GIVE_LOSS)
-        found = iteration.unscale(grads, check_only=check_only, owned=True)  # by collect_grads
+        found = iteration.unscale(grads, check_only=check_only, owned=True)  # checked by collect_grads
         if iteration.guard is not None:  # this optimizer's values, judged at its step
-            self._values[id(optimizer)] = iteration.agree_group(
-                found, iteration.squares(grads), self._group_of(optimizer)).extra
+            agreed = iteration.agree_group(found, iteration.squares(grads), self._group_of(optimizer))
+            self._record(optimizer).values = agreed.extra
         return found
+
+    def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
+        """A flag an ``_unscale_grads_`` override computed itself: as it is (sharded: agreed)."""
+        return flag
 
     def _group_of(self, optimizer: Any) -> int:
         """The optimizer's guard history's key: its place in the order optimizers were first stepped
@@ -189,14 +280,36 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
         self._check_initialized("_check_inf_per_device")
         found = self._unscale_optimizer(optimizer, check_only=True, allow_fp16=True)
-        self._stages.setdefault(id(optimizer), READY)
-        self._found[id(optimizer)] = found
+        self._record(optimizer).found = found
         return self._found_inf_per_device(optimizer)
 
     def _found_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """torch's view of one optimizer's flags: ``{device: found_inf}`` (empty when none)."""
-        found = self._found.get(id(optimizer))
+        record = self._records.get(id(optimizer))
+        found = None if record is None else record.found
         return {} if found is None else {getattr(found, "device", "cpu"): found}
+
+    def _unscale_grads_(
+        self, optimizer: Any, inv_scale: Any, found_inf: Any, allow_fp16: bool
+    ) -> dict[Any, Any]:
+        """torch's hook: unscale ``optimizer``'s gradients (check only, for ``_check_inf_per_device``)
+        and return their overflow flag as ``{device: flag}`` ({} without gradients); like torch's, the
+        flag is a new array and ``found_inf`` is left as it is. Unscales by the scaler's own scale:
+        ``inv_scale`` must be the one passed in."""
+        call = self._unscale_call
+        if call is None or inv_scale is not call.inv_scale:
+            raise ValueError(
+                f"{type(self).__name__}._unscale_grads_: polyamp's GradScaler._unscale_grads_ unscales by "
+                "the scaler's own scale, so it takes only the inv_scale that unscale_() passed (and is "
+                "called only from unscale_() or _check_inf_per_device()); got another "
+                f"inv_scale={inv_scale!r}. Fix: pass the inv_scale your override received on to "
+                "super()._unscale_grads_, or unscale the gradients in your override yourself and "
+                "return {device: found_inf}."
+            )
+        call.ran = True
+        grads = collect_grads(optimizer, allow_fp16=allow_fp16, backend=self._engine.backend)
+        flag = self._check_grads(grads, call.check_only, optimizer)
+        return {} if flag is None else {getattr(flag, "device", "cpu"): flag}
 
     # -- stepping ---------------------------------------------------------------------
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -208,21 +321,19 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_initialized("step")
-        key = id(optimizer)
-        stage = self._stages.setdefault(key, READY)
-        check_step(stage)
+        record = self._record(optimizer)
+        check_step(record.stage)
         if getattr(optimizer, "_step_supports_amp_scaling", False) and self._engine.guard is None:
-            return self._self_scaling_step(optimizer, stage, args, kwargs)  # with a guard: decided here
-        if stage is READY:
+            return self._self_scaling_step(optimizer, record, args, kwargs)  # with a guard: decided here
+        if record.stage is READY:
             self.unscale_(optimizer)
-        found = self._found[key]
-        if found is None:
+        if record.found is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        if overrides_opt_step(type(self)):  # a subclass's _maybe_opt_step, called as torch calls it
-            retval = self._opt_step_through_hook(optimizer, UNSCALED, args, kwargs)
+        if type(self)._maybe_opt_step is not GradScaler._maybe_opt_step:  # called as torch calls it
+            retval = self._opt_step_through_hook(optimizer, record, args, kwargs)
         else:  # polyamp's own: the same decision without building torch's optimizer_state
-            retval = self._decide_and_step(optimizer, found, args, kwargs)
-        self._stages[key] = STEPPED
+            retval = self._decide_and_step(record, args, kwargs)
+        record.stage = STEPPED
         return retval
 
     def _maybe_opt_step(
@@ -230,25 +341,46 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     ) -> Any:
         """torch's hook: ``optimizer.step(*args, **kwargs)`` unless ``optimizer_state``'s flags say
         overflow (the one host read; a report only when skipped). Those flags are what update() uses."""
-        found = self._found[id(optimizer)] = combined(optimizer_state["found_inf_per_device"])
-        return self._decide_and_step(optimizer, found, args, kwargs)
+        record = self._record(optimizer)
+        record.found = combined(optimizer_state["found_inf_per_device"])
+        return self._decide_and_step(record, args, kwargs)
 
-    def _decide_and_step(self, optimizer: Any, found: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        """The skip decision on ``found`` (the one host read; a report only when skipped), then
-        ``optimizer.step(*args, **kwargs)`` unless it says skip."""
-        iteration = self._engine.iteration
-        named = lambda: self._named_grads([*self._skipped_here, optimizer])  # noqa: E731
-        values = self._values.get(id(optimizer))  # with a guard: the flag and its values in one read
-        decision = iteration.decide(found, values=values, group=self._group_of(optimizer), named=named,
-                                    keep_report=bool(self._skipped_here))
-        skipped = decision.skipped
+    def _opt_step_through_hook(self, optimizer: Any, record: OptimizerRecord, args: Any,
+                               kwargs: dict[str, Any]) -> Any:
+        """step()'s ``self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)``, as torch's.
+
+        An override that decides without the default leaves its flags, read lazily, as the step's."""
+        per_device = self._found_inf_per_device(optimizer)
+        optimizer_state = {"stage": record.stage, "found_inf_per_device": per_device}
+        before, self._last_skipped = self._last_skipped, _UNDECIDED
+        try:
+            retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        except BaseException:
+            if self._last_skipped is _UNDECIDED:
+                self._last_skipped = before
+            raise
+        if self._last_skipped is _UNDECIDED:
+            flag = record.found = combined(optimizer_state["found_inf_per_device"])
+            self._last_skipped = flag
+            if flag is not None:
+                self._unread.append(flag)
+        return retval
+
+    def _decide_and_step(self, record: OptimizerRecord, args: Any, kwargs: dict[str, Any]) -> Any:
+        """The skip decision on the record's flag (the one host read; a report only when skipped),
+        then ``optimizer.step(*args, **kwargs)`` unless it says skip."""
+        optimizer = record.optimizer
+        earlier = [r.optimizer for r in self._records.values() if r.skipped]
+        named = lambda: self._named_grads([*earlier, optimizer])  # noqa: E731
+        iteration = self._iteration
+        decision = iteration.decide(record.found, values=record.values, group=self._group_of(optimizer),
+                                    named=named, keep_report=bool(earlier))
+        skipped = record.skipped = decision.skipped
         self._last_reason = decision.reason
         retval = None if skipped else optimizer.step(*args, **kwargs)
         self._last_skipped = skipped
         self._skipped_host += skipped
         iteration.count(skipped)  # steps and the window of metrics()
-        if skipped:
-            self._skipped_here.append(optimizer)
         return retval
 
     def _named_grads(self, optimizers: list[Any]) -> list[tuple[str, Any]]:
@@ -258,7 +390,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: nothing here (ShardedGradScaler checks the ranks)."""
 
-    def _self_scaling_step(self, optimizer: Any, stage: OptState, args: Any, kwargs: dict) -> Any:
+    def _self_scaling_step(self, optimizer: Any, record: OptimizerRecord, args: Any, kwargs: dict) -> Any:
         """torch's path for optimizers that take grad_scale/found_inf: no host sync here."""
         if _takes_grad_scaler(getattr(optimizer.step, "__func__", optimizer.step)):
             warnings.warn(
@@ -271,11 +403,12 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
             )
             kwargs.update({"grad_scaler": self})
             retval = optimizer.step(*args, **kwargs)
-            self._stages[id(optimizer)] = STEPPED
+            record.stage = STEPPED
             return retval
+        stage = record.stage
         if stage is READY:
             self._check_inf_per_device(optimizer)
-        found = self._found[id(optimizer)]
+        found = record.found
         if found is None:
             found = 0  # torch passes sum([]) == 0 when there are no grads
         elif self._flags_are_sums:
@@ -289,7 +422,7 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         self._last_reason = None  # the optimizer decides on the device: only an overflow can skip it
         optimizer.found_inf = found
         retval = optimizer.step(*args, **kwargs)
-        self._stages[id(optimizer)] = STEPPED
+        record.stage = STEPPED
         del optimizer.grad_scale
         del optimizer.found_inf
         self._last_skipped = found
@@ -301,25 +434,83 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
     def update(self, new_scale: float | Any = None) -> None:
         """Back off after an overflow, grow after growth_interval clean steps, or set new_scale.
 
-        No host sync: the rule runs on the scale's device.
+        No host sync: the rule runs on the scale's device. Either way the iteration ends through
+        the engine, which records the guard's verdicts of its steps.
         """
         self._check_initialized("update")
-        iteration = self._engine.iteration
         try:
             if new_scale is not None:  # torch's update(new_scale) ends the iteration, across ranks too
                 if not isinstance(new_scale, float):
                     check_new_scale(new_scale, self._device)
                 self._engine.set_scale(new_scale)
                 return
-            flags = [f for f in self._found.values() if f is not None]
+            flags = [r.found for r in self._records.values() if r.found is not None]
             if not flags:
                 raise AssertionError("No inf checks were recorded prior to update.")
             found = flags[0] if len(flags) == 1 else sum(flags[1:], flags[0])
-            iteration.finish(iteration.concluded(found, skipped=bool(self._skipped_here)))  # as step() read
+            skipped = any(r.skipped for r in self._records.values())  # as step() read it
+            iteration = self._iteration
+            iteration.finish(iteration.concluded(found, skipped=skipped))
         finally:
-            self._reset_iteration()
+            self._records = {}
 
-    # -- overflow forensics -----------------------------------------------------------
+    # -- reporting beyond torch -------------------------------------------------------
+    def _resolve_unread(self) -> None:
+        if not self._unread:
+            return
+        read = self._engine.backend.read_flag
+        self._count_unread([not isinstance(f, int) and bool(read(f)) for f in self._unread])
+
+    def _count_unread(self, skipped: list[bool]) -> None:
+        """Count the fused optimizers' steps whose flags were just read, in the order they ran."""
+        for one in skipped:
+            self._iteration.count(one)
+        self._skipped_host += sum(skipped)
+        self._unread.clear()
+
+    def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
+        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
+        the last overflow's top tensors) as plain numbers (:mod:`polyamp.metrics`). ONE host read:
+        the scale, with the pending flags of fused optimizers stacked beside it."""
+        metrics.check_diagnose_flag(diagnose)
+        iteration = self._iteration
+        pending = [f for f in self._unread if not isinstance(f, int)]
+        scale, read = metrics.read_scale(iteration, pending)
+        flags = iter(read)
+        self._count_unread([not isinstance(f, int) and next(flags) for f in self._unread])
+        return metrics.scaler_metrics(scale, iteration.steps, self._skipped_host, iteration.window,
+                                      iteration.last_overflow, diagnose=diagnose)
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many optimizer steps were skipped for overflow (reads pending device flags)."""
+        self._resolve_unread()
+        return self._skipped_host
+
+    @property
+    def last_step_skipped(self) -> bool | None:
+        """Whether the last step() was skipped; None before the first step (may sync)."""
+        last = self._last_skipped
+        if last is None or isinstance(last, (bool, int)):
+            return None if last is None else bool(last)
+        return bool(self._engine.backend.read_flag(last))
+
+    @property
+    def last_skip_reason(self) -> str | None:
+        """Why the last step() was skipped: None when applied (or before the first step), else
+        ``"overflow"``, ``"grad_norm_limit"``, ``"grad_norm_spike"`` or ``"loss_spike"`` (may sync)."""
+        if not self.last_step_skipped:
+            return None
+        return self._last_reason or "overflow"
+
+    def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+        """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped.
+
+        A skipped step leaves the schedule where it was, and torch's "lr_scheduler.step()
+        before optimizer.step()" warning is not triggered by a skipped first step.
+        """
+        return schedule.step_if_applied(scheduler, self.last_step_skipped, *args, **kwargs)
+
     @property
     def last_overflow(self) -> OverflowReport | None:
         """With ``diagnose=True``, the report on the last skipped step's gradients; None after an
@@ -345,37 +536,428 @@ class GradScaler(TorchHooks, TorchPrivateMembers, ScalerAccessors):
         named = torch_named_grads(obj, self._param_names)
         return build_report(named, loss=loss, scale=self.get_scale())
 
+    # -- torch's private members that trainers call (Lightning, accelerate, timm) ------------
+    def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
+        """Create the scale and growth tracker on device ``dev`` now instead of at the first scale().
+
+        As torch: an AssertionError when they exist already; the values are the initial ones or
+        the ones ``load_state_dict`` loaded (accelerate's FSDP2 ``load_state`` calls it).
+        """
+        engine = self._engine
+        if engine.state is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        backend = engine.backend
+        if backend is None or backend.name == "torch":
+            torch = sys.modules.get("torch")
+            if torch is None:
+                import torch
+            engine.bind(torch.empty((), device=dev))
+        else:  # a NumPy/CuPy/... scaler: its state lives with its own arrays
+            engine.bind(backend.full(0, "float32", None))
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[Any, Any]:
+        """torch's check that the state exists: ``(scale, growth_tracker)`` or AssertionError."""
+        state = self._engine.state
+        if state is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED)
+        return state.scale, state.growth_tracker
+
+    @property
+    def _init_scale(self) -> float:
+        """The scale the state is created with: init_scale, or the value last loaded (host number)."""
+        state = self._engine.state
+        return self._engine.host_state().scale if state is None else self._engine.config.init_scale
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        """The growth tracker the state is created with: 0, or the value last loaded."""
+        return self._engine.host_state().growth_tracker if self._engine.state is None else 0
+
+    def _get_scale_async(self) -> Any:
+        state = self._engine.state
+        return None if state is None else state.scale
+
+    @property
+    def _scale(self) -> Any:
+        """torch's attribute: the scale tensor, None until the first scale()."""
+        return self._get_scale_async()
+
+    @property
+    def _growth_tracker(self) -> Any:
+        """torch's attribute: the growth tracker tensor, None until the first scale()."""
+        state = self._engine.state
+        return None if state is None else state.growth_tracker
+
+    def _get_growth_tracker(self) -> int:
+        """torch's private getter: consecutive clean steps so far (a device sync)."""
+        return self._engine.host_state().growth_tracker
+
+    # -- getters and setters ----------------------------------------------------------
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a device sync)."""
+        return self._engine.get_scale()
+
+    def get_growth_factor(self) -> float:
+        """The factor the scale grows by after growth_interval clean steps."""
+        return self._engine.config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor; validated (ValueError naming the value), unlike torch."""
+        self._engine.reconfigure(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The factor the scale is multiplied by after an overflow."""
+        return self._engine.config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor; validated (ValueError naming the value), unlike torch."""
+        self._engine.reconfigure(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """How many consecutive clean steps grow the scale."""
+        return self._engine.config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval; validated (ValueError naming the value), unlike torch."""
+        self._engine.reconfigure(growth_interval=check_interval("growth_interval", new_interval,
+                                                                 ConfigError))
+
+    def is_enabled(self) -> bool:
+        """True: a disabled scaler is a DisabledGradScaler (a guard-only one takes part in every
+        step, so it says True too: code that asks before calling ``step`` must not bypass it)."""
+        return True
+
+    @property
+    def engine(self) -> LossScaler:
+        """The neutral :class:`polyamp.LossScaler` underneath."""
+        return self._engine
+
+    # -- checkpoints and copies ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five keys; polyamp's extra keys only where the config goes beyond torch."""
+        return to_torch_state(self._engine, self._iteration.histories)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's (or polyamp's) GradScaler state dict; validated before anything changes."""
+        refuse_empty(state_dict, "source")
+        histories = load_torch_state(self._engine, state_dict)
+        if histories is not None:
+            self._iteration.histories = histories
+        self._groups = {}  # the loaded histories are keyed by the order of first step: it restarts
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._records:
+            raise AssertionError(
+                "A GradScaler instance may only be pickled at the beginning "
+                "of an iteration, or at the end after scaler.update()."
+            )
+        extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL}
+        iteration = self._iteration
+        return {"device": self._device, "backend": self._backend_name, "extra": extra,
+                "engine": self._engine.state_dict(), "skipped": self.skipped_steps, "guard": iteration.guard,
+                "last_overflow": iteration.last_overflow, "window": iteration.window,
+                "histories": iteration.histories}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state["extra"])  # a subclass's own attributes
+        self._device, self._backend_name = state["device"], state["backend"]
+        self._enabled = True
+        iteration = self._iteration = make_iteration(None, self._backend_name, diagnose=self._diagnose,
+                                                     guard=state["guard"])
+        self._engine = LossScaler.over(iteration)
+        self._engine.load_state_dict(state["engine"])
+        iteration.histories, iteration.last_overflow = state["histories"], state["last_overflow"]
+        iteration.window = state["window"]
+        self._records, self._groups = {}, {}  # groups: by id, which a copy does not keep
+        self._unread, self._skipped_host, self._last_skipped = [], state["skipped"], None
+
+    def __repr__(self) -> str:
+        return f"GradScaler(device={self._device!r}, engine={self._engine!r})"
 
 
-@functools.cache
-def overrides_opt_step(cls: type) -> bool:
-    """Whether ``cls`` overrides ``_maybe_opt_step`` (then step goes through it, as torch's does)."""
-    return cls._maybe_opt_step is not GradScaler._maybe_opt_step
-
-class DisabledGradScaler(DisabledMethods, GradScaler):
-    """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
-
-    _public_class: type = GradScaler
-
-    def __reduce__(self) -> Any:
-        return (_restore, (self._public_class, {"disabled": dict(self.__dict__)}))
-
-
-class ShardedGradScaler(ShardedMethods, GradScaler):
+class ShardedGradScaler(GradScaler):
     """Drop-in ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
 
     torch's signature (``backoff_factor`` before ``growth_factor``, then ``process_group``),
     FP16 and CPU gradients; each optimizer's overflow flag is agreed with one all-reduce
     over ``process_group`` (None: the default group; or anything
-    :func:`polyamp.distributed.reducer` accepts), so every rank skips together. With
+    :func:`polyamp.distributed.reducer` accepts), so every rank skips together. The same
+    collective finds ranks whose config, scale or sequence of collectives differ. With
     ``diagnose=True`` a rank whose own gradients are finite reports that another rank overflowed.
+    FSDP2's DTensor gradients are unscaled as their local shards where the group spans their
+    mesh: DTensor's own unscale would all-reduce the flag once more.
     """
 
+    _allow_fp16 = True  # FSDP's mixed precision hands FP16 gradients to the scaler
+    _flags_are_sums = True  # the flags are agreed over the ranks (0 or 1: some rank overflowed)
 
-class DisabledShardedGradScaler(DisabledShardedInit, DisabledGradScaler, ShardedGradScaler):
-    """What ``ShardedGradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op."""
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        backoff_factor: float = 0.5,
+        growth_factor: float = 2.0,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Any = None,
+        *,
+        backend: str | None = None,
+        backoff_interval: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        diagnose: bool = False,
+        guard: Any = None,
+    ) -> None:
+        super().__init__(  # GradScaler's order: growth_factor first
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
+            backend=backend, backoff_interval=backoff_interval, min_scale=min_scale,
+            max_scale=max_scale, diagnose=diagnose, guard=guard,
+        )
+        self.process_group = process_group
+
+    @property
+    def process_group(self) -> Any:
+        """The group as given (None: torch.distributed's default group, resolved at first use)."""
+        return self._group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        """An explicit group is checked now; the next step checks the config across it again."""
+        self._iteration.agreement = None if group is None else Agreement(build_reducer(group))
+        self._group = group
+        self._meshes: dict[Any, bool] = {}  # DeviceMesh -> do the group's ranks cover it
+        self._places = Places()  # whose flag each optimizer's agreement is: restarts with the group
+
+    @property
+    def reducer(self) -> Reducer:
+        """The polyamp reducer that agrees the flags (``reducer.collectives`` counts them)."""
+        return self._agreed().reducer
+
+    def _agreed(self) -> Agreement:
+        """The agreement over the reducer (the default group is resolved at first use)."""
+        iteration = self._iteration
+        if iteration.agreement is None:
+            iteration.agreement = Agreement(build_reducer(self._group))
+        return iteration.agreement
+
+    def _check_grads(self, grads: list[Any], check_only: bool, optimizer: Any = None) -> Any:
+        """Unscale (or check) ``grads`` and return the flag agreed over the group (1: some rank overflowed).
+
+        Every rank issues the same collective, also one with no gradients (its flag is 0).
+        The same collective finds ranks whose config, state or collectives differ, or that step
+        another optimizer at this point (:class:`Places`): RankMismatchError.
+        """
+        agreement, iteration = self._agreed(), self._iteration  # resolved before anything changes
+        grads = self._local_shards(grads, agreement.reducer)
+        iteration.require_loss(None, "ShardedGradScaler.step()",
+                               "scale the loss (a tensor holding one value) with scaler.scale(loss)")
+        found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
+        whose = self._places.identity(optimizer, agreement.reducer)
+        if iteration.guard is None:
+            return iteration.agree_flag(found, whose=whose)
+        # the guard's values (the loss, these shards' squares) ride in the same collective
+        agreed = iteration.agree_group(found, iteration.squares(grads), self._group_of(optimizer),
+                                       whose=whose)
+        self._record(optimizer).values = agreed.extra
+        return agreed.found_inf
+
+    def _agree_own_flag(self, flag: Any, optimizer: Any) -> Any:
+        """A flag an ``_unscale_grads_`` override computed itself, agreed over the group (one collective)."""
+        whose = self._places.identity(optimizer, self._agreed().reducer)
+        return self._iteration.agree_flag(flag, whose=whose)
+
+    def _confirm_aligned(self, found: Any) -> None:
+        """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag
+        (one sync) so that misaligned ranks raise here; they skip on the device regardless."""
+        iteration = self._iteration
+        agreement = iteration.agreement
+        if agreement is not None and agreement.unverified and iteration.scaling.read_flag(found):
+            iteration.verify()
+
+    def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:
+        """DTensor gradients replaced by their local shards (same memory) where ``red``'s group
+        covers the DTensor's mesh, so the one agreement is the only collective. Elsewhere the
+        DTensor stays, and its unscale agrees across its mesh as in torch."""
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if dtensor is None or not any(issubclass(kind, dtensor) for kind in set(map(type, grads))):
+            return grads
+        meshes = self._meshes
+        for mesh in {g.device_mesh for g in grads if isinstance(g, dtensor)} - meshes.keys():
+            meshes[mesh] = mesh_inside(mesh, red)
+        return [g.to_local() if isinstance(g, dtensor) and meshes[g.device_mesh] else g for g in grads]
+
+    def __getstate__(self) -> dict[str, Any]:
+        group = self._group
+        if group is not None and not isinstance(group, str):
+            raise TypeError(_PICKLE.format(group=short_repr(group)))
+        state = super().__getstate__()
+        for name in ("_group", "_meshes", "_places"):
+            state["extra"].pop(name, None)
+        state["process_group"] = group
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.process_group = state["process_group"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """GradScaler's load; the optimizers' places restart (every rank loads alike)."""
+        super().load_state_dict(state_dict)
+        self._places = Places()
+
+    def __repr__(self) -> str:
+        return (f"ShardedGradScaler(device={self._device!r}, process_group={short_repr(self._group)}, "
+                f"engine={self._engine!r})")
+
+
+class DisabledGradScaler(GradScaler):
+    """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op.
+
+    Mirrors torch's disabled scaler: every method is a pass-through and nothing is validated.
+    Unlike torch, the getters return the values given instead of raising AttributeError.
+    """
+
+    _public_class: type = GradScaler
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, **extra: Any) -> None:
+        self._device = device
+        self._enabled = False
+        self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
+        self._growth_interval = growth_interval
+
+    def __reduce__(self) -> Any:
+        return (_restore, (self._public_class, {"disabled": dict(self.__dict__)}))
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` unchanged."""
+        return outputs
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Nothing to undo."""
+        return None
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)``, closures included, as torch's disabled scaler."""
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: Any = None) -> None:
+        """Nothing to update."""
+        return None
+
+    def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
+        """Nothing to create."""
+        return None
+
+    def get_scale(self) -> float:
+        """1.0, as torch's disabled scaler."""
+        return 1.0
+
+    def get_growth_factor(self) -> float:
+        """The value given (torch's disabled scaler raises AttributeError instead)."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self) -> int:
+        return 0
+
+    def is_enabled(self) -> bool:
+        """False."""
+        return False
+
+    @property
+    def skipped_steps(self) -> int:
+        """Always 0: a disabled scaler never skips."""
+        return 0
+
+    @property
+    def last_step_skipped(self) -> bool | None:
+        """None: a disabled scaler does not track steps, so a scheduler always steps."""
+        return None
+
+    def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
+        """Empty: a disabled scaler scales nothing and skips nothing, so it has no numbers to log."""
+        return {}
+
+    @property
+    def last_overflow(self) -> None:
+        """None: a disabled scaler skips nothing, so it has nothing to report."""
+        return None
+
+    @property
+    def engine(self) -> Any:
+        """None: there is no engine behind a disabled scaler."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty, as torch's disabled scaler."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Ignored, as torch's disabled scaler."""
+        return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"GradScaler(device={self._device!r}, enabled=False)"
+
+
+class DisabledShardedGradScaler(DisabledGradScaler, ShardedGradScaler):
+    """What ``ShardedGradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op
+    with torch's ShardedGradScaler signature; no group is ever used."""
 
     _public_class: type = ShardedGradScaler
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        backoff_factor: float = 0.5,
+        growth_factor: float = 2.0,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Any = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **extra)
+        self._group = process_group
+
+    @property
+    def process_group(self) -> Any:
+        """The group as given; a disabled scaler issues no collective."""
+        return self._group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        self._group = group
+
+    @property
+    def reducer(self) -> None:
+        """None: a disabled scaler steps on every rank, so there is nothing to agree."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"ShardedGradScaler(device={self._device!r}, enabled=False)"
 
 
 @functools.cache

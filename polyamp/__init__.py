@@ -19,7 +19,7 @@ from ._errors import (
 )
 from ._registry import available_backends, get_backend, register_backend
 from .backend import Backend, BackendInfo
-from .config import LossScaleConfig
+from .config import FIXED_ONE, LossScaleConfig
 from .engine import LossScaler, ScalerStateError, StepResult
 from .guard import GuardHistory, GuardReport, StepGuard
 from .noop import NoOpLossScaler
@@ -79,12 +79,19 @@ __all__ = [
 
 
 def make_scaler(
-    config: LossScaleConfig | None = None, backend: str | None = None, enabled: bool = True, **fields: Any
+    config: LossScaleConfig | None = None, backend: str | None = None, enabled: bool = True, *,
+    guard: StepGuard | None = None, **fields: Any
 ) -> LossScaler | NoOpLossScaler:
     """A :class:`LossScaler`, or the :class:`NoOpLossScaler` when ``enabled`` is False.
 
     ``fields`` are LossScaleConfig fields, instead of ``config`` (``make_scaler(init_scale=1024)``).
+    ``enabled=False`` with a ``guard`` is a guard-only scaler (bf16, fp32): a LossScaler whose
+    scale is fixed at 1 that skips non-finite and spiking steps (``config`` is not used then).
     """
+    if not enabled and guard is not None:
+        return LossScaler(FIXED_ONE, backend, guard=guard)
+    if guard is not None:
+        return LossScaler(config, backend, guard=guard, **fields)
     return (LossScaler if enabled else NoOpLossScaler)(config, backend, **fields)
 
 

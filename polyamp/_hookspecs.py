@@ -116,7 +116,8 @@ def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
     """Advance the scale state by one step on the device and return the new state.
 
     ``state`` is a ``polyamp.policy.LossScaleState``; the kernel must agree with
-    ``polyamp.policy.next_host_state``. It may update the arrays in place and return them.
+    ``polyamp.policy.next_host_state`` on every state within ``polyamp.policy.tracker_limits``
+    (the engine keeps its state there). It may update the arrays in place and return them.
     """
 
 

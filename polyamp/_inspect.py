@@ -3,8 +3,10 @@
 Reads polyamp's own format (``LossScaler.save``, ``.gz`` too) and the torch- and paddle-facade
 state dicts saved as JSON (``json.dump(scaler.state_dict(), f)``; paddle's 1-element ``scale``
 as a number or a one-number list), and ``torch.save`` files through torch's restricted unpickler
-(``torch.load(weights_only=True)``): every scaler state inside, with its path in the checkpoint
-(:mod:`polyamp.compat._torch_checkpoints`). Anything else is a :class:`polyamp.StateDictError`
+(``torch.load(weights_only=True)``, :mod:`polyamp.compat._torch_checkpoints`): every scaler state
+inside, with its path in the checkpoint, found by a walk that visits each container once, within a
+depth and size budget. Only regular files are opened. A field the format does not hold is
+reported as not saved, never as a default. Anything else is a :class:`polyamp.StateDictError`
 naming the file.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any
 
 from . import checkpoint
@@ -24,26 +27,41 @@ __all__ = ["as_json", "describe", "describe_all", "format_text"]
 
 _TORCH = "torch GradScaler state_dict (JSON)"
 _PADDLE = "paddle GradScaler state_dict (JSON)"
+#: The walk through a torch.save file: at most this many levels of nesting and this many items
+#: (the entries of every dict, list and tuple visited; a container reached twice is walked once).
+MAX_DEPTH, MAX_ITEMS = 100, 10_000_000
+#: The config fields a torch-format state can hold, under the same keys (torch's own holds the first three).
+_TORCH_FIELDS = ("growth_factor", "backoff_factor", "growth_interval", "backoff_interval", "min_scale",
+                 "max_scale")
+#: The config fields a paddle-format state can hold, and their keys (none holds init_loss_scaling).
+_PADDLE_FIELDS = {"growth_factor": "incr_ratio", "backoff_factor": "decr_ratio",
+                  "growth_interval": "incr_every_n_steps", "backoff_interval": "decr_every_n_nan_or_inf",
+                  "dynamic": "use_dynamic_loss_scaling", "min_scale": "min_scale", "max_scale": "max_scale"}
+NOT_SAVED = "not saved in this format"
 
 
 def describe_all(path: str) -> list[dict[str, Any]]:
     """Every scaler state in the file at ``path``: one for a JSON checkpoint, each one found (with
     ``"where"``, its path in the checkpoint) in a ``torch.save`` file. StateDictError naming the
     file when there is none or the file cannot be read."""
-    name = repr(os.fspath(path))
-    head = _head(path, name)
+    name = _check_path(path)
+    try:
+        with open(path, "rb") as f:  # a regular file: opening it cannot block
+            head = f.read(4)
+    except OSError as exc:  # e.g. no permission to read it
+        raise StateDictError(f"cannot read {name}: {exc.strerror or exc}") from None
     from polyamp.compat import _torch_checkpoints as torch_files  # imports torch only to read one
 
     if not torch_files.is_torch_file(head):
         return [describe(path)]
     found = []
-    for where, state in torch_files.scaler_states(torch_files.load(path), _is_state):
+    for where, state in _scaler_states(torch_files.load(path), name):
         try:
-            kind, config, host, steps, skipped = _parse(torch_files.plain(state))
+            parsed = _parse(torch_files.plain(state))
         except StateDictError as exc:
             raise StateDictError(f"{name}: {where}: {exc}") from None
-        found.append(_info(path, kind.replace("(JSON)", "(torch.save)"), config, host, steps, skipped)
-                     | {"where": where})
+        info = _info(path, *parsed)
+        found.append(info | {"format": info["format"].replace("(JSON)", "(torch.save)"), "where": where})
     if not found:
         raise StateDictError(
             f"{name} is a torch.save file with no scaler state in it (no dict with torch's GradScaler "
@@ -53,14 +71,55 @@ def describe_all(path: str) -> list[dict[str, Any]]:
     return found
 
 
-def _head(path: str, name: str) -> bytes:
-    if os.path.isdir(path):
-        raise StateDictError(f"{name} is a directory. Fix: pass the checkpoint file inside it.")
+def _check_path(path: str) -> str:
+    """The path's name for messages, once it is known to be a regular file that exists; checked
+    with ``os.stat`` before anything opens it (a FIFO without a writer would block for ever)."""
+    name = repr(os.fspath(path))
+    if "\0" in os.fsdecode(path):
+        raise StateDictError(f"{name} has a NUL character in it, which no file name can hold. Fix: pass "
+                             "the checkpoint's path as written on disk.")
     try:
-        with open(path, "rb") as f:
-            return f.read(4)
+        mode = os.stat(path).st_mode
     except OSError as exc:
         raise StateDictError(f"cannot read {name}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise StateDictError(f"{name} is a directory. Fix: pass the checkpoint file inside it.")
+    kind = checkpoint.special_kind(mode)
+    if kind is not None:
+        raise StateDictError(f"{name} is {kind}, not a regular file: polyamp inspect reads checkpoint "
+                             "files only. Fix: save the stream to a file and pass that file.")
+    return name
+
+
+def _scaler_states(obj: Any, name: str) -> list[tuple[str, dict[Any, Any]]]:
+    """``(path, state)`` for each dict inside ``obj`` (dicts, lists, tuples, nested) that is a scaler
+    state, e.g. ``('checkpoint["scaler"]', {...})``, in the file's order; a state's insides are not
+    searched, a container reached twice (shared or holding itself) is walked once. StateDictError
+    naming the file past MAX_DEPTH or MAX_ITEMS."""
+    found, seen, items = [], set(), 0
+    containers = (dict, list, tuple)
+    stack: list[tuple[Any, str, int]] = [(obj, "checkpoint", 0)] if isinstance(obj, containers) else []
+    while stack:
+        node, where, depth = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, dict) and _is_state(node):
+            found.append((where, node))
+            continue
+        items += len(node)
+        if items > MAX_ITEMS or depth >= MAX_DEPTH:
+            raise StateDictError(
+                f"{name} is a torch.save file too large or too deeply nested to search for scaler "
+                f"states: polyamp inspect walks at most {MAX_ITEMS:,} items, {MAX_DEPTH} levels deep "
+                f"(it stopped at {where[:200]}). Fix: save the scaler state on its own "
+                "(torch.save(scaler.state_dict(), f)) and inspect that file."
+            )
+        entries = node.items() if isinstance(node, dict) else enumerate(node)
+        inner = [(value, where + f"[{key!r}]".replace("'", '"'), depth + 1) for key, value in entries
+                 if isinstance(value, containers)]
+        stack.extend(reversed(inner))  # popped in the file's order
+    return found
 
 
 def _is_state(candidate: dict[Any, Any]) -> bool:
@@ -73,11 +132,17 @@ def _is_state(candidate: dict[Any, Any]) -> bool:
 
 
 def _info(path: str, kind: str, config: LossScaleConfig, host: HostState, steps: int | None,
-          skipped: int | None) -> dict[str, Any]:
+          skipped: int | None, saved: set[str]) -> dict[str, Any]:
+    """The description; ``saved``: the config fields and trackers the format holds (None or left
+    out of ``config`` for the others, which ``not_saved`` lists)."""
+    fields = config.to_dict()
     return {
         "path": os.fspath(path), "format": kind, "scale": host.scale,
-        "growth_tracker": host.growth_tracker, "backoff_tracker": host.backoff_tracker,
-        "steps": steps, "skipped_steps": skipped, "config": config.to_dict(),
+        "growth_tracker": host.growth_tracker,
+        "backoff_tracker": host.backoff_tracker if "backoff_tracker" in saved else None,
+        "steps": steps, "skipped_steps": skipped,
+        "config": {k: v for k, v in fields.items() if k in saved},
+        "not_saved": [k for k in (*fields, "backoff_tracker") if k not in saved],
     }
 
 
@@ -86,9 +151,7 @@ def describe(path: str) -> dict[str, Any]:
 
     Raises StateDictError (naming the file) for anything polyamp cannot load.
     """
-    name = repr(os.fspath(path))
-    if os.path.isdir(path):
-        raise StateDictError(f"{name} is a directory. Fix: pass the checkpoint file inside it.")
+    name = _check_path(path)
     try:
         data = checkpoint.read(path)
     except OSError as exc:
@@ -99,29 +162,35 @@ def describe(path: str) -> dict[str, Any]:
             "written by LossScaler.save() or a facade's state_dict() saved with json.dump."
         )
     try:
-        kind, config, host, steps, skipped = _parse(data)
+        parsed = _parse(data)
     except StateDictError as exc:
         raise StateDictError(f"{name}: {exc}") from None
-    return _info(path, kind, config, host, steps, skipped)
+    return _info(path, *parsed)
 
 
-def _parse(data: dict[str, Any]) -> tuple[str, LossScaleConfig, HostState, int | None, int | None]:
+def _parse(data: dict[str, Any]) -> tuple[str, LossScaleConfig, HostState, int | None, int | None, set[str]]:
+    """Format, config, state, counters (None: not saved) and what the format holds (see _info)."""
     if "format" in data:
         config, host, steps, skipped = checkpoint.from_state_dict(data)
-        return f"{checkpoint.FORMAT} version {data['version']}", config, host, steps, skipped
+        saved = {*config.to_dict(), "backoff_tracker"}  # polyamp's format holds every field
+        return f"{checkpoint.FORMAT} version {data['version']}", config, host, steps, skipped, saved
     from polyamp.compat._paddle_state import PADDLE_KEYS, parse_paddle_state  # imports no framework
     from polyamp.compat._torch_state import TORCH_KEYS, load_torch_state
 
     if all(k in data for k in TORCH_KEYS):
         engine = LossScaler()
         load_torch_state(engine, data)
-        return _TORCH, engine.config, engine.host_state(), None, None
+        saved = {k for k in _TORCH_FIELDS if k in data}
+        if "_backoff_tracker" in data:  # polyamp's torch facade writes it where it is not 0
+            saved.add("backoff_tracker")
+        return _TORCH, engine.config, engine.host_state(), None, None, saved
     if all(k in data for k in PADDLE_KEYS):
         scale = data["scale"]
         if isinstance(scale, list) and len(scale) == 1:  # paddle's 1-element array, as JSON
             data = dict(data, scale=scale[0])
         config, scale, incr, decr = parse_paddle_state(data, LossScaleConfig())
-        return _PADDLE, config, HostState(scale, incr, decr), None, None
+        saved = {k for k, key in _PADDLE_FIELDS.items() if key in data} | {"backoff_tracker"}
+        return _PADDLE, config, HostState(scale, incr, decr), None, None, saved
     raise StateDictError(
         f"not a checkpoint polyamp can load: no 'format' key (polyamp's own), nor torch's keys "
         f"{list(TORCH_KEYS)}, nor paddle's {list(PADDLE_KEYS)}; it has {sorted(data)[:8]}. Fix: pass a "
@@ -132,18 +201,22 @@ def _parse(data: dict[str, Any]) -> tuple[str, LossScaleConfig, HostState, int |
 
 def format_text(info: dict[str, Any]) -> str:
     """The description as lines a person reads."""
-    counters = ("not saved in this format" if info["steps"] is None
+    counters = (NOT_SAVED if info["steps"] is None
                 else f"{info['steps']} steps, {info['skipped_steps']} skipped")
+    backoff = NOT_SAVED if info["backoff_tracker"] is None else info["backoff_tracker"]
     config = ", ".join(f"{k}={v}" for k, v in info["config"].items())
     where = [f"in:       {info['where']}"] if "where" in info else []
+    fields = [k for k in info["not_saved"] if k != "backoff_tracker"]
+    not_saved = [f"          {NOT_SAVED}: {', '.join(fields)}"] if fields else []
     return "\n".join([
         f"file:     {info['path']}",
         *where,
         f"format:   {info['format']}",
         f"scale:    {info['scale']:g}",
-        f"trackers: growth {info['growth_tracker']}, backoff {info['backoff_tracker']}",
+        f"trackers: growth {info['growth_tracker']}, backoff {backoff}",
         f"counters: {counters}",
         f"config:   {config}",
+        *not_saved,
     ])
 
 

@@ -23,6 +23,7 @@ the device state, counters, the skip log) lives beside it on the :class:`Iterati
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -30,14 +31,18 @@ from typing import Any, NamedTuple
 
 from . import _guard_values, _inputs, _registry, guard, overflow
 from ._agreement import Agreed, Agreement, check_extra
-from ._errors import MinScaleError, ScalerStateError
+from ._errors import ScalerStateError
 from ._guard_steps import GuardSteps
 from ._guard_values import plus
+from ._scaling import Scaling
 from ._skip_log import SkipLog
 from .backend import Backend
-from .config import SCALE_FLOOR, LossScaleConfig
+from .config import LossScaleConfig
 from .metrics import SkipWindow
-from .policy import HostState, LossScaleState, backs_off_at_floor, next_host_state, scale_floor
+from .policy import (
+    HostState,
+    next_host_state,
+)
 
 logger = logging.getLogger("polyamp")
 
@@ -133,17 +138,11 @@ class Iteration:
         self, config: LossScaleConfig, backend: Backend | None, *, agreement: Agreement | None = None,
         diagnose: bool = False, step_guard: guard.StepGuard | None = None,
     ) -> None:
-        if backend is not None:
-            _registry.check_in_place(backend)
-        self.config = config
+        self.scaling = Scaling(config, backend)  # the config, the backend, the scale state
         self.guarding = None if step_guard is None else GuardSteps(step_guard)  # its histories, per group
-        self.backend = backend
-        self.state: LossScaleState | None = None  # device arrays, made on the first array seen
-        self.host = HostState(float(config.init_scale), 0, 0)  # the state until then
         self.agreement = agreement
         self.diagnose = diagnose
         self.log = SkipLog()  # the first skips one INFO line each, then a summary per window
-        self.floor_warned = False
         self.last_overflow: overflow.OverflowReport | None = None
         self.checks = Checks()
         self.steps = 0
@@ -175,62 +174,16 @@ class Iteration:
         """The guard's last verdict (None without a guard or before its first)."""
         return None if self.guarding is None else self.guarding.last_verdict
 
-    # -- the state and its backend ------------------------------------------------------
-    def bind(self, array: Any) -> Backend:
-        """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
-        if self.state is None:
-            _inputs.check_array_device(array, "the scaler")  # before a backend or state is chosen by it
-        backend = self.backend
-        if backend is None:
-            backend = _registry.backend_for_array(array)
-            _registry.check_in_place(backend, array)  # before the scaler keeps it
-            self.backend = backend
-        elif self.state is None:
-            _registry.check_owned(backend, array, "the array given to the scaler")
-        if self.state is None:
-            self.state = self._make_state(backend, self.host, array)
-        return backend
+    @property
+    def config(self) -> LossScaleConfig:
+        """The config in force (the scaling's)."""
+        return self.scaling.config
 
-    def ready(self) -> tuple[Backend, LossScaleState]:
-        """The backend and state, defaulting to numpy when no array has been seen yet."""
-        if self.backend is None:
-            self.backend = _registry.get_backend(_registry.DEFAULT_BACKEND, "default")
-        if self.state is None:
-            self.state = self._make_state(self.backend, self.host, None)
-        return self.backend, self.state
-
-    @staticmethod
-    def _make_state(backend: Backend, host: HostState, like: Any) -> LossScaleState:
-        return LossScaleState(
-            backend.full(host.scale, "float32", like),
-            backend.full(host.growth_tracker, "int32", like),
-            backend.full(host.backoff_tracker, "int32", like),
-        )
-
-    def host_state(self) -> HostState:
-        """The state as Python numbers: a device sync when the state lives on a GPU."""
-        if self.state is None or self.backend is None:
-            return self.host
-        to_host = self.backend.to_host
-        scale, growth, backoff = self.state
-        return HostState(float(to_host(scale)), int(to_host(growth)), int(to_host(backoff)))
-
-    def load(self, host: HostState) -> None:
-        """Replace the state (arrays on their device where they exist); forget the checks.
-
-        The agreement's count of iterations is kept: a rank that loads alone is a rank whose
-        state differs, and the next agreement says so."""
-        if self.state is not None and self.backend is not None:
-            self.state = self._make_state(self.backend, host, self.state.scale)
-        self.host = host
-        self.checks = Checks()
-
-    def set_scale(self, scale: float) -> None:
-        """Replace the scale (trackers kept); forget the checks (the agreement's count is kept)."""
-        if self.state is not None and self.backend is not None:
-            self.state = self.state._replace(scale=self.backend.full(scale, "float32", self.state.scale))
-        else:
-            self.host = self.host._replace(scale=scale)
+    def load(self, config: LossScaleConfig, host: HostState) -> None:
+        """Replace the config and the state; forget the checks. The agreement's count of iterations
+        is kept: a rank that loads alone is a rank whose state differs, and the next agreement says so."""
+        self.scaling.config = config
+        self.scaling.load(host)
         self.checks = Checks()
 
     # -- checking -------------------------------------------------------------------------
@@ -248,41 +201,21 @@ class Iteration:
             grads, None)
         if self.diagnose:
             given = list(given)  # read twice: checked here, named for the report below
-        if owned and self.backend is not None and self.state is not None:
+        scaling = self.scaling
+        if owned and scaling.backend is not None and scaling.state is not None:
             arrays = given  # the shell checked their library and dtypes (the torch facade's collect_grads)
         else:
             arrays = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
-            owned = False
-        if arrays:
-            backend = self.bind(arrays[0])
-            if not owned:
-                _inputs.check_owned(arrays, backend, where)
-            state = self.state
-        else:
-            backend, state = self.ready()
-        found = backend.full(0.0, "float32", state.scale)
-        squares = None
-        if arrays:
-            by = backend.full(1.0, "float32", state.scale) if check_only else state.scale
-            # with diagnose=True, a kernel that overwrites an overflowing step's values must not
-            fused = backend.unscale_and_squares
-            if fused is not None and self.watches_norm and not (
-                    self.diagnose or check_only):  # the norm's squares in the unscale's pass
-                squares = fused(arrays, by, found)
-            else:
-                unscale = backend.unscale_and_check_keep if self.diagnose else backend.unscale_and_check
-                unscale(arrays, by, found)
+            if arrays:
+                _inputs.check_owned(arrays, scaling.bind(arrays[0]), where)
+        found, squares = scaling.unscale(arrays, check_only=check_only, keep=self.diagnose,
+                                         squares=self.watches_norm)
         checks = self.checks
         checked = checks.checked
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
-        sumsq = checks.sumsq
-        if squares is not None:
-            sumsq = plus(sumsq, squares)
-        elif arrays and self.watches_norm:
-            sumsq = plus(sumsq, _guard_values.squared_norm(backend, arrays))
         self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
-                                      sumsq=sumsq)
+                                      sumsq=plus(checks.sumsq, squares))
         return found
 
     def record(self, flag: Any) -> None:
@@ -311,7 +244,7 @@ class Iteration:
             return Agreed(found, extra)
         both, users = _guard_values.joined(extra, sent)
         whose = self.whose(0)
-        agreed = self.agreement.flag_and_extra(found, both, self.config, self.state, whose=whose)
+        agreed = self.agreement.flag_and_extra(found, both, self.config, self._fingerprinted(), whose=whose)
         theirs, values = _guard_values.split(agreed.extra, users, extra, sent)
         self.checks = self.checks._replace(agreed=agreed.found_inf, values=values)
         return Agreed(agreed.found_inf, theirs)
@@ -327,7 +260,7 @@ class Iteration:
         """Check, in one fixed-size agreement, that every rank will sum ``payload`` values under
         the same config and state (a rank whose model differs is named instead of breaking the
         transport); one host read of the result on a GPU. ``like``: an array on the state's device."""
-        backend = self.backend if self.backend is not None else _registry.backend_for_array(like)
+        backend = self.scaling.backend or _registry.backend_for_array(like)
         zero = backend.full(0.0, "float32", like)
         agreement = self._needs_agreement("check_payload")
         agreement.flag_and_extra(zero, None, self.config, self._fingerprinted(), payload=payload, whose=whose)
@@ -351,7 +284,7 @@ class Iteration:
 
     def _fingerprinted(self) -> Any:
         """The state a fingerprint carries: the device arrays, or the host state before there are any."""
-        return self.host if self.state is None else self.state
+        return self.scaling.host if self.scaling.state is None else self.scaling.state
 
     def agree_flag(self, found_inf: Any, *, whose: int = 0) -> Any:
         """One group's flag summed over the ranks, as a new device array (one collective);
@@ -359,7 +292,7 @@ class Iteration:
         ``found_inf`` as it is. The iteration's own checks are not touched."""
         if self.agreement is None:
             return found_inf
-        backend, state = self.ready()
+        backend, state = self.scaling.ready()
         if found_inf is None or isinstance(found_inf, bool):
             found_inf = backend.full(float(bool(found_inf)), "float32", state.scale)
         return self.agreement.flag(found_inf, self.config, state, whose=whose)
@@ -376,10 +309,10 @@ class Iteration:
         if self.guarding is None or loss is None:
             return
         self._refuse_after_agreement(f"{where} with loss=")
-        backend = self.backend
-        if self.state is None:  # no gradients yet: the loss's own library decides the backend
-            backend = self.bind(loss) if hasattr(loss, "shape") else self.ready()[0]
-        like = self.ready()[1].scale
+        backend = self.scaling.backend
+        if self.scaling.state is None:  # no gradients yet: the loss's own library decides the backend
+            backend = self.scaling.bind(loss) if hasattr(loss, "shape") else self.scaling.ready()[0]
+        like = self.scaling.ready()[1].scale
         value = _guard_values.loss_value(loss, backend, like, where)
         self.checks = self.checks._replace(loss=plus(self.checks.loss, value))
 
@@ -393,7 +326,7 @@ class Iteration:
         """One group's sum of squares when a norm rule is set, else None (no sync)."""
         if not self.watches_norm or not arrays:
             return None
-        return _guard_values.squared_norm(self.ready()[0], arrays)
+        return _guard_values.squared_norm(self.scaling.ready()[0], arrays)
 
     def whose(self, whose: int, group: int = 0) -> int:
         """The identity a collective names: ``whose``, with the guard's settings, this rank's loss
@@ -406,13 +339,13 @@ class Iteration:
         """This rank's guard values to agree (None without a guard)."""
         if self.guarding is None:
             return None
-        backend, state = self.ready()
+        backend, state = self.scaling.ready()
         return self.guarding.sent(backend, self.checks.loss, squares, state.scale)
 
     def agree_group(self, found: Any, squares: Any, group: int, *, whose: int = 0) -> Agreed:
         """One group's flag and guard values (the iteration's loss, its squares) agreed over the
         ranks in ONE collective (the torch facades' per-optimizer agreement)."""
-        backend, state = self.ready()
+        backend, state = self.scaling.ready()
         if found is None or isinstance(found, bool):
             found = backend.full(float(bool(found)), "float32", state.scale)
         sent = self._sent(squares)
@@ -426,13 +359,11 @@ class Iteration:
         local: Any = None, keep_report: bool = False,
     ) -> Decision:
         """The skip decision, recorded in :attr:`checks`: ``flag`` (default: the iteration's, agreed
-        first; None: no gradients) read on the host, the one sync of a step. With a guard the flag
-        and the guard's ``values`` (default: the iteration's) are read together and judged against
-        ``group``'s history. When it says skip, misaligned ranks raise first, and with
-        ``diagnose=True`` the report is made (on ``named()``'s gradients, else the checked ones;
-        ``local``: this rank's own flag before the agreement). ``keep_report``: an applied step
-        keeps an earlier report of this iteration. A failure ends the iteration.
-        """
+        first; None: no gradients) and a guard's ``values`` read on the host in the step's one sync,
+        judged against ``group``'s history. A skip raises for misaligned ranks first, then makes
+        the report (``diagnose=True``: on ``named()``'s gradients, else the checked ones; ``local``:
+        this rank's flag). ``keep_report``: an applied step keeps an earlier report. A failure ends
+        the iteration."""
         try:
             decision = self._decision(flag, values, group)
             if decision.skipped and decision.reason == "overflow":  # a flag 0: the ranks align
@@ -442,7 +373,7 @@ class Iteration:
             raise
         self.checks = self.checks._replace(decisions=(*self.checks.decisions, decision))
         if self.diagnose and (decision.skipped or not keep_report):
-            self.last_overflow = self._report_or_warn(named, local) if decision.skipped else None
+            self.last_overflow = self._report(named, local) if decision.skipped else None
         return decision
 
     def _decision(self, flag: Any, values: Any, group: int) -> Decision:
@@ -452,7 +383,9 @@ class Iteration:
             self.agree_found()
             flag = self.checks.flag
         flag = False if flag is None else flag
-        backend = self.backend if self.backend is not None or isinstance(flag, bool) else self.bind(flag)
+        scaling = self.scaling
+        bound = scaling.backend is not None or isinstance(flag, bool)
+        backend = scaling.backend if bound else scaling.bind(flag)
         if self.guarding is None or not (own or values is not None):
             skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
             return Decision(skipped, flag, exact=own)
@@ -471,36 +404,28 @@ class Iteration:
         self.skipped_steps += skipped
         self.window.record(skipped)
 
-    def _report_or_warn(self, named: Callable[[], list[tuple[str, Any]]] | None = None, local: Any = None
-                        ) -> overflow.OverflowReport | None:
-        """:meth:`report`, or None and a WARNING when it cannot be built (e.g. gradients of a layout
-        the counts do not support): a diagnostic aid never leaves the iteration open."""
+    def _report(self, named: Named | None = None, local: Any = None) -> overflow.OverflowReport | None:
+        """The report on a skipped step's gradients (reads the scale, and with an agreement this
+        rank's own flag, to tell whether another rank overflowed); None and a WARNING when it
+        cannot be built (e.g. a layout the counts do not support): it never leaves the iteration open."""
         try:
-            return self.report(named, local)
+            agreed, checks = self.agreement is not None, self.checks
+            local = checks.found if agreed and local is None and checks.agreed is not None else local
+            local = None if not agreed or local is None else self.scaling.read_flag(local)
+            grads = named() if named is not None else list(checks.checked)
+            scale = self.scaling.host_state().scale
+            last = checks.decisions[-1] if checks.decisions else None
+            if last is None or not last.verdicts or last.reason == "overflow":
+                return overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed,
+                                             local_flag=local)
+            group, verdict = last.verdicts[-1]  # the guard's skip
+            return replace(overflow.build_report(grads, scale=scale), verdict=verdict,
+                           diagnosis=self.guarding.diagnosis(group, verdict))
         except Exception as exc:  # noqa: BLE001 - any failure of the report, reported and survived
             logger.warning("diagnose=True: the overflow report on this skipped step could not be built "
                            "(%s: %s); the step was skipped as decided. Fix: call polyamp.explain_overflow "
                            "on dense gradients to see them.", type(exc).__name__, exc)
             return None
-
-    def report(self, named: Callable[[], list[tuple[str, Any]]] | None = None, local: Any = None
-               ) -> overflow.OverflowReport:
-        """The report on this iteration's gradients after a skip (reads the scale, and with an
-        agreement this rank's own flag, to tell whether another rank overflowed)."""
-        agreed = self.agreement is not None
-        if agreed and local is None and self.checks.agreed is not None:
-            local = self.checks.found
-        if agreed and local is not None and not isinstance(local, bool):
-            local = bool(self.ready()[0].read_flag(local))
-        grads = named() if named is not None else list(self.checks.checked)
-        scale = self.host_state().scale
-        last = self.checks.decisions[-1] if self.checks.decisions else None
-        if last is not None and last.verdicts and last.reason != "overflow" and self.guarding is not None:
-            group, verdict = last.verdicts[-1]  # the guard's skip
-            line = self.guarding.diagnosis(group, verdict)
-            return replace(overflow.build_report(grads, scale=scale), verdict=verdict, diagnosis=line)
-        return overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed,
-                                     local_flag=None if not agreed or local is None else bool(local))
 
     # -- the end of an iteration ------------------------------------------------------------
     def concluded(self, found_inf: Any = None, *, skipped: bool | None = None) -> Decision:
@@ -524,11 +449,11 @@ class Iteration:
             return self.decided()._replace(flag=flag, exact=exact)
         if skipped is None and (self.diagnose or found_inf is None and self.agreement is not None
                                 and self.agreement.unverified):  # update() without step(): one read
-            skips = flag if isinstance(flag, bool) else self.ready()[0].read_flag(flag)
+            skips = flag if isinstance(flag, bool) else self.scaling.ready()[0].read_flag(flag)
             if skips and found_inf is None and self.agreement is not None and self.agreement.unverified:
                 self.verify()  # ranks that differ: RankMismatchError before the scale moves
             if self.diagnose:
-                self.last_overflow = self._report_or_warn() if skips else None
+                self.last_overflow = self._report() if skips else None
         return Decision(skipped, flag, isinstance(flag, bool) and flag == skipped)
 
     def decided(self) -> Decision:
@@ -547,7 +472,7 @@ class Iteration:
         reports = [] if self.guarding is None else self.guarding.advance(decision.verdicts)
         try:
             if new_scale is not None:
-                self.set_scale(new_scale)
+                self.scaling.set_scale(new_scale)
             elif rule:
                 self._update(decision, describe)
         finally:  # the iteration ends even if a log handler raises
@@ -558,51 +483,22 @@ class Iteration:
     def _update(self, decision: Decision, describe: Describe | None) -> None:
         """The scale rule on ``decision.flag`` (unless the guard held it), its log line, the floor."""
         skipped, flag, held, log = decision.skipped, decision.flag, decision.held, self.log
-        before = self.host_state() if skipped is not None and log.wants_scale(skipped) else None
+        before = self.scaling.host_state() if skipped is not None and log.wants_scale(skipped) else None
         if self.config.raise_error_at_min_scale and skipped is not False and not held:
-            self.refuse_backoff_at_floor(flag, before)
+            self.scaling.refuse_backoff_at_floor(flag, before)
         if not held:  # a guard-skipped step leaves the scale state as it is
-            self._advance(flag)
-        read = self.host_state
+            self.scaling.advance(flag)
+        read = self.scaling.host_state
         if decision.exact and before is not None:  # the device ran the rule on the same flag: no read
             after = before if held else next_host_state(before, bool(skipped), self.config)
             read = lambda: after  # noqa: E731
         if held:
             describe = self.guarding.describer(*next(gv for gv in decision.verdicts if gv[1].reason))
         if skipped is not None:
-            log.after_update(skipped, before, read, describe or self.describe_change,
+            log.after_update(skipped, before, read, describe or self.scaling.describe_change,
                              overflow.log_summary(self.last_overflow),
                              reason=_first_reason({v.reason for _, v in decision.verdicts}))
-        self.warn_if_at_floor(bool(skipped) and not held)
-
-    def refuse_backoff_at_floor(self, flag: Any, state: HostState | None) -> None:
-        """DeepSpeed's ``raise_error_at_min_scale``: MinScaleError, before the rule runs, when this
-        overflow would back off a scale already at its floor. Reads the flag (and the state unless
-        ``state`` was read), only after a skipped step or an update() without step(); the
-        iteration ends, the state stays."""
-        if not (flag if isinstance(flag, bool) else self.ready()[0].read_flag(flag)):
-            return
-        state = state or self.host_state()
-        if backs_off_at_floor(state, self.config):
-            self.end()
-            raise MinScaleError(
-                f"gradients overflowed with the loss scale already at its minimum {state.scale:g} "
-                f"(min_scale={self.config.min_scale!r}, floor {scale_floor(self.config):g}) and "
-                f"hysteresis spent: it cannot back off further, and raise_error_at_min_scale=True "
-                "(DeepSpeed's behaviour). The step was skipped; the scale and trackers are unchanged. "
-                "Fix: find what overflows (diagnose=True, polyamp.explain_overflow), lower min_scale, "
-                "or pass raise_error_at_min_scale=False to keep skipping such steps."
-            )
-
-    def _advance(self, flag: Any) -> None:
-        """One step of the rule: on the device (no sync), or on the host before any array exists."""
-        if isinstance(flag, bool) and self.state is None:
-            self.host = next_host_state(self.host, flag, self.config)
-            return
-        backend, state = self.ready()
-        if isinstance(flag, bool):
-            flag = backend.full(float(flag), "float32", state.scale)
-        self.state = backend.update_scale(state, flag, self.config)
+        self.scaling.warn_if_at_floor(bool(skipped) and not held, self.last_overflow)
 
     def end(self) -> None:
         """Forget this iteration's checks; the agreement's next collective opens a new iteration."""
@@ -610,50 +506,17 @@ class Iteration:
         if self.agreement is not None:
             self.agreement.end_iteration()
 
-    def warn_if_at_floor(self, skipped: bool) -> None:
-        """After a skipped step's update: warn once if the scale sits at SCALE_FLOOR (reads the
-        scale only on skipped steps until the warning is given)."""
-        if not skipped or self.floor_warned or not self.config.dynamic:
-            return
-        if self.host_state().scale <= SCALE_FLOOR:
-            self.floor_warned = True
-            logger.warning(
-                "loss scale hit its floor 2**-126 (float32's smallest normal) after repeated "
-                "overflows; it stays there instead of decaying to 0. Usual causes: a NaN or inf "
-                "loss or forward pass, gradients not zeroed between steps, or a learning rate "
-                "that diverged.%s", overflow.floor_note(self.last_overflow),
-            )
-
-    def describe_change(self, skipped: bool, before: HostState, after: HostState) -> str | None:
-        """The log line of one update's scale change (``_skip_log`` picks its level)."""
-        old, new = before.scale, after.scale
-        if not skipped:  # or not read on the host: the torch facade with a fused optimizer
-            if new < old:
-                return f"overflow in gradients: loss scale backed off {old:g} -> {new:g}"
-            return f"loss scale grew {old:g} -> {new:g}" if new > old else None
-        if new != old:
-            return f"overflow in gradients: step skipped, loss scale backed off {old:g} -> {new:g}"
-        return (f"overflow in gradients: step skipped, loss scale kept at {old:g} "
-                f"(absorbed by backoff_interval={self.config.backoff_interval})")
-
     # -- copies -----------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        """The backend by name and the state as host values (one sync); device arrays are rebuilt."""
+        """Plain data (the scaling pickles its backend by name and its state as host values)."""
         if self.checks.found is not None or self.checks.skipped is not None:
             raise ScalerStateError(
                 "a LossScaler can be copied or pickled only between update() and the next "
                 "unscale_()/step(): this iteration's overflow checks live on the device. "
                 "Fix: call update() first."
             )
-        state = self.__dict__.copy()
-        state.update(backend=self.backend.name if self.backend else None, state=None,
-                     host=self.host_state())
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        name = state["backend"]
-        backend = _registry.get_backend(name, "a copied or unpickled LossScaler") if name else None
-        self.__dict__.update(state, backend=backend)
+        parts = {"scaling": copy.copy(self.scaling), "guarding": copy.copy(self.guarding)}  # a copy's own
+        return {**self.__dict__, **parts}
 
 
 def _first_reason(reasons: set[str | None]) -> str | None:

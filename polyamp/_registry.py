@@ -70,14 +70,17 @@ def _info(name: str) -> BackendInfo:
 
 
 def _summary() -> str:
-    """The installed backends by name, those that cannot run here apart (their reasons, each with
-    its own install hint, are in ``polyamp info``: one message repeats none of them)."""
-    infos = available_backends()
-    if not infos:
+    """The installed backends by name, read from the registered plugins: asks no plugin whether it
+    can run here, so it imports no array library (``polyamp info`` says which can, and why not)."""
+    plugins = _plugins()
+    names = plugins.names()
+    broken = sorted(plugins.broken)
+    if not names and not broken:
         return "none (is polyamp installed? run: pip install -e .)"
-    usable = ", ".join(i.name for i in infos if i.available) or "none"
-    other = [i.name for i in infos if not i.available]
-    return f"{usable} (unavailable here: {', '.join(other)}; `polyamp info` says why)" if other else usable
+    listed = ", ".join(names) or "none"
+    if broken:
+        listed += f" (failed to load: {', '.join(broken)})"
+    return f"{listed}; `polyamp info` says which can run here"
 
 
 def _usable() -> str:
@@ -87,8 +90,11 @@ def _usable() -> str:
                      manager.get_plugin(i.name).backend_info().get("in_place", True)) or "none"
 
 
-def get_backend(name: str, source: str = "backend=") -> Backend:
-    """The bound backend called ``name``; ``source`` says who asked, for the error message."""
+def check_known(name: str, source: str = "backend=") -> None:
+    """Raise unless ``name`` is an installed backend that loaded; ``source`` says who asked.
+
+    Reads names only: no plugin is asked whether it can run here, no array library is imported.
+    """
     plugins = _plugins()
     if name in plugins.broken:
         raise BackendUnavailableError(
@@ -101,6 +107,11 @@ def get_backend(name: str, source: str = "backend=") -> Backend:
             f"{_summary()}. Fix: use one of these names, or install the plugin that provides "
             f"{name!r} (it registers under the 'polyamp' entry-point group)."
         )
+
+
+def get_backend(name: str, source: str = "backend=") -> Backend:
+    """The bound backend called ``name``; ``source`` says who asked, for the error message."""
+    check_known(name, source)
     return _bound(name, source)
 
 

@@ -81,7 +81,7 @@ class SkipLog:
                     self.opened, self.opening_scale = self.steps, None if before is None else _scale(before)
                 self.window_skips += 1
                 why = reason or "overflow"
-                counts = getattr(self, "reasons", {})  # a log unpickled from before reasons were counted
+                counts = self.reasons
                 self.reasons = {**counts, why: counts.get(why, 0) + 1}
         if before is not None and logger.isEnabledFor(level):
             line = describe(skipped, before, read())
@@ -95,7 +95,7 @@ class SkipLog:
         if logger.isEnabledFor(logging.INFO):
             now = scale_text(_scale(read()))
             moved = f"{scale_text(self.opening_scale)} -> {now}" if self.opening_scale is not None else now
-            reasons = getattr(self, "reasons", {})
+            reasons = self.reasons
             why = ", ".join(f"{n} {r}" for r, n in reasons.items())
             why = f" ({why})" if set(reasons) - {"overflow"} else ""
             logger.info("%d skipped steps%s in the last %d steps, loss scale %s (each step's line is at "

@@ -19,7 +19,7 @@ from ._atomic_file import atomic_write
 from ._errors import StateDictError
 from .config import LossScaleConfig, check_scale, short_repr
 from .guard import GuardHistory
-from .policy import HostState, tracker_limits
+from .policy import HostState, fit_to_config, tracker_limits
 
 FORMAT = "polyamp.LossScaler"
 VERSION = 1
@@ -40,7 +40,10 @@ def to_state_dict(
     guard: GuardHistory | None = None,
 ) -> dict[str, Any]:
     """The engine's checkpoint: every config field, the state and the counters (and a StepGuard's
-    histories and streak under ``"guard"``, a key older checkpoints lack)."""
+    histories and streak under ``"guard"``, a key older checkpoints lack). Trackers past the
+    config's limits (an interval shortened since) are written fitted (the same trajectory), so
+    the checkpoint loads."""
+    host = fit_to_config(host, config)
     extra = {} if guard is None else {"guard": guard.to_dict()}
     return {**extra,
         "format": FORMAT,
@@ -228,18 +231,24 @@ def _refuse_special(path: str, name: str) -> None:
     """Refuse a path that is not a regular file (FIFO, socket, device) before opening it: reading a
     FIFO without a writer would block forever. A missing file is left to open() (FileNotFoundError)."""
     try:
-        mode = os.stat(path).st_mode
+        kind = special_kind(os.stat(path).st_mode)
     except OSError:
         return
-    if stat.S_ISREG(mode):
+    if kind is None:
         return
-    kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a device or other special file")
     raise StateDictError(
         f"load() got {name}, which is {kind}, not a regular file: polyamp reads checkpoints from "
         "regular files (a pipe would block until something writes to it). Fix: pass the path of the "
         "file LossScaler.save() wrote, or open the stream yourself and pass the binary file object."
     )
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file of this ``st_mode`` is, for messages ("a FIFO (named pipe)"); None: a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device or other special file")
 
 
 def _gunzip(raw: bytes, name: str) -> bytes:

@@ -101,9 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     inspect = sub.add_parser(
         "inspect", help="show a checkpoint's format, scale, trackers, counters and config",
-        description="Read a checkpoint polyamp can load (LossScaler.save(), .gz too, or a torch- or "
-        "paddle-facade state_dict() saved as JSON) and print what it holds. Nothing in the file is "
-        "executed. Exits 2 with a one-line error for anything else.",
+        description="Read a checkpoint (LossScaler.save(), .gz too; a torch- or paddle-facade "
+        "state_dict() saved as JSON; a torch.save file, read with torch.load(weights_only=True), "
+        "torch's restricted unpickler) and print every scaler state it holds; a field the format "
+        "does not hold shows as 'not saved in this format'. Nothing in the file is executed. Exits 2 "
+        "with a one-line error for anything else.",
     )
     inspect.add_argument("path", metavar="PATH", help="the checkpoint file")
     inspect.add_argument("--json", action="store_true", help="print the same as JSON")

@@ -239,3 +239,9 @@ def short_repr(value: Any, limit: int = 40) -> str:
     """``repr(value)`` cut to ``limit`` characters, so a 400-digit int cannot flood a message."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 12]}...({len(text)} chars)"
+
+
+#: The config of a scaler that does not scale (a fixed scale of 1): a guard-only scaler (bf16, fp32)
+#: still skips steps with non-finite gradients, and its guard's spikes; and the trainer without loss
+#: scaling is fingerprinted with it across ranks.
+FIXED_ONE = LossScaleConfig(init_scale=1.0, dynamic=False)

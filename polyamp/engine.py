@@ -129,18 +129,14 @@ class LossScaler:
         **fields: Any,
     ) -> None:
         config = config_from(config, fields, type(self).__name__)
-        if not isinstance(config, LossScaleConfig):
-            raise TypeError(
-                f"config must be a polyamp.LossScaleConfig, got config={config!r}; "
-                "build one with polyamp.LossScaleConfig(init_scale=..., ...)"
-            )
-        name, source = _registry.requested_backend(backend)
-        chosen = _registry.get_backend(name, source) if name else None
-        diagnose = overflow.check_diagnose(diagnose)
-        step_guard = _guard.check_guard(guard)
-        agreement = None if reducer is None else Agreement(reducer)
-        self._iteration = Iteration(config, chosen, agreement=agreement, diagnose=diagnose,
-                                    step_guard=step_guard)
+        self._iteration = make_iteration(config, backend, reducer=reducer, diagnose=diagnose, guard=guard)
+
+    @classmethod
+    def over(cls, iteration: Iteration) -> LossScaler:
+        """The engine over an iteration a facade made (:func:`make_iteration`) and drives itself."""
+        engine = object.__new__(cls)
+        engine._iteration = iteration
+        return engine
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -151,17 +147,17 @@ class LossScaler:
     @property
     def config(self) -> LossScaleConfig:
         """The immutable config in force; change it with :meth:`reconfigure`."""
-        return self._iteration.config
+        return self._iteration.scaling.config
 
     @property
     def backend(self) -> Backend | None:
         """The bound backend, or None until the first arrays decide it."""
-        return self._iteration.backend
+        return self._iteration.scaling.backend
 
     @property
     def state(self) -> LossScaleState | None:
         """The device state arrays, or None before the first array is seen."""
-        return self._iteration.state
+        return self._iteration.scaling.state
 
     @property
     def steps(self) -> int:
@@ -216,13 +212,12 @@ class LossScaler:
 
     def reconfigure(self, **changes: Any) -> LossScaleConfig:
         """Replace some config fields (validated first: a bad value changes nothing)."""
-        self._iteration.config = self._iteration.config.replace(**changes)
-        return self._iteration.config
+        return self._iteration.scaling.reconfigure(self.config.replace(**changes))
 
     # -- state set-up -----------------------------------------------------------------
     def bind(self, array: Any) -> Backend:
         """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
-        return self._iteration.bind(array)
+        return self._iteration.scaling.bind(array)
 
     # -- the four verbs ---------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
@@ -232,7 +227,7 @@ class LossScaler:
         if first is None:
             return outputs
         backend = self.bind(first)
-        scale = self._iteration.ready()[1].scale
+        scale = self._iteration.scaling.ready()[1].scale
         return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
 
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False, loss: Any = None) -> Any:
@@ -262,26 +257,14 @@ class LossScaler:
         iteration.take_loss(loss, "unscale_()")
         return found
 
-    def unscale_group_(self, grads: Iterable[Any], *, check_only: bool = False) -> Any:
-        """Unscale one group of this iteration's gradients (one optimizer's); return its flag.
-
-        For facades that keep their own per-optimizer stages: may be called once per group in
-        an iteration, and the flags are summed into the pending check. No host synchronisation.
-        """
-        if self._iteration.checks.skipped is not None:
-            raise ScalerStateError(
-                f"unscale_group_() was called after step(). Fix: call update() after step() (`{_LOOP}`)."
-            )
-        return self._iteration.unscale(grads, check_only=check_only, where="unscale_group_()")
-
     def record_found_inf(self, flag: Any) -> None:
         """Add a device flag (non-zero = bad step, e.g. a non-finite gradient norm) to the
         iteration's pending check, so the coming skip decision counts it. No host synchronisation.
         """
         iteration = self._iteration
-        flag = _inputs.flag_value(flag, iteration.backend, "record_found_inf()", "flag")
+        flag = _inputs.flag_value(flag, iteration.scaling.backend, "record_found_inf()", "flag")
         if isinstance(flag, bool):  # on the state's device, as a flag array
-            backend, state = iteration.ready()
+            backend, state = iteration.scaling.ready()
             flag = backend.full(float(flag), "float32", state.scale)
         iteration.record(flag)
 
@@ -322,14 +305,6 @@ class LossScaler:
         """
         return self._iteration.agree_flag(found_inf)
 
-    def verify_agreement(self) -> None:
-        """After a skip decision read a non-zero agreed flag: RankMismatchError if the ranks differ.
-
-        Free where the message lived on the host (it was checked as it arrived); on a GPU one
-        read of this iteration's messages, on skipped steps only. Without a reducer: nothing.
-        """
-        self._iteration.verify()
-
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any], *, loss: Any = None) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
 
@@ -362,7 +337,7 @@ class LossScaler:
             iteration.unscale(grads, where="step()")
         iteration.take_loss(loss, "step()")
         decision = iteration.decide()
-        before = iteration.ready()[1].scale + 0  # a copy: update() may change the scale in place
+        before = iteration.scaling.ready()[1].scale + 0  # a copy: update() may change the scale in place
         if not decision.skipped:
             step_fn()
         iteration.count(decision.skipped)
@@ -380,7 +355,7 @@ class LossScaler:
         """
         iteration = self._iteration
         if found_inf is not None:
-            found_inf = _inputs.flag_value(found_inf, iteration.backend)
+            found_inf = _inputs.flag_value(found_inf, iteration.scaling.backend)
             if not isinstance(found_inf, bool):
                 self.bind(found_inf)  # picks the backend if none; the state goes to the flag's device
         iteration.finish(iteration.concluded(found_inf))
@@ -398,11 +373,11 @@ class LossScaler:
     # -- reading back (host syncs) ----------------------------------------------------
     def host_state(self) -> HostState:
         """The state as Python numbers: a device sync when the state lives on a GPU."""
-        return self._iteration.host_state()
+        return self._iteration.scaling.host_state()
 
     def get_scale(self) -> float:
         """The current scale as a float (a device sync)."""
-        return self._iteration.host_state().scale
+        return self._iteration.scaling.host_state().scale
 
     # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -418,7 +393,7 @@ class LossScaler:
                 "the scale it leads to is not computed yet, so a checkpoint now would resume with the "
                 f"old scale. Fix: call update() first, and save after it (the loop is `{_LOOP}`)."
             )
-        return checkpoint.to_state_dict(iteration.config, iteration.host_state(), iteration.steps,
+        return checkpoint.to_state_dict(self.config, iteration.scaling.host_state(), iteration.steps,
                                         iteration.skipped_steps,
                                         None if iteration.guard is None else self.guard_history)
 
@@ -430,8 +405,8 @@ class LossScaler:
     def _apply(self, parts: tuple[LossScaleConfig, HostState, int, int, _guard.GuardHistory | None]) -> None:
         config, host, steps, skipped, history = parts
         iteration = self._iteration
-        iteration.config, iteration.steps, iteration.skipped_steps = config, steps, skipped
-        iteration.load(host)
+        iteration.steps, iteration.skipped_steps = steps, skipped
+        iteration.load(config, host)
         if iteration.guarding is not None:  # an older checkpoint (or one saved without a guard): empty
             fitted = (history or _guard.GuardHistory()).fitted(iteration.guard.window)
             iteration.guarding.histories = {0: fitted}
@@ -451,13 +426,31 @@ class LossScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         iteration = object.__new__(Iteration)
-        iteration.__setstate__(state["iteration"])
+        iteration.__dict__.update(state["iteration"])
         self._iteration = iteration
 
     def __repr__(self) -> str:
-        backend = self._iteration.backend
+        backend = self._iteration.scaling.backend
         name = backend.name if backend else "undecided"
-        return f"LossScaler(backend={name!r}, config={self._iteration.config!r})"
+        return f"LossScaler(backend={name!r}, config={self._iteration.scaling.config!r})"
+
+
+def make_iteration(config: LossScaleConfig | None, backend: str | None, *, reducer: Any = None,
+                   diagnose: bool = False, guard: _guard.StepGuard | None = None) -> Iteration:
+    """A checked :class:`Iteration` (the arguments as :class:`LossScaler` takes them; None: the
+    default config); errors about the backend are raised here, before anything exists."""
+    config = LossScaleConfig() if config is None else config
+    if not isinstance(config, LossScaleConfig):
+        raise TypeError(
+            f"config must be a polyamp.LossScaleConfig, got config={config!r}; "
+            "build one with polyamp.LossScaleConfig(init_scale=..., ...)"
+        )
+    name, source = _registry.requested_backend(backend)
+    chosen = _registry.get_backend(name, source) if name else None
+    diagnose = overflow.check_diagnose(diagnose)
+    step_guard = _guard.check_guard(guard)
+    agreement = None if reducer is None else Agreement(reducer)
+    return Iteration(config, chosen, agreement=agreement, diagnose=diagnose, step_guard=step_guard)
 
 
 def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:

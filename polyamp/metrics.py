@@ -84,9 +84,9 @@ def measure(iteration: Any, steps: int, skipped_steps: int, *,
 def read_scale(iteration: Any, pending: Sequence[Any] = ()) -> tuple[float, list[bool]]:
     """The iteration's scale (and ``pending`` device flags) on the host: ONE read, none before the
     state has arrays. Only the scale is read, not the trackers."""
-    if iteration.state is None or iteration.backend is None:
-        return float(iteration.host.scale), []
-    return read_scale_and_flags(iteration.backend, iteration.state.scale, pending)
+    if iteration.scaling.state is None or iteration.scaling.backend is None:
+        return float(iteration.scaling.host.scale), []
+    return read_scale_and_flags(iteration.scaling.backend, iteration.scaling.state.scale, pending)
 
 
 def scaler_metrics(

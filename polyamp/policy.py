@@ -29,8 +29,11 @@ float32 for paddle and megatron) and rounded to float32. With ``dynamic=False`` 
 changes. The rule compares with ``>=`` where the engines write ``==``: the same for every state the
 rule leaves (trackers never pass the limits), but a state past them (made under a config with
 longer intervals, then updated under this one: :mod:`polyamp.functional` takes any state) backs
-off and grows instead of never doing either. Backends' device kernels must agree with
-:func:`next_host_state`; the tests hold each one against it.
+off and grows instead of never doing either. :func:`fit_to_config` brings such a state within the
+limits with the same trajectory, so a kernel comparing ``==`` (torch's fused update) agrees with
+the rule once the state is fitted. Backends' device kernels must agree with
+:func:`next_host_state` on every state within :func:`tracker_limits`; the tests hold each one
+against it.
 """
 
 from __future__ import annotations
@@ -81,6 +84,19 @@ class HostState(NamedTuple):
     backoff_tracker: int = 0
 
 
+def fit_to_config(state: HostState, config: LossScaleConfig) -> HostState:
+    """``state`` with its trackers cut to :func:`tracker_limits` (the scale kept): the state to
+    update under ``config`` after a reconfigure that shortened an interval or changed the rule.
+
+    The rule moves the scale from the result exactly as from ``state`` (a tracker past its limit
+    meets the ``>=`` as the limit does; the trackers are equal from the step that next resets
+    them), and kernels comparing ``==`` agree with it.
+    """
+    most_growth, most_backoff = tracker_limits(config)
+    return HostState(state.scale, min(state.growth_tracker, most_growth),
+                     min(state.backoff_tracker, most_backoff))
+
+
 def _product(scale: float, factor: float, config: LossScaleConfig) -> float:
     """scale * factor formed in the configured precision, rounded to float32 (inf past its max)."""
     with np.errstate(over="ignore"):  # growth past float32's max is expected; the rule checks it
@@ -122,7 +138,7 @@ def next_host_state(state: HostState, found_inf: bool, config: LossScaleConfig) 
         growth, backoff = 0, backoff + 1
         if backoff >= config.backoff_interval:  # >=: a state past the limit is spent, not stuck
             scale = max(_product(scale, config.backoff_factor, config), scale_floor(config))
-            backoff = backoff - 1 if params.keeps_count else 0  # spent: the count stays (interval - 1)
+            backoff = config.backoff_interval - 1 if params.keeps_count else 0  # spent stays spent
         return HostState(scale, growth, backoff)
     growth = growth + 1
     if params.finite_refills:
@@ -181,7 +197,8 @@ def next_state(
         grown = xp.minimum(grown, xp.asarray(config.max_scale, dtype=xp.float32))
 
     new_scale = xp.where(do_backoff, backed, xp.where(grow_ok, grown, scale))
-    on_found = xp.where(do_backoff, backoff if params.keeps_count else zeros, counted)
+    spent = zeros + min(config.backoff_interval - 1, _TRACKER_MAX) if params.keeps_count else zeros
+    on_found = xp.where(do_backoff, spent, counted)
     on_finite = zeros if params.finite_refills else xp.where(do_grow, zeros, backoff)
     new_backoff = xp.where(found, on_found, on_finite)
     growth_zeros = xp.zeros_like(growth)

@@ -35,8 +35,8 @@ from ._iteration import Iteration
 from ._masters import check_masters
 from ._registry import model_steps
 from .adapters import iter_params
-from .config import LossScaleConfig
-from .engine import LossScaler
+from .config import FIXED_ONE, LossScaleConfig
+from .engine import LossScaler, make_iteration
 from .grads import GradBuffer, _check_max_norm
 from .guard import StepGuard, Verdict, check_guard, why
 from .noop import NoOpLossScaler
@@ -129,24 +129,20 @@ class MixedPrecisionTrainer:
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
         guard = check_guard(guard)
-        if guard is not None and not loss_scaling:
-            raise ConfigError(
-                "MixedPrecisionTrainer(guard=...) needs loss_scaling=True: the guard judges the step in "
-                "the scaler's iteration. Fix: for bf16 without scaling pass loss_scaling=True with "
-                "config=polyamp.LossScaleConfig(init_scale=1.0, dynamic=False)."
-            )
         self._dtype = _dtypes.compute_dtype_name(compute_dtype)
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
         self._clip_id = 0 if max_grad_norm is None else zlib.crc32(repr(float(max_grad_norm)).encode()) or 1
-        if loss_scaling:
-            self._scaler: Any = LossScaler(config, backend, reducer=reducer, guard=guard)
-            self._iteration = self._scaler.iteration  # the one iteration: gradients summed, decided, updated
+        if loss_scaling or guard is not None:  # with a guard and no scaling: guard-only, the scale fixed at 1
+            config = config if loss_scaling else FIXED_ONE
+            # the one iteration: gradients summed, decided, updated
+            self._iteration = make_iteration(config, backend, reducer=reducer, guard=guard)
+            self._scaler: Any = LossScaler.over(self._iteration)
         else:  # no scaling: a fixed scale of 1 to fingerprint, and the decision on a non-finite norm
             self._scaler = NoOpLossScaler(config, backend)
             agreement = None if reducer is None else Agreement(reducer)
-            self._iteration = Iteration(_NO_SCALING, None, agreement=agreement)
+            self._iteration = Iteration(FIXED_ONE, None, agreement=agreement)
         self._unscaled_skips = 0  # steps skipped for a non-finite norm without loss scaling
         self._steps: Any = model_steps(model, self._dtype) or ArraySteps(model, self._dtype)
         _check_optimizer_holds(optimizer, self._steps.params)
@@ -329,8 +325,6 @@ class ArraySteps:
         return loss
 
 
-#: What the ranks' configs are compared as when loss scaling is off: a fixed scale of 1.
-_NO_SCALING = LossScaleConfig(init_scale=1.0, dynamic=False)
 
 
 def _no_step() -> None:

@@ -285,3 +285,12 @@ def test_info_help_has_a_description(capsys):
         build_parser().parse_args(["info", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "which NumPy kernel runs" in text and "POLYAMP_BACKEND" in text
+
+
+def test_inspect_help_says_torch_save_files_are_read_safely(capsys):
+    from polyamp.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["inspect", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "torch.save" in text and "torch.load(weights_only=True)" in text and "refused" not in text

@@ -170,16 +170,12 @@ def test_agree_out_of_order_is_refused_and_changes_nothing(when):
     assert red.collectives == sent
 
 
-@pytest.mark.parametrize("call", ["unscale_group_", "record_found_inf"])
-def test_flags_added_after_agree_are_refused(call):
+def test_flags_added_after_agree_are_refused():
     scaler = LossScaler(reducer=OneRank())
-    scaler.unscale_group_(_grads())
+    scaler.unscale_(_grads())
     scaler.agree_()
     with pytest.raises(ScalerStateError, match="after agree_\\(\\)"):
-        if call == "unscale_group_":
-            scaler.unscale_group_(_grads(bad=True))
-        else:
-            scaler.record_found_inf(np.float32(1.0))
+        scaler.record_found_inf(np.float32(1.0))
     assert not scaler.step([], lambda: None).skipped  # the agreed flag stands
 
 
@@ -227,3 +223,14 @@ def test_import_polyamp_stays_free_of_distributed_torch_and_mpi4py():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_agree_before_any_array_fingerprints_the_host_state():
+    """A flag recorded before any gradient (a NumPy scalar: no state arrays yet) is agreed with
+    the host state in the fingerprint (it used to read None's scale and raise a TypeError)."""
+    scaler = LossScaler(reducer=OneRank())
+    scaler.record_found_inf(np.float32(1.0))
+    agreed = scaler.agree_()
+    assert float(agreed.found_inf) == 1.0
+    scaler.update()
+    assert scaler.get_scale() == 2.0**15

@@ -94,8 +94,6 @@ def test_unscale_after_step_raises():
     scaler.step([np.ones(1, np.float32)], lambda: None)
     with pytest.raises(ScalerStateError, match=r"after step\(\).*update\(\)"):
         scaler.unscale_([np.ones(1, np.float32)])
-    with pytest.raises(ScalerStateError, match=r"update\(\) after step\(\)"):
-        scaler.unscale_group_([np.ones(1, np.float32)])
 
 
 def test_step_unscales_even_after_an_extra_recorded_flag():
@@ -254,7 +252,7 @@ def test_trackers_just_below_their_limit_load():
     ],
     ids=["matrix", "numpy-scalar", "float"],
 )
-@pytest.mark.parametrize("call", ["unscale_", "unscale_group_", "step"])
+@pytest.mark.parametrize("call", ["unscale_", "step"])
 def test_gradients_that_cannot_change_in_place_are_refused_first(bad, message, call):
     scaler = LossScaler(LossScaleConfig(init_scale=4.0))
     good = np.full(2, 8.0, np.float32)

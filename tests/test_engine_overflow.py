@@ -54,10 +54,9 @@ def test_unscale_then_update_that_skips_reports_too():
     assert scaler.last_overflow is None
 
 
-def test_groups_are_numbered_across_unscale_group_calls():
+def test_gradients_are_numbered_in_the_order_checked():
     scaler = LossScaler(diagnose=True)
-    scaler.unscale_group_([np.ones(2, np.float32)])
-    scaler.unscale_group_([np.ones(1, np.float32), np.array([INF], np.float32)])
+    scaler.unscale_([np.ones(2, np.float32), np.ones(1, np.float32), np.array([INF], np.float32)])
     scaler.step([], lambda: None)
     assert scaler.last_overflow.tensors[0].name == "grads[2]" and scaler.last_overflow.checked == 3
 

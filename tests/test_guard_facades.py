@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polyamp import ConfigError, LossScaleConfig, MixedPrecisionTrainer, StepGuard
+from polyamp import LossScaleConfig, MixedPrecisionTrainer, StepGuard
 from polyamp.optim import SGD
 
 SPIKE = 25
@@ -242,27 +242,101 @@ def test_trainer_a_guard_skip_equals_leaving_the_step_out(dtype):
     assert kept == [m.loss_scale for m in other_metrics]
 
 
-def test_trainer_guard_needs_loss_scaling():
+def test_trainer_without_loss_scaling_is_guard_only():
+    """bf16 without scaling and a guard: the scale fixed at 1, a gradient past the limit skipped."""
     model = Linear()
-    with pytest.raises(ConfigError, match=r"guard=.*loss_scaling=True.*Fix: "):
-        MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "bfloat16", loss_scaling=False,
-                              guard=StepGuard(loss_zscore=3.0))
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.05), "float32", loss_scaling=False,
+                                    guard=StepGuard(max_grad_norm=1.0))
+    x = np.ones((16, 4), np.float32)
+    before = model.w.data.copy()
+    spike = trainer.train_step(x, np.full((16, 1), 1e6, np.float32), mse)
+    assert spike.skipped and spike.reason == "grad_norm_limit" and spike.loss_scale == 1.0
+    np.testing.assert_array_equal(model.w.data, before)  # the norm 1e6-ish gradient never applied
+    fine = trainer.train_step(x, np.full((16, 1), 0.5, np.float32), mse)
+    assert not fine.skipped and fine.loss_scale == 1.0 and trainer.loss_scale == 1.0
+    assert not np.array_equal(model.w.data, before) and trainer.skipped_steps == 1
 
 
-def test_a_disabled_facade_takes_a_guard_and_does_nothing():
+def _torch_spike(scaler, torch):
+    """One step with a gradient of norm ~1.4e6, then one with a small gradient: (applied?, applied?)."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    applied = []
+    for size in (1e6, 0.1):
+        scaler.scale((p * size).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        applied.append(bool(p.abs().sum() > 0))
+        opt.zero_grad()
+    return applied, scaler
+
+
+@pytest.mark.parametrize("build", ["cpu_disabled", "cuda_without_cuda"])
+def test_a_disabled_torch_facade_with_a_guard_is_guard_only(build):
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    guard = StepGuard(max_grad_norm=1.0)
+    if build == "cpu_disabled":
+        scaler = polyamp.GradScaler("cpu", enabled=False, guard=guard)
+    else:
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is available: GradScaler() is enabled here")
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            scaler = polyamp.GradScaler(guard=guard)
+    applied, scaler = _torch_spike(scaler, torch)
+    assert applied == [False, True]  # the 1.4e6 gradient never reached the weights
+    assert scaler.get_scale() == 1.0 and scaler.skipped_steps == 1 and scaler.is_enabled()
+    assert scaler.metrics()["skipped_steps"] == 1
+    copy = __import__("pickle").loads(__import__("pickle").dumps(scaler))
+    assert copy.get_scale() == 1.0 and _torch_spike(copy, torch)[0] == [False, True]
+
+
+def test_a_disabled_facade_without_a_guard_does_nothing():
     torch = pytest.importorskip("torch")
     from polyamp.compat.paddle import GradScaler as PaddleGradScaler
 
     import polyamp
 
-    scaler = polyamp.GradScaler("cpu", enabled=False, guard=StepGuard(loss_zscore=3.0))
+    scaler = polyamp.GradScaler("cpu", enabled=False)
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.5)
     scaler.scale(p.sum()).backward()
     scaler.step(opt)
     scaler.update()
-    assert p.tolist() == [0.5, 0.5] and scaler.last_skip_reason is None
-    assert not PaddleGradScaler(enable=False, guard=StepGuard(loss_zscore=3.0)).is_enable()
+    assert p.tolist() == [0.5, 0.5] and scaler.last_skip_reason is None and not scaler.is_enabled()
+    assert not PaddleGradScaler(enable=False).is_enable()
+
+
+def test_a_disabled_paddle_facade_with_a_guard_is_guard_only():
+    from polyamp.compat.paddle import GradScaler as PaddleGradScaler
+
+    from polyamp import Parameter
+
+    scaler = PaddleGradScaler(enable=False, guard=StepGuard(max_grad_norm=1.0))
+    p = Parameter(np.zeros(2, np.float32))
+    opt = SGD([p], lr=1.0)
+    applied = []
+    for size in (1e6, 0.1):
+        scaler.scale(np.ones((), np.float32))
+        p.grad = np.full(2, size, np.float32)
+        scaler.minimize(opt)
+        applied.append(bool(np.abs(p.data).sum() > 0))
+    assert applied == [False, True] and scaler.skipped_steps == 1
+    assert scaler.engine.get_scale() == 1.0 and scaler.get_init_loss_scaling() == 1.0
+    assert scaler.last_skip_reason is None and not scaler.is_use_dynamic_loss_scaling()
+
+
+def test_make_scaler_disabled_with_a_guard_is_guard_only():
+    import polyamp
+
+    scaler = polyamp.make_scaler(enabled=False, guard=StepGuard(max_grad_norm=1.0), backend="numpy")
+    assert isinstance(scaler, polyamp.LossScaler) and scaler.get_scale() == 1.0
+    applied = []
+    result = scaler.step([np.full(2, 1e6, np.float32)], lambda: applied.append(1))
+    scaler.update()
+    assert result.skipped and result.reason == "grad_norm_limit" and not applied
+    assert scaler.get_scale() == 1.0
 
 
 def test_paddle_minimize_with_a_guard_skips_a_spike():

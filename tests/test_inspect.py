@@ -4,6 +4,7 @@ saved as JSON, ``--json``; exit 2 with one line for anything else, never executi
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyamp import LossScaleConfig, LossScaler
+from polyamp import LossScaleConfig, LossScaler, _inspect
 from polyamp.cli import main
 
 
@@ -102,3 +103,46 @@ def test_anything_else_exits_2_with_one_line(tmp_path, content, words):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("polyamp inspect: error: ") and words in lines[0]
     assert not Path("/tmp/polyamp-inspect-executed").exists()  # nothing in the file ran
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_device_is_refused_before_it_is_opened(tmp_path, kind):
+    path = tmp_path / "pipe"
+    if kind == "fifo":
+        os.mkfifo(path)  # no writer: opening it for reading would block for ever
+    else:
+        path = Path(os.devnull)
+    out = subprocess.run([sys.executable, "-m", "polyamp", "inspect", str(path)], capture_output=True,
+                         text=True, timeout=20)
+    assert out.returncode == 2 and out.stdout == ""
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("polyamp inspect: error: ") and repr(str(path)) in line
+    assert ("a FIFO (named pipe)" if kind == "fifo" else "a device") in line and "not a regular file" in line
+
+
+def test_a_nul_in_the_path_is_a_clean_error(capsys):
+    assert main(["inspect", "a\0b.json"]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert captured.out == "" and line.startswith("polyamp inspect: error: ")
+    assert repr("a\0b.json") in line and "NUL" in line and "Fix:" in line
+
+
+def test_the_docs_say_torch_save_files_are_read_safely():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text()
+    section = " ".join(page.split("## Inspecting a checkpoint", 1)[1].split("\n## ", 1)[0].split())
+    assert "torch.load(weights_only=True)" in section and "a pickle, is refused" not in section
+    assert f"{_inspect.MAX_DEPTH} levels" in section and f"{_inspect.MAX_ITEMS:,} items" in section
+
+
+def test_a_json_torch_state_says_which_fields_it_does_not_hold(tmp_path, capsys):
+    from polyamp.compat.torch import GradScaler
+
+    path = tmp_path / "torch.json"
+    path.write_text(json.dumps(GradScaler("cpu", init_scale=256.0, backend="numpy").state_dict()))
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "init_scale=" not in text and "trackers: growth 0, backoff not saved in this format" in text
+    (unsaved,) = [line for line in text.splitlines() if "not saved in this format:" in line]
+    assert "init_scale" in unsaved and "rule" in unsaved and "growth_interval" not in unsaved

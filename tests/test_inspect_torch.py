@@ -15,11 +15,13 @@ from polyamp.compat.paddle import GradScaler as PaddleScaler
 from polyamp.compat.torch import GradScaler
 
 import polyamp
+from polyamp import _inspect
+from polyamp.cli import main
 
 
-def inspect(*args: str) -> subprocess.CompletedProcess:
+def inspect(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "polyamp", "inspect", *args], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=timeout)
 
 
 def torch_state(scale: float) -> dict:
@@ -128,3 +130,75 @@ def test_a_lightning_checkpoint(tmp_path):
     assert out.returncode == 0, out.stderr
     (entry,) = json.loads(out.stdout)
     assert entry["where"] == 'checkpoint["MixedPrecision"]' and entry["scale"] == scale
+
+
+def one_error_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2 and out.stdout == ""
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("polyamp inspect: error: ")
+    return line
+
+
+def test_a_torch_state_says_which_fields_it_does_not_hold(tmp_path):
+    path = tmp_path / "scaler.pt"
+    torch.save(torch_state(65536.0), path)  # torch's state holds no init_scale and no backoff tracker
+    out = inspect(str(path))
+    assert out.returncode == 0, out.stderr
+    assert "init_scale=" not in out.stdout and "backoff not saved in this format" in out.stdout
+    (unsaved,) = [line for line in out.stdout.splitlines() if "not saved in this format:" in line]
+    assert "init_scale" in unsaved and "dynamic" in unsaved and "growth_factor" not in unsaved
+    (entry,) = json.loads(inspect("--json", str(path)).stdout)
+    assert entry["config"] == {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 7}
+    assert entry["backoff_tracker"] is None and "init_scale" in entry["not_saved"]
+
+
+def test_a_paddle_state_holds_its_trackers_and_not_init_scale(tmp_path):
+    path = tmp_path / "paddle.pt"
+    torch.save(PaddleScaler(init_loss_scaling=4.0, backend="numpy").state_dict(), path)
+    (entry,) = json.loads(inspect("--json", str(path)).stdout)
+    assert entry["backoff_tracker"] == 0 and entry["config"]["dynamic"] is True
+    assert "init_scale" in entry["not_saved"] and "backoff_interval" in entry["config"]
+
+
+def test_a_self_referencing_checkpoint_is_walked_once(tmp_path):
+    loop: list = [1]
+    loop.append(loop)
+    torch.save(loop, tmp_path / "loop.pt")
+    line = one_error_line(inspect(str(tmp_path / "loop.pt"), timeout=20))
+    assert "no scaler state in it" in line and "Recursion" not in line
+    ckpt: dict = {"scaler": torch_state(8.0)}
+    ckpt["again"] = ckpt  # a dict that holds itself, and a scaler state reached twice
+    ckpt["same"] = ckpt["scaler"]
+    torch.save(ckpt, tmp_path / "self.pt")
+    out = inspect("--json", str(tmp_path / "self.pt"), timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert [(e["where"], e["scale"]) for e in json.loads(out.stdout)] == [('checkpoint["scaler"]', 8.0)]
+
+
+def test_lists_doubled_40_times_finish_at_once(tmp_path):
+    doubled: list = [0]
+    for _ in range(40):
+        doubled = [doubled, doubled]  # 2**40 paths, 41 lists
+    torch.save(doubled, tmp_path / "doubled.pt")
+    assert (tmp_path / "doubled.pt").stat().st_size < 4096
+    assert "no scaler state in it" in one_error_line(inspect(str(tmp_path / "doubled.pt"), timeout=20))
+
+
+def test_past_the_depth_budget_one_line_names_the_file_and_the_budget(tmp_path):
+    deep: list = [torch_state(8.0)]
+    for _ in range(_inspect.MAX_DEPTH + 5):
+        deep = [deep]
+    torch.save(deep, tmp_path / "deep.pt")
+    line = one_error_line(inspect(str(tmp_path / "deep.pt"), timeout=20))
+    assert repr(str(tmp_path / "deep.pt")) in line and f"{_inspect.MAX_DEPTH} levels" in line
+
+
+def test_past_the_size_budget_one_line_names_the_file_and_the_budget(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "wide.pt"
+    torch.save({"data": list(range(2000)), "scaler": torch_state(8.0)}, path)
+    monkeypatch.setattr(_inspect, "MAX_ITEMS", 1000)  # the default budget takes a file of millions
+    assert main(["inspect", str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert repr(str(path)) in line and "1,000 items" in line and "Fix:" in line
+    monkeypatch.setattr(_inspect, "MAX_ITEMS", 2002)
+    assert main(["inspect", str(path)]) == 0 and "scale:    8" in capsys.readouterr().out

@@ -282,3 +282,59 @@ def test_an_interval_past_int32_is_never_reached_on_any_backend(backend):
             scaler.step([make() * np.inf], lambda: None)
             scaler.update()  # backoff_interval=2 is still reached: the second overflow backs off
             assert scaler.get_scale() == 2.0**15, (backend, interval, rule)
+
+
+@st.composite
+def rule_configs(draw):
+    """A config of any rule (consecutive_hysteresis only with deepspeed), short intervals."""
+    rule = draw(st.sampled_from(["torch", "paddle", "megatron", "deepspeed"]))
+    extra = {"consecutive_hysteresis": draw(st.booleans())} if rule == "deepspeed" else {}
+    return LossScaleConfig(rule=rule, init_scale=1024.0, growth_interval=draw(st.integers(1, 5)),
+                           backoff_interval=draw(st.integers(1, 4)), **extra)
+
+
+@settings(max_examples=300, deadline=None)
+@given(config=rule_configs(), growth=st.integers(0, 40), backoff=st.integers(0, 40),
+       overflows=st.lists(st.booleans(), min_size=1, max_size=30))
+def test_a_fitted_state_moves_the_scale_as_the_unfitted_one(config, growth, backoff, overflows):
+    """fit_to_config (the engine's reconfigure: issue 32) cuts only the trackers past the limits,
+    and from the cut state the rule moves the scale exactly as from the uncut one; the trackers are
+    equal from the step that resets them. The array rule agrees with the host rule on both."""
+    import array_api_compat.numpy as xnp
+
+    from polyamp.policy import fit_to_config, tracker_limits
+
+    raw = HostState(1024.0, growth, backoff)
+    fitted = fit_to_config(raw, config)
+    most_growth, most_backoff = tracker_limits(config)
+    assert fitted == HostState(1024.0, min(growth, most_growth), min(backoff, most_backoff))
+    assert fit_to_config(fitted, config) == fitted
+    a, b = raw, fitted
+    arrays = LossScaleState(*(np.asarray(v, dtype) for v, dtype in zip(raw, ("f4", "i4", "i4"))))
+    for found in overflows:
+        a, b = next_host_state(a, found, config), next_host_state(b, found, config)
+        arrays = next_state(arrays, np.asarray(float(found), np.float32), config, xnp)
+        assert a.scale == b.scale
+        assert (float(arrays.scale), int(arrays.growth_tracker), int(arrays.backoff_tracker)) == a
+    assert a.growth_tracker == b.growth_tracker  # the first step resets the growth tracker
+    if found or polyamp.policy.rule_params(config).finite_refills:  # the backoff tracker too
+        assert a == b
+
+
+def test_a_shortened_growth_interval_grows_at_the_next_clean_step():
+    """Issue 32: 7 clean steps under growth_interval=10, then growth_interval=3: the 7 steps
+    already meet the new interval, so the next clean step grows (with or without the fit)."""
+    from polyamp.policy import fit_to_config
+
+    before = LossScaleConfig(init_scale=1024.0, growth_interval=10)
+    state = HostState(1024.0)
+    for _ in range(7):
+        state = next_host_state(state, False, before)
+    after = before.replace(growth_interval=3)
+    assert state == HostState(1024.0, 7, 0) and fit_to_config(state, after) == HostState(1024.0, 2, 0)
+    for start in (state, fit_to_config(state, after)):
+        scales = []
+        for _ in range(4):
+            start = next_host_state(start, False, after)
+            scales.append(start.scale)
+        assert scales == [2048.0, 2048.0, 2048.0, 4096.0]

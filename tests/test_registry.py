@@ -62,6 +62,67 @@ def test_unknown_backend_error_says_what_and_how(monkeypatch):
     assert "numpy" in text and "Fix:" in text
 
 
+HEAVY = ("torch", "jax", "paddle", "cupy")
+
+UNKNOWN_NAME_IMPORTS_NOTHING = f"""
+import os, runpy, sys
+os.environ["POLYAMP_BACKEND"] = "bogus"
+import polyamp
+try:
+    polyamp.LossScaler()
+except polyamp.BackendNotFoundError as exc:
+    message = str(exc)
+else:
+    raise SystemExit("LossScaler() with POLYAMP_BACKEND=bogus did not raise")
+sys.argv = ["polyamp", "demo", "--steps", "1", "--no-progress", "--no-plot"]
+try:
+    runpy.run_module("polyamp", run_name="__main__")  # python -m polyamp demo --steps 1
+except SystemExit as exit:
+    status = exit.code
+print(repr(message))
+print(status)
+print(",".join(m for m in {HEAVY!r} if m in sys.modules))
+"""
+
+
+def test_unknown_backend_name_imports_no_array_library():
+    """Naming the backends (for the unknown-name error) asks no plugin whether it can run: the
+    scaler and ``python -m polyamp demo`` refuse 'bogus' without importing torch/jax/paddle/cupy."""
+    out = subprocess.run([sys.executable, "-c", UNKNOWN_NAME_IMPORTS_NOTHING], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    message, status, imported = out.stdout.splitlines()
+    assert "unknown polyamp backend 'bogus'" in message and "POLYAMP_BACKEND=bogus" in message
+    for name in ("numpy", "torch", "jax", "paddle", "cupy", "array_api", "Fix:", "polyamp info"):
+        assert name in message
+    assert status == "2"
+    assert "polyamp demo: error: unknown polyamp backend 'bogus'" in out.stderr
+    assert imported == ""
+
+
+def test_unknown_backend_error_asks_no_plugin_whether_it_can_run(registry_restored):
+    from polyamp._hookspecs import hookimpl
+
+    asked = []
+    plugin = types.ModuleType("slow_backend")
+
+    @hookimpl
+    def backend_info():
+        asked.append("backend_info")
+        return {"available": False, "reason": "imports a large library to find out"}
+
+    plugin.backend_info = backend_info
+    for hook in ("owns_array", "full", "unscale_and_check", "update_scale", "read_flag"):
+        setattr(plugin, hook, hookimpl(lambda *a, **k: False))
+    polyamp.register_backend(plugin, "slowlib")
+    with pytest.raises(BackendNotFoundError, match="slowlib") as info:
+        LossScaler(backend="nope")
+    assert "unknown polyamp backend 'nope' (asked for by backend=)" in str(info.value)
+    assert asked == []  # the names were enough
+    assert not {i.name: i for i in polyamp.available_backends()}["slowlib"].available
+    assert asked == ["backend_info"]  # availability is computed where it is asked for
+
+
 def test_foreign_arrays_are_refused():
     torch = pytest.importorskip("torch")
     scaler = LossScaler(backend="numpy")

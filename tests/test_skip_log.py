@@ -15,7 +15,7 @@ from polyamp.compat.paddle import GradScaler as PaddleScaler
 from polyamp.compat.torch import GradScaler as TorchScaler
 
 from polyamp import LossScaler, Parameter, _skip_log
-from polyamp._iteration import Iteration
+from polyamp._scaling import Scaling
 from polyamp.optim import SGD
 
 STEPS, EVERY = 5000, 250  # skips at updates 250, 500, ..., 5000: 20 of them
@@ -93,8 +93,8 @@ def test_logging_reads_the_scale_only_when_a_line_is_due(monkeypatch, caplog):
     each of the first 3 skips (the state before; the one after is the rule's on it, not read), one
     per window opened and one per window closed (5 + 4); none on the steps in between."""
     reads = []
-    real = Iteration.host_state  # every read of the state, the engine's and the facades' alike
-    monkeypatch.setattr(Iteration, "host_state", lambda self: reads.append(1) or real(self))
+    real = Scaling.host_state  # every read of the state, the engine's and the facades' alike
+    monkeypatch.setattr(Scaling, "host_state", lambda self: reads.append(1) or real(self))
     with caplog.at_level(logging.WARNING, logger="polyamp"):
         engine_run()
     assert len(reads) == STEPS // EVERY
@@ -154,8 +154,8 @@ def test_a_backoff_the_host_did_not_read_is_not_called_growth(caplog):
 def test_at_debug_an_applied_step_reads_the_state_once(monkeypatch, caplog):
     """A growth line needs the state before the update; the one after is the rule's on it."""
     reads = []
-    real = Iteration.host_state
-    monkeypatch.setattr(Iteration, "host_state", lambda self: reads.append(1) or real(self))
+    real = Scaling.host_state
+    monkeypatch.setattr(Scaling, "host_state", lambda self: reads.append(1) or real(self))
     scaler = LossScaler(init_scale=8.0, growth_interval=2, backend="numpy")
     with caplog.at_level(logging.DEBUG, logger="polyamp"):
         for _ in range(4):

@@ -132,19 +132,21 @@ def chosen(name: str | None) -> str:
     """The demo backend: ``name`` (``--backend``), else ``POLYAMP_BACKEND``, else numpy.
 
     A ``POLYAMP_BACKEND`` that names no installed backend raises the registry's error; one
-    that the demo cannot train with (e.g. paddle) raises BackendNotFoundError naming both.
+    that the demo cannot train with (e.g. paddle) raises BackendNotFoundError naming both, before
+    its library is imported; one that cannot run here raises the registry's error.
     """
     if name is not None:
         return name
     env, source = _registry.requested_backend(None)
     if env is None:
         return "numpy"
-    _registry.get_backend(env, source)  # unknown or unavailable: the registry's message
+    _registry.check_known(env, source)  # unknown: the registry's message, no library imported
     if env not in NAMES:
         raise BackendNotFoundError(
             f"{source} names a backend the demo cannot train with; the demo runs on {list(NAMES)}. "
             f"Fix: pass --backend numpy (or another of those), or unset {_registry.ENV_VAR}."
         )
+    _registry.get_backend(env, source)  # unavailable here: the registry's message
     return env
 
 

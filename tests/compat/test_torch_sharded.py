@@ -145,3 +145,53 @@ def test_pickle_round_trip_and_user_subclasses():
     off = MyScaler("cpu", 8.0, 0.25, enabled=False)
     assert isinstance(off, MyScaler) and not off.is_enabled() and off.get_backoff_factor() == 0.25
     assert type(pickle.loads(pickle.dumps(off))) is type(off)
+
+
+# -- whose flag: what every rank of a sharded job shares, whatever its shard holds --------------
+def _sgd(*shapes, dtype=torch.float32):
+    return torch.optim.SGD([torch.nn.Parameter(torch.ones(s, dtype=dtype)) for s in shapes], lr=0.1)
+
+
+def test_an_optimizer_is_named_by_its_place_and_class_not_its_shard():
+    from polyamp.compat._torch_sharded import Places
+
+    # two ranks' first optimizers: other counts, shapes, dtypes and param groups, one identity
+    rank0, rank1 = Places(), Places()
+    mine = _sgd(4, (3, 2))
+    mine.add_param_group({"params": [torch.nn.Parameter(torch.ones(5, dtype=torch.float16))]})
+    theirs = _sgd(7, dtype=torch.float64)
+    assert rank0.identity(mine, None) == rank1.identity(theirs, None) != 0
+    assert rank0.identity(mine, None) == rank0.identity(mine, None)  # the same optimizer keeps its place
+    # the second stepped is told from the first; another class at the same place too
+    second = rank0.identity(_sgd(2), None)
+    assert second != rank0.identity(mine, None) and second == rank1.identity(_sgd(3), None)
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
+    assert Places().identity(adam, None) != Places().identity(_sgd(2), None)
+    # a group added later keeps the optimizer's place
+    mine.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    assert rank0.identity(mine, None) == rank1.identity(theirs, None)
+    assert Places().identity(None, None) == 0
+
+
+def test_an_optimizer_built_after_one_died_gets_the_next_place():
+    from polyamp.compat._torch_sharded import Places
+
+    places, other = Places(), Places()
+    places.identity(_sgd(2), None)  # dies at once: its id may be given to the next optimizer
+    other.identity(_sgd(2), None)
+    fresh = _sgd(2)
+    assert places.identity(fresh, None) == other.identity(_sgd(5), None) != Places().identity(fresh, None)
+
+
+def test_places_restart_on_load_state_dict_and_unpickling_not_on_a_failed_load():
+    scaler, first, second = ShardedGradScaler("cpu"), _sgd(2), _sgd(3)
+    scaler._places.identity(first, None)
+    at_one = scaler._places.identity(second, None)
+    with pytest.raises(ValueError, match="scale must be a number"):  # StateDictError
+        scaler.load_state_dict({**scaler.state_dict(), "scale": "big"})
+    assert scaler._places.identity(second, None) == at_one  # a failed load changes nothing
+    at_zero = ShardedGradScaler("cpu")._places.identity(second, None)
+    for restarted in (pickle.loads(pickle.dumps(scaler)), scaler):
+        if restarted is scaler:
+            scaler.load_state_dict(scaler.state_dict())
+        assert restarted._places.identity(second, None) == at_zero != at_one

@@ -198,6 +198,24 @@ def test_settings_and_backends_are_checked():
         backends.get("jax")
 
 
+def test_environment_naming_a_backend_the_demo_cannot_train_imports_nothing():
+    """POLYAMP_BACKEND=jax (installed, not a demo backend) is refused before jax is imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; os.environ['POLYAMP_BACKEND'] = 'jax'\n"
+        "from polyamp.demo import backends\n"
+        "try:\n    backends.chosen(None)\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
+        "print(','.join(m for m in ('torch', 'jax', 'paddle', 'cupy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    refusal, imported = out.stdout.splitlines()
+    assert refusal.startswith("BackendNotFoundError POLYAMP_BACKEND=jax names a backend the demo")
+    assert "Fix:" in refusal and imported == ""
+
+
 def test_unavailable_backend_names_itself_the_reason_and_the_alternatives():
     if backends._why_unavailable("cupy") is None:
         pytest.skip("cupy can run here")

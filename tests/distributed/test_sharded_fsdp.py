@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard``) training with polyamp's ShardedGradScaler, against torch's own.
 
 torch 2.13 runs ``fully_shard`` on CPU over gloo (a "cpu" device mesh), so this runs on any
-machine: 2 ranks, a tiny model sharded per layer, full precision and FP16 mixed precision.
+machine: 2 ranks (and 3, whose shards are uneven), a tiny model sharded per layer, full precision
+and FP16 mixed precision.
 Both scalers see the same run; the local parameter shards must stay bitwise equal. At one
 step rank 1's loss overflows through unit 0 of the first layer only, whose weights live in
 rank 0's shard: after the reduce-scatter only rank 0 sees inf, and both ranks must skip.
@@ -115,8 +116,8 @@ def check(results, polyamp_calls=1):
         assert [s[0] for s in out["polyamp"]] == [s == OVERFLOW[1] for s in range(STEPS)]  # all skip
         assert [s[2] for s in out["torch"]] == [2] * STEPS  # DTensor's MAX and the scaler's SUM
         assert [s[2] for s in out["polyamp"]] == [polyamp_calls] * STEPS
-    assert results[0]["polyamp"] == results[1]["polyamp"]
-    assert sum(results[0]["shard_sizes"]) + sum(results[1]["shard_sizes"]) >= 8 * 16 + 16 + 16 * 4 + 4
+    assert all(out["polyamp"] == results[0]["polyamp"] for out in results)
+    assert sum(sum(out["shard_sizes"]) for out in results) >= 8 * 16 + 16 + 16 * 4 + 4
 
 
 @pytest.mark.parametrize(("precision", "clip"), [("fp32", False), ("fp16", True)])
@@ -125,6 +126,14 @@ def test_fully_shard_on_cpu_gloo(run_gloo, precision, clip):
     if fully_shard is None:
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
     check(run_gloo(fsdp_side_by_side, 2, "cpu", precision, clip, pg_timeout=30.0).results())
+
+
+def test_uneven_fully_shard_on_3_ranks(run_gloo):
+    pytest.importorskip("torch.distributed.fsdp")
+    # 16 rows shard as 6, 6, 4 and 4 rows as 2, 2, 0: the last rank holds an empty shard
+    results = run_gloo(fsdp_side_by_side, 3, "cpu", "fp32", False, pg_timeout=30.0).results()
+    check(results)
+    assert results[2]["shard_sizes"] != results[0]["shard_sizes"] and 0 in results[2]["shard_sizes"]
 
 
 def test_a_group_that_does_not_span_the_mesh_keeps_dtensors_agreement(run_gloo):

@@ -1,9 +1,11 @@
 """Optimizers (or scalers) stepped in another order on one rank are found on every rank, before any
 rank applies a step (gloo and MPI): each agreement carries whose flag it is.
 
-The sharded facade names an optimizer by its shape as every rank of a sharded job sees it (the number
-of parameters per param group, their dtypes); two scalers on one group are told apart by the order in
-which the process built them. Two optimizers of the same shape cannot be told apart (docs/distributed.md).
+The sharded facade names an optimizer by what every rank of a sharded job shares, whatever its shard
+holds: its place in the order first stepped, its class, DTensors' global shapes (uneven shards:
+test_sharded_uneven.py); two scalers on one group are told apart by the order in which the process
+built them. Two optimizers of one class over plain tensors, swapped from their first step, cannot be
+told apart (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def _outcome(fn) -> dict:
 
 
 def swapped_optimizers(rank: int, size: int, group: str) -> dict:
-    """ShardedGradScaler with optimizers A (two parameters) and B (one); rank 1 steps B first."""
+    """ShardedGradScaler with optimizers A (SGD, two parameters) and B (Adam, one); rank 1 steps B first."""
     import torch
     from polyamp.compat.torch import ShardedGradScaler
 
@@ -27,7 +29,7 @@ def swapped_optimizers(rank: int, size: int, group: str) -> dict:
                                process_group=None if group == "torch" else group)
     wa = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
     wb = torch.nn.Parameter(torch.ones(3))
-    oa, ob = torch.optim.SGD(wa, lr=0.1), torch.optim.SGD([wb], lr=0.1)
+    oa, ob = torch.optim.SGD(wa, lr=0.1), torch.optim.Adam([wb], lr=0.1)
     order = [("B", ob, [wb]), ("A", oa, wa)] if rank == 1 else [("A", oa, wa), ("B", ob, [wb])]
     applied: list[tuple[int, str]] = []
 
