@@ -1,13 +1,13 @@
 """The across-ranks half of LossScaler: one all-reduce per step agrees the flag and checks the ranks.
 
 Every rank sends its flag (1 when it found an inf/nan) with a digest of what must be equal on every
-rank (config, position, scale and trackers; see :mod:`polyamp.distributed._fingerprint`): ONE
-int64 summed (no extra values, at most 1023 ranks; on the host or, from the state arrays, on the
-device), else ``[4*d + f, f - 4*d]`` and
-its own slots for ``extra`` values (a global-norm clip's sum of squares) with MAX. All ranks see
-the same reduced values and reach the same verdict: skip together, or, when the digests differ,
-run a second collective that names the difference and raise ``RankMismatchError`` on every rank.
-``polyamp.distributed`` is imported only when a reducer is given.
+rank (config, position, scale and trackers; see :mod:`polyamp.distributed._fingerprint`), in the
+wire format ``polyamp.distributed._wire.wire_for`` picks (one int64 summed; two float64 and the
+``extra`` values' slots with MAX; or the trainer's gradients with the fingerprint's bits). All ranks
+see the same reduced values and reach the same verdict: skip together, or, when the digests differ,
+name the difference and raise ``RankMismatchError`` on every rank. :class:`Agreement` keeps the
+position, builds each message where its arrays live and judges it. ``polyamp.distributed`` is
+imported only when a reducer is given.
 """
 
 from __future__ import annotations
@@ -69,29 +69,30 @@ class Agreed(NamedTuple):
 class _Sent(NamedTuple):
     """A message checked on the device only, kept until :meth:`Agreement.verify` reads it."""
 
-    reduced: Any  # the one value summed, the head's a + b, or the bits summed (a gradient buffer)
-    host: list[int]  # the host fields
+    wire: Any  # its format (a polyamp.distributed._wire.Wire)
+    message: Any  # the reduced message
+    aligned: Any  # bool of shape (1,) on the device: every rank sent the same fingerprint
+    fields: Any  # this rank's fingerprint as sent (host fields, the state's halves)
     state: Any
-    kind: str  # "lane" (one int64, SUM), "head" (MAX, digest) or "bits" (a gradient buffer, SUM)
 
 
 class Agreement:
     """A reducer plus the position of the next agreement: what ``LossScaler(reducer=...)`` holds.
 
-    Every agreement is ONE all-reduce: an int64 SUM, or a MAX of ``[4d + f, f - 4d, *extra slots]``
-    (see :mod:`polyamp.distributed._fingerprint`); its digest covers what must be equal on every rank
-    (config, iteration, collective index, the reducer's collective count, payload size, how many
-    extra values, scale and trackers). When the digests differ, every rank runs a second
-    collective that names the difference and raises ``RankMismatchError`` before anything is
-    applied: at once where the message lives on the host; on a GPU the mismatch makes the agreed
-    flag 1 (so no rank can apply the step) and :meth:`verify` names it when the skip decision has
-    read the flag.
+    Every agreement is ONE all-reduce in one of the wire formats of
+    :mod:`polyamp.distributed._wire` (picked by its ``wire_for``); its digest covers what must be
+    equal on every rank (config, iteration, collective index, the reducer's collective count,
+    payload size, how many extra values, scale and trackers). When the digests differ, every rank
+    runs a second collective that names the difference and raises ``RankMismatchError`` before
+    anything is applied: at once where the message lives on the host; on a GPU the mismatch makes
+    the agreed flag 1 (so no rank can apply the step) and :meth:`verify` names it when the skip
+    decision has read the flag.
     """
 
     def __init__(self, group: Any) -> None:
         # only here: `import polyamp` stays free of polyamp.distributed
-        from .distributed import RankMismatchError, _fingerprint, reducer
-        from .distributed._agree import _on_device_of, _to_host, config_fingerprint
+        from .distributed import RankMismatchError, _fingerprint, _wire, reducer
+        from .distributed._agree import _to_host, config_fingerprint
 
         self.reducer: Reducer = reducer(group)
         # whose flags: the n-th agreement this process made on this group (ranks build their scalers
@@ -99,13 +100,12 @@ class Agreement:
         self.owner = _next_owner(self.reducer.group_key())
         self.iteration = 0  # iterations ended (update() calls) since this agreement was made
         self.collective = 0  # agreements so far in this iteration
-        self._fp, self._mismatch, self._crc = _fingerprint, RankMismatchError, config_fingerprint
-        self._to_host, self._on_device_of = _to_host, _on_device_of
+        self._fp, self._wire, self._mismatch = _fingerprint, _wire, RankMismatchError
+        self._crc, self._to_host = config_fingerprint, _to_host
         self._sent: list[_Sent] = []  # this iteration's messages checked on the device only
-        self._devices: dict[Any, Any] = {}  # (device, kind) -> DeviceDigest, DeviceLane or DeviceEncoder
-        self._config: tuple[LossScaleConfig, int, int, int, int] | None = None  # config, crc, its shares
-        self._messages: dict[int, np.ndarray] = {}  # the host path's buffers by size, reused
-        self._one = np.zeros(1, np.int64)  # the one-value message's buffer, reused
+        self._host = _fingerprint.Place(_fingerprint.HOST.xp, "cpu", host=True)  # its buffers are ours
+        self._places: dict[Any, Any] = {}  # (xp, device) -> its Place
+        self._config: tuple[LossScaleConfig, int] | None = None  # the last config and its crc
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -151,106 +151,16 @@ class Agreement:
         check_extra(extra, MAX_EXTRA)
         host = self._next(config, payload, extras, whose)
         like = found_inf if extra is None else extra
-        if not _on_host(found_inf, extra, state):
-            return self._on_device(found_inf, extra, host, state, like)
-        return self._host_path(found_inf, extra, extras, host, state, like)
-
-    def _host_path(self, found_inf: Any, extra: Any, extras: int, host: list[int], state: Any,
-                   like: Any) -> Agreed:
-        """The message built, reduced and judged in host memory (NumPy, CPU tensors): no sync."""
-        fp, red = self._fp, self.reducer
-        mine = (*host, *_host_state(state))  # a Fingerprint's fields (built as one only to explain)
-        _, _, c1, c2, _ = self._config  # type: ignore[misc]  # the config's shares, made by _next
-        f = float(found_inf) != 0  # non-zero (NaN too) as read_flag; 0-d on the host: no sync
-        if extra is None and red.size <= fp.LANE_RANKS:
-            return self._one_value(mine, f, self._lane_share(mine), like)
-        d1, d2 = fp.shares(mine[1:], first=1)
-        four_d = 4.0 * ((d1 + c1) % fp.P1 * 2**25 + (d2 + c2) % fp.P2)  # exact: below 2**52
-        size = fp.HEAD + extras * red.size
-        message = self._messages.get(size)
-        if message is None:
-            message = self._messages[size] = np.zeros(size)
-        message[0] = four_d + f  # the buffer is reused: nothing keeps it past this call
-        message[1] = f - four_d
-        if extra is not None:
-            _fill_slots(message[fp.HEAD:], np.asarray(_host(extra), np.float64).reshape(-1), red.rank)
-        red.allreduce_max_(message)
-        total = float(message[0]) + float(message[1])  # exact: integers below 2**53
-        if not fp.verdict(total):
-            self._explain(fp.Fingerprint(*mine), None)
-        agreed = _new_flag(like, total / 2)
-        if extra is None:
-            return Agreed(agreed, None)
-        return Agreed(agreed, _new_like(extra, fp.gather_extras(message[fp.HEAD:], red.size), extra))
-
-    def _one_value(self, mine: tuple[int, ...], found: bool, share: int, like: Any) -> Agreed:
-        """The message without extra values in a group of at most 1023 ranks, on the host: ONE
-        int64, summed (``_fingerprint.lane``): the flags' count and a check that every rank sent
-        one digest (a device computes the same value: ``_lane_on_device``)."""
-        fp, red = self._fp, self.reducer
-        message = self._one
-        message[0] = fp.lane(share, found, red.rank, red.size, mine[3])  # key: the reducer's count
-        red.allreduce_sum_(message)
-        aligned, agreed = fp.lane_verdict(int(message[0]))
-        if not aligned:
-            self._explain(fp.Fingerprint(*mine), None)
-        return Agreed(_new_flag(like, 1.0 if agreed else 0.0), None)
-
-    def _on_device(self, found_inf: Any, extra: Any, host: list[int], state: Any, like: Any) -> Agreed:
-        """The message built, reduced and judged on the device: no host read (GPU arrays)."""
-        fp, red = self._fp, self.reducer
-        xp = array_api_compat.array_namespace(like)
-        device = array_api_compat.device(like)
-        found = bool(found_inf) if found_inf is None or isinstance(found_inf, bool) else found_inf
-        if extra is None and red.size <= fp.LANE_RANKS:  # the host path's message, built here
-            return self._lane_on_device(xp, device, found, host, state)
-        f64 = xp.float64
-        digest = self._device(xp, device, "digest")
-        if isinstance(state, HostState):
-            shares, arrays = fp.shares([*host, *_host_state(state)]), (None, None, None)
+        on_host = _on_host(found_inf, extra, state)
+        if on_host:  # 0-d in host memory: reading it costs no sync; non-zero (NaN too) as read_flag
+            found_inf = float(found_inf) != 0
+            values = None if extra is None else _host(extra)
         else:
-            shares, arrays = fp.shares(host), tuple(state)
-        parts = [digest(shares, found, *arrays)]
-        if extra is not None:
-            k = _size(extra)
-            mine = xp.reshape(xp.astype(extra, f64), (-1,))
-            mine = xp.where(xp.isnan(mine), xp.full_like(mine, math.inf), mine)  # inf survives a MAX
-            before, after = red.rank * k, (red.size - red.rank - 1) * k
-            parts = [parts[0], xp.full((before,), -math.inf, dtype=f64, device=device), mine,
-                     xp.full((after,), -math.inf, dtype=f64, device=device)]
-        message = xp.concat(parts)
-        red.allreduce_max_(message)
-        total = message[0] + message[1]
-        self._sent.append(_Sent(total, host, state, "head"))
-        agreed = xp.astype(total > 0, xp.float32)  # 0 or 2: aligned; 4 and more: not, and all skip
-        if extra is None:
-            return Agreed(agreed, None)
-        slots = xp.reshape(message[fp.HEAD:], (red.size, -1))
-        summed = slots[0, ...]
-        for r in range(1, red.size):  # rank order, the same on every rank
-            summed = summed + slots[r, ...]
-        return Agreed(agreed, xp.reshape(xp.astype(summed, extra.dtype), extra.shape))
-
-    def _lane_share(self, fields: Any) -> int:
-        """The one-value digest's share of ``fields`` (the host fields, or all of them), the config's
-        share (made by ``_next``) added: the fields after the config are weighed here."""
-        return (self._config[4] + self._fp.lane_share(fields[1:], first=1)) % self._fp.Q  # type: ignore[index]
-
-    def _lane_on_device(self, xp: Any, device: Any, found: Any, host: list[int], state: Any) -> Agreed:
-        """The one-value message (as on the host) computed, reduced and judged on the device: the
-        agreed flag is 1 also where the ranks differ (every rank skips; :meth:`verify` names it)."""
-        fp, red = self._fp, self.reducer
-        lane = self._device(xp, device, "lane")
-        c = fp.coefficient(red.rank, red.size, host[3])
-        if isinstance(state, HostState):
-            message = lane(fp.lane_share([*host, *_host_state(state)]), found, c)
-        else:
-            message = lane(self._lane_share(host), found, c, *state)
-        red.allreduce_sum_(message)
-        total = message[0]
-        self._sent.append(_Sent(total, host, state, "lane"))
-        differ = (total % fp.B) % fp.Q != 0
-        return Agreed(xp.astype((total >= fp.B) | differ, xp.float32), None)
+            values = extra
+        wire = self._wire_for(None if on_host else like, host, extras)
+        fields = self._fields(wire.place, host, state)
+        message = self._reduce(wire, wire.send(fields, found_inf, values))
+        return self._judge(wire, message, fields, state, like, extra)
 
     def sum_payload_(self, storage: Any, payload: int, config: LossScaleConfig, state: Any, *,
                      whose: int = 0) -> Any:
@@ -261,81 +171,72 @@ class Agreement:
         the ranks differ), else a 0-d float32 device flag, 1 when they differ (add it to the step's
         overflow check; :meth:`verify` names the difference after a skip).
         """
-        fp = self._fp
         host = self._next(config, payload, 0, whose)
         view = _host_view(storage)
-        if view is not None and _on_host(None, None, state):
-            mine = fp.Fingerprint(*host, *_host_state(state))
-            view[payload:] = fp.encode(mine, fp.BITS)
-            self.reducer.allreduce_sum_(storage)
-            self._check_bits(view[payload:], mine)
-            return None
-        xp = array_api_compat.array_namespace(storage)
-        encoder = self._device(xp, array_api_compat.device(storage), fp.BITS)
-        storage[payload:] = xp.astype(self._encode(encoder, host, state), storage.dtype)
-        self.reducer.allreduce_sum_(storage)
-        sums = storage[payload:]
-        self._sent.append(_Sent(sums, host, state, "bits"))
-        return xp.astype(encoder.misaligned(sums, self.reducer.size), xp.float32)
+        on_host = view is not None and _on_host(None, None, state)
+        message = view if on_host else storage  # the host path writes and reads its NumPy view
+        wire = self._wire_for(None if on_host else storage, host, 0, payload=True)
+        fields = self._fields(wire.place, host, state)
+        wire.send(fields, None, message)
+        self._reduce(wire, storage)
+        return self._judge(wire, message, fields, state, storage, None).found_inf
 
-    def _device(self, xp: Any, device: Any, kind: Any) -> Any:
-        """The device digest ("digest"), one-value message ("lane") or encoder (an ``Encoding``) on
-        ``device``, made once."""
-        key = (device, kind)
-        made = self._devices.get(key)
-        if made is None:
-            fp = self._fp
-            if kind == "digest":
-                made = fp.DeviceDigest(xp, device)
-            elif kind == "lane":
-                made = fp.DeviceLane(xp, device)
-            else:
-                made = fp.DeviceEncoder(xp, device, kind)
-            self._devices[key] = made
-        return made
+    def _wire_for(self, like: Any, host: list[int], extras: int, payload: bool = False) -> Any:
+        """The next collective's wire format (the one choice: ``_wire.wire_for``), built where
+        ``like`` lives (None: in host memory)."""
+        fp, red = self._fp, self.reducer
+        place = self._host
+        if like is not None:
+            xp, device = array_api_compat.array_namespace(like), array_api_compat.device(like)
+            place = self._places.get((xp, device))
+            if place is None:
+                place = self._places[(xp, device)] = fp.Place(xp, device)
+        return self._wire.wire_for(red.size, extras, payload)(place, red.rank, red.size, host[3])
 
     @staticmethod
-    def _encode(encoder: Any, host: list[int], state: Any) -> Any:
-        """The fingerprint encoded on the encoder's device (float64), computed there: no host read."""
-        if isinstance(state, HostState):
-            return encoder([*host, *_host_state(state)])
-        return encoder(host, *state)
+    def _fields(place: Any, host: list[int], state: Any) -> Any:
+        """This rank's fingerprint where its message is built: the state read on the host where it
+        lives there (or is a HostState), else its words computed on its device."""
+        if place.host or isinstance(state, HostState):
+            return place.fields([*host, *_host_state(state)])
+        return place.fields(host, tuple(state))
+
+    def _reduce(self, wire: Any, message: Any) -> Any:
+        red = self.reducer
+        (red.allreduce_sum_ if wire.op == "sum" else red.allreduce_max_)(message)
+        return message
+
+    def _judge(self, wire: Any, message: Any, fields: Any, state: Any, like: Any, extra: Any) -> Agreed:
+        """The reduced message's verdict, the same on every rank: on the host, RankMismatchError at
+        once where the ranks differ; on a device, the difference added to the agreed flag (every
+        rank skips) and kept for :meth:`verify` (no host read)."""
+        read = wire.read(message)
+        if wire.place.host:
+            if not read.aligned:
+                self._explain(wire, message, fields, state)
+            flag = None if read.flag is None else _new_flag(like, 1.0 if read.flag else 0.0)
+            return Agreed(flag, None if extra is None else _new_like(extra, read.extra))
+        xp = wire.place.xp
+        self._sent.append(_Sent(wire, message, xp.reshape(read.aligned, (1,)), fields, state))
+        differ = xp.logical_not(read.aligned)
+        flag = xp.astype(differ if read.flag is None else xp.logical_or(read.flag, differ), xp.float32)
+        if extra is None:
+            return Agreed(flag, None)
+        return Agreed(flag, xp.reshape(xp.astype(read.extra, extra.dtype), extra.shape))
 
     # -- checking -------------------------------------------------------------------
     def verify(self) -> None:
         """After a skip decision said skip: RankMismatchError if this iteration's messages show
         ranks that differ (reads them: a host sync, only on skipped steps; where a digest
         differs, the second collective that names the difference, on every rank)."""
-        fp, to_host = self._fp, self._to_host
         for sent in self._sent:
-            if sent.kind == "lane" and fp.lane_verdict(int(to_host(sent.reduced)))[0]:
-                continue
-            if sent.kind == "head" and fp.verdict(float(to_host(sent.reduced))):
-                continue
-            mine = fp.Fingerprint(*sent.host, *_host_state(sent.state))
-            if sent.kind != "bits":
-                self._explain(mine, sent)
-            self._check_bits(to_host(sent.reduced), mine)
+            if not self._to_host(sent.aligned)[0]:
+                self._explain(sent.wire, sent.message, sent.fields, sent.state)
 
-    def _explain(self, mine: Any, sent: _Sent | None) -> NoReturn:
-        """The second collective, run by every rank once the digests differ: the fingerprint's
-        bytes and their squares summed, which name what differs; then RankMismatchError."""
-        fp, red = self._fp, self.reducer
-        if sent is None or isinstance(sent.state, HostState):
-            message = fp.encode(mine, fp.BYTES)
-            if sent is not None:  # a device message: the explanation lives there too (NCCL)
-                message = self._on_device_of(message, sent.reduced)
-        else:
-            xp = array_api_compat.array_namespace(sent.reduced)
-            encoder = self._device(xp, array_api_compat.device(sent.reduced), fp.BYTES)
-            message = encoder(sent.host, *sent.state)
-        red.allreduce_sum_(message)
-        self._raise(fp.describe(self._to_host(message), red.size, mine))
-
-    def _check_bits(self, sums: Any, mine: Any) -> None:
-        fp = self._fp
-        if fp.misaligned(sums, self.reducer.size, fp.BITS):
-            self._raise(fp.describe(sums, self.reducer.size, mine, fp.BITS))
+    def _explain(self, wire: Any, message: Any, fields: Any, state: Any) -> NoReturn:
+        """The ranks differ: the wire names what differs (on every rank), then RankMismatchError."""
+        mine = list(fields.host) if fields.state is None else [*fields.host, *_host_state(state)]
+        self._raise(wire.explain(self.reducer, message, self._fp.Fingerprint(*mine)))
 
     def _raise(self, what: str) -> NoReturn:
         red = self.reducer
@@ -349,13 +250,12 @@ class Agreement:
     def _next(self, config: LossScaleConfig, payload: int, extras: int, whose: int) -> list[int]:
         """The host fields of the next agreement: config, iteration, collective, sequence, payload,
         extras, and whose flag (this agreement's place among the process's, with the caller's ``whose``)."""
-        known = self._config
-        if known is None or known[0] is not config:
-            crc = self._crc(config)
-            known = self._config = (config, crc, *self._fp.shares([crc]), self._fp.lane_share([crc]))
+        if self._config is None or self._config[0] is not config:
+            self._config = (config, self._crc(config))
         self.collective += 1
         owner = self.owner if not whose else zlib.crc32(whose.to_bytes(8, "little"), self.owner)
-        return [known[1], self.iteration, self.collective, self.reducer.collectives, payload, extras, owner]
+        crc = self._config[1]
+        return [crc, self.iteration, self.collective, self.reducer.collectives, payload, extras, owner]
 
 
 def check_extra(extra: Any, most: int = USER_EXTRA) -> None:
@@ -366,14 +266,6 @@ def check_extra(extra: Any, most: int = USER_EXTRA) -> None:
             f"agree_(extra=...) carries at most {most} values in the step's collective, got "
             f"{extras} (shape {tuple(extra.shape)}). Fix: send e.g. a sum of squares pair."
         )
-
-
-def _fill_slots(slots: np.ndarray, mine: np.ndarray, rank: int) -> None:
-    """This rank's values into its own slots, -inf in the others' (a MAX keeps each rank's own);
-    NaN sent as +inf, which a MAX keeps (it may drop a NaN)."""
-    k = mine.shape[0]
-    slots.fill(-math.inf)
-    slots[rank * k:(rank + 1) * k] = np.where(np.isnan(mine), math.inf, mine)
 
 
 def _fix(what: str) -> str:
@@ -449,8 +341,6 @@ def _host_view(array: Any) -> np.ndarray | None:
 def _host(array: Any) -> Any:
     """Host values of a host array: a view where one is free, else its backend's ``to_numpy``
     (a bfloat16 or requires-grad CPU tensor has no NumPy view)."""
-    if isinstance(array, bool):
-        return float(array)
     view = _host_view(array)
     return view if view is not None else backend_of(array).to_numpy(array)
 
@@ -463,10 +353,7 @@ def _new_flag(like: Any, value: float) -> Any:
     return backend_of(like).full(value, "float32", like)
 
 
-def _new_like(like: Any, values: Any, shape_of: Any) -> Any:
-    """A new array in ``like``'s library and device holding host ``values``: 0-d float32 for a
-    flag (``shape_of`` None), else with ``shape_of``'s shape and dtype (its backend's ``from_host``)."""
-    if shape_of is None:
-        return backend_of(like).from_host(np.asarray(values, np.float32), like, None)
-    host = np.asarray(values).reshape(tuple(shape_of.shape))
-    return backend_of(like).from_host(host, like, shape_of.dtype)
+def _new_like(like: Any, values: Any) -> Any:
+    """A new array in ``like``'s library and device, of its shape and dtype, holding host ``values``
+    (its backend's ``from_host``)."""
+    return backend_of(like).from_host(np.asarray(values).reshape(tuple(like.shape)), like, like.dtype)

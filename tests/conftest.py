@@ -198,22 +198,22 @@ def host_reads():
 def lanes(monkeypatch):
     """(f, digest) of every one-value agreement message as it is built: its value, ``f * B + (c * D
     mod Q)``, holds no digest in a group of one rank (``c`` sums to 0 over the ranks, so it is 0 there)."""
-    from polyamp.distributed import _fingerprint as fp
+    from polyamp.distributed import _wire
 
     seen: list[tuple[float, int]] = []
-    real = fp.lane
+    real = _wire.lane
 
     def record(share, found, rank, ranks, key):
-        seen.append((1.0 if found else 0.0, share))
+        seen.append((1.0 if found else 0.0, int(share)))
         return real(share, found, rank, ranks, key)
 
-    monkeypatch.setattr(fp, "lane", record)
+    monkeypatch.setattr(_wire, "lane", record)
     return seen
 
 
 def _twins_class():
     from polyamp.distributed import Reducer
-    from polyamp.distributed import _fingerprint as fp
+    from polyamp.distributed import _wire as wire
 
     class Twins(Reducer):
         """Rank 0 of ``size`` ranks that all hold its values: each reduction is what those ranks'
@@ -235,12 +235,12 @@ def _twins_class():
             if str(buffer.dtype).endswith("int64") and tuple(buffer.shape) == (1,):  # NumPy or a device
                 # computed where the buffer lives, with no host read (tests count the library's)
                 key, n = self.collectives - 1, self.size  # the reducer's count when the message was built
-                flag, v = buffer // fp.B, buffer % fp.B
-                c0 = fp.coefficient(0, n, key)  # v = c_0 * D mod Q (c_0 is 0 in a group of one)
-                share = fp.mulmod(pow(c0, -1, fp.Q), v) if c0 else v
-                total = flag * (n * fp.B)
+                flag, v = buffer // wire.B, buffer % wire.B
+                c0 = wire.coefficient(0, n, key)  # v = c_0 * D mod Q (c_0 is 0 in a group of one)
+                share = wire.mulmod(pow(c0, -1, wire.Q), v) if c0 else v
+                total = flag * (n * wire.B)
                 for r in range(n):
-                    total = total + fp.mulmod(fp.coefficient(r, n, key), share)
+                    total = total + wire.mulmod(wire.coefficient(r, n, key), share)
                 buffer[...] = total
             else:
                 buffer *= self.size

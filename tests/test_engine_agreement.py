@@ -17,6 +17,7 @@ import pytest
 from polyamp import ConfigError, LossScaleConfig, LossScaler, ScalerStateError, clip_grad_norm_, global_norm
 from polyamp.distributed import Reducer, config_fingerprint
 from polyamp.distributed import _fingerprint as fp
+from polyamp.distributed import _wire as wire
 
 
 class OneRank(Reducer):
@@ -47,7 +48,7 @@ def _digest(config, iteration, collective, sequence, scale, growth=0, extras=0, 
     """``whose``: the agreement's place among those made on its reducer's group (0: the first)."""
     mine = fp.Fingerprint(config_fingerprint(config), iteration, collective, sequence, 0, extras, whose,
                           fp.scale_bits(scale), growth, 0)
-    return fp.lane_share(mine)
+    return fp.HOST.share(fp.HOST.fields(list(mine)), fp.LANE)
 
 
 def _grads(bad: bool = False) -> list[np.ndarray]:
@@ -71,7 +72,7 @@ def test_one_collective_per_step_also_the_first_carrying_the_fingerprint(lanes):
         skipped.append(result.skipped)
     assert counts == [1, 1, 1] and skipped == [False, True, False]
     assert [s[:3] for s in red.sent] == [("sum", "int64", (1,))] * 3  # one SUM of 1 value
-    assert [s[3] for s in red.sent] == [[0], [fp.B], [0]]  # f * B + c * D mod Q; one rank: c = 0
+    assert [s[3] for s in red.sent] == [[0], [wire.B], [0]]  # f * B + c * D mod Q; one rank: c = 0
     heads = lanes
     assert [f for f, _ in heads] == [0.0, 1.0, 0.0]
     # the state as each step unscaled with it: 4 (growth 0), 4 (growth 1), then backed off to 2

@@ -1,37 +1,17 @@
-"""What every rank must hold equal: a digest in the step's one all-reduce, bytes to explain a mismatch.
+"""What every rank must hold equal (the :class:`Fingerprint`), digested and encoded where a message lives.
 
-No extra values, at most 1023 ranks (:data:`LANE_RANKS`): each rank sends ONE int64 (computed on
-the host, or on the device from the state arrays: :class:`DeviceLane`),
-``f * B + (c * D mod Q)``, reduced with SUM (:func:`lane`). ``f`` is 1 when this rank found an
-inf/nan, ``D`` the :func:`lane_share` digest of its :class:`Fingerprint` mod the prime ``Q``
-(below 2**43), and ``c = g(rank) - g(rank + 1)`` with the ranks in a circle and ``g`` drawn anew
-for each collective: the ``c`` sum to 0, so ranks with one ``D`` send values whose ``v`` parts
-sum to 0 mod Q. The sum is exact (below 1023 * (B + Q) < 2**63) and splits into the flags' count
-(``total // B``, exact) and the ``v`` (``total % B``); :func:`lane_verdict` says aligned when
-those are 0 mod Q. Ranks that differ, in any pattern, sum to 0 with probability 1/Q for one
-collective (``g`` of a rank beside a difference is uniform), and their digests collide with
-probability at most 1/(Q - 1): below 2**-41 in all.
+The digests are universal hashes (:class:`Hash`): each 32-bit field split into 16-bit halves ``h``,
+``sum(w * h) mod p`` with weights in ``[1, p)`` fixed by :data:`SEED`; two fingerprints that differ
+collide for at most one value of a differing half's weight. :data:`LANE` (mod ``Q``, below 2**43)
+digests the one-value message, :data:`HIGH` and :data:`LOW` (mod ``P1``, ``P2``, below 2**25) the
+two-value MAX message (see :mod:`polyamp.distributed._wire`). The encodings (:class:`Encoding`) carry
+the fields digit by digit in a SUM: :data:`BITS` after the trainer's gradients, :data:`BYTES` and
+their squares in the second collective that names what differs (:func:`describe`): a digit summed
+over ``n`` ranks has ``sum**2 == n * sum_of_squares`` exactly when every rank sent the same digit.
 
-With extra values and in larger groups, the message is ``[4*d + f, f - 4*d,
-*slots]`` (float64), reduced with MAX: ``d < 2**50`` the :func:`digest`, and ``slots`` carry
-extra values (each rank its own ``k`` slots, -inf in the others', see :func:`gather_extras`).
-After the MAX, ``a + b == 2 * OR(f)`` when every rank sent the same ``d``, and ``a + b >= 4``
-otherwise (``4 * (max d - min d)``), so the verdict (:func:`verdict`) is a property of the
-reduced message that every rank evaluates alike, exact for any number of ranks (a MAX never
-rounds; ``4d + 1 < 2**53``).
-
-The digest is a universal hash: each 32-bit field split into 16-bit halves ``h``, ``d1 = sum(w1 *
-h) mod P1``, ``d2 = sum(w2 * h) mod P2`` (primes below 2**25, weights in ``[1, P)`` fixed by
-:data:`SEED`), ``d = d1 * 2**25 + d2``. Two fingerprints that differ collide for at most one value
-of a differing half's weight in each: a chance of at most ``1 / ((P1 - 1) * (P2 - 1)) < 2**-49``
-that a mismatch is not found. A device computes it from the state arrays without a host read
-(:class:`DeviceDigest`).
-
-Only once a mismatch is found, every rank sums the fingerprint's bytes and their squares in a
-second collective (``encode(.., BYTES)``): ``sum**2 == n * sum_of_squares`` holds for a byte exactly
-when every rank sent the same byte (checked in int64: exact up to 2**20 ranks), which names the
-field that differs (:func:`describe`). The data-parallel trainer's float32 gradient buffer carries
-the fields as bits after the gradients in its SUM (a bit's sum is 0 or n; exact below 2**24 ranks).
+:class:`Place` computes both ONCE for host and device: NumPy in host memory (:data:`HOST`), or the
+state's array library on its device with no host read (the host fields enter as scalars, the
+scale's bit pattern is rebuilt by comparisons with the powers of two).
 """
 
 from __future__ import annotations
@@ -40,6 +20,7 @@ import hashlib
 import struct
 from typing import Any, NamedTuple
 
+import array_api_compat.numpy as np_xp
 import numpy as np
 
 from .._skip_log import scale_text
@@ -57,17 +38,10 @@ WIDTH = 32
 _MASK = 2**WIDTH - 1
 _F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
 
-#: The digest's primes (the largest two below 2**25) and the label its weights are drawn from.
-P1, P2 = 2**25 - 39, 2**25 - 49
+#: The two-value digest's primes (the largest two below 2**25), the one-value digest's (the largest
+#: below 2**43), and the label their weights are drawn from.
+P1, P2, Q = 2**25 - 39, 2**25 - 49, 2**43 - 57
 SEED = "polyamp fingerprint digest v1"
-#: Values in a step agreement before its extra slots.
-HEAD = 2
-#: The one-value message (groups of at most LANE_RANKS ranks): each rank sends ``f * B + v``, ``v``
-#: below the prime Q (the largest below 2**43). Summed over n <= 1023 ranks, the ``v`` stay below
-#: 1023 * Q < B and the flags' count below 2**10, so the int64 sum is exact (below 2**63) and splits
-#: into both.
-Q, B, LANE_RANKS = 2**43 - 57, 2**53, 2**10 - 1
-_M64 = 2**64 - 1
 
 
 class Encoding(NamedTuple):
@@ -108,19 +82,40 @@ class Fingerprint(NamedTuple):
     backoff_tracker: int
 
 
-def _weights(prime: int, label: str) -> tuple[tuple[int, int], ...]:
-    """One weight in [1, prime) per 16-bit half of every field, from SHA-256 (the same everywhere)."""
+def _weights(prime: int, label: str) -> np.ndarray:
+    """One weight in [1, prime) per 16-bit half of every field, from SHA-256 (the same everywhere):
+    int64 of shape (fields, 2), the low half's weight first."""
     def draw(i: int) -> int:
         word = hashlib.sha256(f"{SEED}/{label}/{i}".encode()).digest()
         return 1 + int.from_bytes(word[:8], "little") % (prime - 1)
 
-    return tuple((draw(2 * i), draw(2 * i + 1)) for i in range(len(FIELDS)))
+    return np.array([(draw(2 * i), draw(2 * i + 1)) for i in range(len(FIELDS))], np.int64)
 
 
-#: Per field: (weight of the low half, weight of the high half), for P1, P2 and Q.
-W1, W2, WQ = _weights(P1, "p1"), _weights(P2, "p2"), _weights(Q, "q")
-_PACKED = tuple((a1 << 64 | a2, b1 << 64 | b2) for (a1, b1), (a2, b2) in zip(W1, W2))
-_LOW64 = 2**64 - 1
+class Hash(NamedTuple):
+    """A digest of the fields: ``sum(w * h) mod prime`` over their 16-bit halves ``h``."""
+
+    prime: int
+    weights: np.ndarray  # (fields, 2): the weights of each field's low and high half
+
+
+#: The one-value message's digest (``D``) and the two halves of the two-value message's (``d1``, ``d2``).
+LANE, HIGH, LOW = Hash(Q, _weights(Q, "q")), Hash(P1, _weights(P1, "p1")), Hash(P2, _weights(P2, "p2"))
+
+
+def share(xp: Any, halves: Any, weights: Any, prime: int, base: Any = 0) -> Any:
+    """``(base + sum(w * h)) mod prime`` over the 16-bit halves ``h`` of some fields: a digest's share
+    of those fields (shares of disjoint fields add up). The one computation for host and device.
+
+    ``halves`` and ``weights``: (n, 2) int64 in ``xp``'s library on one device (the low half
+    first). Each product (below 2**59) is reduced mod ``prime`` before the sum.
+    """
+    return (xp.sum(weights * halves % prime) + base) % prime
+
+
+def _halves(xp: Any, words: Any) -> Any:
+    """The 16-bit halves of 1-d int64 ``words`` below 2**32: (n, 2), the low half first."""
+    return xp.stack([words & 0xFFFF, words >> 16], axis=1)
 
 
 def scale_bits(scale: float) -> int:
@@ -128,98 +123,14 @@ def scale_bits(scale: float) -> int:
     return _U32.unpack(_F32.pack(scale))[0]
 
 
-def shares(values: Any, first: int = 0) -> tuple[int, int]:
-    """``(sum(w1 * h) mod P1, sum(w2 * h) mod P2)`` over the halves of ``values``, fields from ``first``.
+class Fields(NamedTuple):
+    """A fingerprint where its message is built: ``host`` the fields known on the host (all ten, or
+    the first HOST_FIELDS) and ``halves`` theirs (in host memory), ``state`` the halves of the state's
+    three (on its device) or None."""
 
-    Both sums in one Python integer (``w1 * 2**64 + w2``: the second sum stays below 2**46).
-    """
-    total = 0
-    for v, (low, high) in zip(values, _PACKED[first:]):
-        v &= _MASK
-        total += low * (v & 0xFFFF) + high * (v >> 16)
-    return (total >> 64) % P1, (total & _LOW64) % P2
-
-
-def digest(values: Fingerprint | list[int]) -> int:
-    """The fingerprint's digest ``d = d1 * 2**25 + d2 < 2**50`` (host side)."""
-    d1, d2 = shares(values)
-    return d1 * 2**25 + d2
-
-
-def lane_share(values: Any, first: int = 0) -> int:
-    """``sum(wq * h) mod Q`` over the halves of ``values``, fields from ``first`` (the one-value
-    message's digest of them; shares of disjoint fields add up mod Q)."""
-    total = 0
-    for v, (low, high) in zip(values, WQ[first:]):
-        v &= _MASK
-        total += low * (v & 0xFFFF) + high * (v >> 16)
-    return total % Q
-
-
-def _mix(x: int) -> int:
-    """SplitMix64's finalizer: a bijection of 64-bit words whose outputs look uniform."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def _g(key: int, rank: int) -> int:
-    """Rank ``rank``'s coefficient seed for the collective ``key`` (uniform-looking mod Q)."""
-    return _mix(((key & 0xFFFFFFFFFFF) << 20) | rank) % Q
-
-
-def coefficient(rank: int, ranks: int, key: int) -> int:
-    """``c = g(rank) - g(rank + 1) mod Q``, the ranks in a circle and ``g`` drawn anew for each
-    collective ``key``: the ``c`` of all ranks sum to 0 mod Q."""
-    return (_g(key, rank) - _g(key, (rank + 1) % ranks)) % Q
-
-
-def lane(share: int, found: bool, rank: int, ranks: int, key: int) -> int:
-    """What ``rank`` of ``ranks`` sends in the one-value SUM: ``f * B + (c * D mod Q)``.
-
-    ``D`` (``share``) the fingerprint's :func:`lane_share`, ``f`` 1 when this rank found an inf/nan,
-    ``c`` its :func:`coefficient`: ranks with one ``D`` send ``v`` that sum to 0 mod Q.
-    """
-    return (B if found else 0) + coefficient(rank, ranks, key) * share % Q
-
-
-def lane_verdict(total: int) -> tuple[bool, bool]:
-    """From the SUM of the ranks' :func:`lane` values: (aligned, agreed flag). Aligned when the
-    ``v`` sum to 0 mod Q (every rank sent one digest, or, with probability 1/Q, digests that
-    differ); the flag (1 when some rank found an inf/nan) is exact either way."""
-    return total % B % Q == 0, total >= B
-
-
-def head(d: int, found: bool) -> tuple[float, float]:
-    """The two values a rank sends: ``(4d + f, f - 4d)``."""
-    f = 1.0 if found else 0.0
-    return 4.0 * d + f, f - 4.0 * d
-
-
-def verdict(total: float) -> bool:
-    """From ``a + b`` of the reduced head: True when the ranks are aligned (``a + b`` is 0 or 2);
-    then the agreed flag is ``total / 2``."""
-    return total <= 2.0
-
-
-def gather_extras(slots: np.ndarray, ranks: int) -> np.ndarray:
-    """The extras summed over the ranks, in rank order (the same on every rank): ``slots`` holds
-    each rank's ``k`` values after the MAX, rank after rank."""
-    per_rank = np.asarray(slots, np.float64).reshape(ranks, -1)
-    total = per_rank[0].copy()
-    for row in per_rank[1:]:
-        total += row
-    return total
-
-
-def encode(values: Fingerprint | list[int], encoding: Encoding = BYTES) -> np.ndarray:
-    """The fingerprint as ``encoding.size`` float64 values (field by field, lowest digit first)."""
-    octets = np.array([v & _MASK for v in values], dtype="<u4").view(np.uint8)
-    if encoding.digit_bits == 1:
-        return np.unpackbits(octets, bitorder="little").astype(np.float64)
-    digits = octets.astype(np.float64)
-    return np.concatenate([digits, digits * digits])
+    host: list[int]
+    halves: np.ndarray
+    state: Any
 
 
 def _pattern(xp: Any, powers: Any, scale: Any) -> Any:
@@ -232,133 +143,84 @@ def _pattern(xp: Any, powers: Any, scale: Any) -> Any:
     return exponent * 2.0**23 + (s / power - 1.0) * 2.0**23
 
 
-def _powers(xp: Any, device: Any) -> Any:
-    return xp.asarray(np.ldexp(1.0, np.arange(-126, 128)), dtype=xp.float64, device=device)
-
-
-class DeviceDigest:
-    """The head ``[4d + f, f - 4d]`` computed on the state's device, without a host read (GPU arrays).
-
-    The host fields' shares enter as scalar arguments (no host-to-device copy); the state's
-    halves are weighted and reduced mod P1, P2 there. Exact in float64: every product is below
-    2**41, every sum below 2**46, and the remainder of such integers is exact.
+class Place:
+    """Where messages are built and read: NumPy in host memory (:data:`HOST`), or an array library's
+    device, where nothing is read to the host. Keeps the constant arrays it needs there, made once.
     """
 
-    def __init__(self, xp: Any, device: Any) -> None:
-        self.xp, self.device = xp, device
-        f64 = xp.float64
-        self._powers = _powers(xp, device)
-        state = range(HOST_FIELDS, len(FIELDS))
-        # rows: P1, P2; columns: (lo, hi) of each state field
-        weights = [[w for i in state for w in table[i]] for table in (W1, W2)]
-        self._weights = xp.asarray(np.array(weights, np.float64), dtype=f64, device=device)
+    def __init__(self, xp: Any, device: Any, host: bool = False) -> None:
+        self.xp, self.device, self.host = xp, device, host
+        self._made: dict[Any, Any] = {}
 
-    def __call__(self, host: tuple[int, int], found: Any, scale: Any = None, growth: Any = None,
-                 backoff: Any = None) -> Any:
-        """The head, float64 of shape (2,): ``host`` the :func:`shares` of the host fields (of every
-        field when ``scale`` is None), ``found`` a device flag (non-zero: inf/nan found) or a bool."""
-        xp, f64 = self.xp, self.xp.float64
-        if scale is None:
-            four_d = xp.full((), 4.0 * (host[0] * 2**25 + host[1]), dtype=f64, device=self.device)
-        else:
-            four_d = self._four_d(host, scale, growth, backoff)
-        if isinstance(found, bool):
-            f: Any = 1.0 if found else 0.0
-        else:
-            f = xp.reshape(xp.astype(xp.asarray(found, device=self.device) != 0, f64), ())
-        return xp.stack([four_d + f, f - four_d])
+    def constant(self, key: Any, values: np.ndarray) -> Any:
+        """``values`` as an array here (made on first use)."""
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = self.xp.asarray(values, device=self.device)
+        return made
 
-    def _four_d(self, host: tuple[int, int], scale: Any, growth: Any, backoff: Any) -> Any:
-        """``4 * d`` on the device: the state's halves weighted, the host shares added, mod P1, P2."""
-        xp, f64 = self.xp, self.xp.float64
-        words = xp.stack([xp.reshape(_pattern(xp, self._powers, scale), ()),
-                          xp.reshape(xp.astype(growth, f64), ()), xp.reshape(xp.astype(backoff, f64), ())])
-        high = xp.floor(words / 65536.0)
-        halves = xp.reshape(xp.stack([words - 65536.0 * high, high], axis=1), (-1,))
-        sums = xp.sum(self._weights * halves[None, :], axis=1)
-        d1 = (sums[0] + float(host[0])) % float(P1)  # exact: a - P*floor(a/P), a < 2**46
-        d2 = (sums[1] + float(host[1])) % float(P2)
-        return (d1 * 2.0**25 + d2) * 4.0
+    def fields(self, host: list[int], state: Any = None) -> Fields:
+        """The fingerprint from host integers and, on a device, the state arrays (scale, growth, backoff)."""
+        halves = None
+        if state is not None:
+            xp, i64 = self.xp, self.xp.int64
+            powers = self.constant("powers", np.ldexp(1.0, np.arange(-126, 128)))
+            scale, growth, backoff = state
+            words = [_pattern(xp, powers, scale), growth, backoff]
+            halves = _halves(xp, xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in words]) & _MASK)
+        host = [v & _MASK for v in host]
+        return Fields(host, np.array([(v & 0xFFFF, v >> 16) for v in host], np.int64), halves)
 
+    def share(self, fields: Fields, digest: Hash) -> Any:
+        """``digest`` of every field: the host fields' share on the host, the state's added here (a
+        Python int, or a 0-d int64 array here)."""
+        n = len(fields.host)
+        base = int(share(np, fields.halves, digest.weights[:n], digest.prime))
+        if fields.state is None:
+            return base
+        weights = self.constant(digest.prime, digest.weights[n:])
+        return share(self.xp, fields.state, weights, digest.prime, base)
 
-def mulmod(k: int, x: Any) -> Any:
-    """``k * x mod Q`` for a host integer ``k`` and int64 values ``x`` in ``[0, Q)`` (an array on
-    any device), without overflow: ``k * 2**(16j) mod Q`` times the 16-bit digits of ``x``, each
-    product below 2**59, three summed below 2**61."""
-    k %= Q
-    return (k * (x & 0xFFFF) + k * 2**16 % Q * ((x >> 16) & 0xFFFF) + k * 2**32 % Q * (x >> 32)) % Q
+    def encode(self, fields: Fields, encoding: Encoding) -> Any:
+        """The fields as ``encoding.size`` float64 values here (field by field, lowest digit first)."""
+        xp, bits = self.xp, encoding.digit_bits
+        halves = fields.halves if self.host else _halves(xp, self.vector(fields.host, "int64"))
+        if fields.state is not None:
+            halves = xp.concat([halves, fields.state])
+        shifts = self.constant(("shifts", bits), np.arange(0, 16, bits, dtype=np.int64))
+        digits = xp.reshape((halves[:, :, None] >> shifts) & (2**bits - 1), (-1,))
+        digits = xp.astype(digits, xp.float64)
+        return xp.concat([digits, digits * digits]) if encoding.squares else digits
 
-
-class DeviceLane:
-    """The one-value message ``f * B + (c * D mod Q)`` computed on the state's device, without a
-    host read (GPU arrays): equal to :func:`lane` on the host for a positive normal float32 scale
-    (the only scales a config and ``set_scale`` let through).
-
-    In int64: each product of a weight (below 2**43) and a 16-bit half is below 2**59, the state's
-    six of them and the host share sum below 2**62; ``c * D mod Q`` is :func:`mulmod`.
-    """
-
-    def __init__(self, xp: Any, device: Any) -> None:
-        self.xp, self.device = xp, device
-        self._powers = _powers(xp, device)
-        weights = [w for i in range(HOST_FIELDS, len(FIELDS)) for w in WQ[i]]  # (lo, hi) per state field
-        self._weights = xp.asarray(np.array(weights, np.int64), dtype=xp.int64, device=device)
-
-    def __call__(self, share: int, found: Any, c: int, scale: Any = None, growth: Any = None,
-                 backoff: Any = None) -> Any:
-        """The message, int64 of shape (1,): ``share`` the :func:`lane_share` of the host fields (of
-        every field when ``scale`` is None), ``found`` a device flag (non-zero: inf/nan) or a bool,
-        ``c`` this rank's :func:`coefficient`."""
-        xp, i64 = self.xp, self.xp.int64
-        if scale is None:
-            v: Any = xp.full((), c * share % Q, dtype=i64, device=self.device)
-        else:
-            pattern = xp.astype(_pattern(xp, self._powers, scale), i64)
-            words = xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in (pattern, growth, backoff)]) & _MASK
-            halves = xp.reshape(xp.stack([words & 0xFFFF, words >> 16], axis=1), (-1,))
-            v = mulmod(c, (xp.sum(self._weights * halves) + share) % Q)
-        if isinstance(found, bool):
-            f: Any = B if found else 0
-        else:
-            f = xp.reshape(xp.astype(xp.asarray(found, device=self.device) != 0, i64), ()) * B
-        return xp.reshape(f + v, (1,))
-
-
-class DeviceEncoder:
-    """Computes a SUM encoding on the state's device, without a host read (for GPU arrays).
-
-    Host fields enter as fills (kernel arguments, no host-to-device copy); the scale's bit
-    pattern is rebuilt exactly from comparisons with the powers of two (no bit cast needed).
-    """
-
-    def __init__(self, xp: Any, device: Any, encoding: Encoding = BYTES) -> None:
-        self.xp, self.device, self.encoding = xp, device, encoding
-        f64 = xp.float64
-        per_field = WIDTH // encoding.digit_bits
-        self._powers = _powers(xp, device)
-        steps = -encoding.digit_bits * np.arange(per_field)
-        self._shifts = xp.asarray(np.ldexp(1.0, steps), dtype=f64, device=device)
-        self._base = float(2**encoding.digit_bits)
-
-    def __call__(self, host: list[int], scale: Any = None, growth: Any = None, backoff: Any = None) -> Any:
-        """The encoding of ``host`` (every field's value, or the host fields with the state arrays)."""
-        xp, f64 = self.xp, self.xp.float64
-        words = [xp.full((), float(v & _MASK), dtype=f64, device=self.device) for v in host]
-        if scale is not None:
-            words += [_pattern(xp, self._powers, scale), xp.astype(growth, f64), xp.astype(backoff, f64)]
-        stacked = xp.stack([xp.reshape(w, ()) for w in words])
-        high = xp.floor(stacked[:, None] * self._shifts[None, :])
-        digits = xp.reshape(high - self._base * xp.floor(high / self._base), (-1,))
-        return xp.concat([digits, digits * digits]) if self.encoding.squares else digits
-
-    def misaligned(self, sums: Any, ranks: int) -> Any:
-        """A 0-d bool on the device: True when some digit differed between the ranks (bits only:
-        a bit's sum squared is below 2**48, exact in float64)."""
+    def bit(self, found: Any) -> Any:
+        """1 where ``found`` (a flag here, or a bool) is non-zero (NaN too), else 0 (int64 here)."""
+        if found is None or isinstance(found, bool):
+            return int(bool(found))
         xp = self.xp
-        sums = xp.astype(sums, xp.float64)
-        n = self.encoding.digits
-        squares = sums[n:] if self.encoding.squares else sums
-        return xp.any(sums[:n] * sums[:n] != float(ranks) * squares)
+        return xp.reshape(xp.astype(xp.asarray(found, device=self.device) != 0, xp.int64), ())
+
+    def vector(self, values: list[Any], dtype: str) -> Any:
+        """``values`` (Python numbers, or 0-d arrays here) as one 1-d array of ``dtype`` here; in host
+        memory one buffer per length, reused (a reducer may keep its view: torch's from_numpy)."""
+        xp = self.xp
+        if self.host:
+            buffer = self._made.get((dtype, len(values)))
+            if buffer is None:
+                buffer = self._made[(dtype, len(values))] = np.empty(len(values), getattr(np, dtype))
+            buffer[:] = values
+            return buffer
+        kind = getattr(xp, dtype)
+        return xp.stack([xp.full((), v, dtype=kind, device=self.device) if isinstance(v, (int, float))
+                         else xp.astype(xp.reshape(v, ()), kind) for v in values])
+
+
+#: Host memory (an Agreement holds a place of its own, whose message buffers only it reuses).
+HOST = Place(np_xp, "cpu", host=True)
+
+
+def encode(values: Fingerprint | list[int], encoding: Encoding = BYTES) -> np.ndarray:
+    """The fingerprint as ``encoding.size`` float64 values in host memory."""
+    return HOST.encode(HOST.fields(list(values)), encoding)
 
 
 def _split(sums: np.ndarray, encoding: Encoding) -> tuple[np.ndarray, np.ndarray]:

@@ -1,8 +1,9 @@
-"""The step agreement's messages: the one-value SUM ``f * B + (c * D mod Q)`` (host arrays, groups
-of at most 1023 ranks: exact, its flag exact, ranks that differ found) and the MAX message ``[4d + f,
-f - 4d, *slots]``: the digest computed alike on the host and on a device, the verdict exact at any
-world size (simulated up to 2**20 ranks with np.maximum over many encoded messages), the extras
-slots, and the exact explanation."""
+"""The step agreement's messages: the one-value SUM ``f * B + (c * D mod Q)`` (groups of at most
+1023 ranks: exact, its flag exact, ranks that differ found) and the MAX message ``[4d + f, f - 4d,
+*slots]``: each built alike on the host and on a device (the formats' one code, on NumPy and on
+torch tensors standing for a GPU's, against a plain-Python reference of the documented formulas),
+the verdict exact at any world size (simulated up to 2**20 ranks with np.maximum over many
+messages), the extras slots, and the exact explanation."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from polyamp import LossScaleConfig, LossScaler
 from polyamp.distributed import Reducer
 from polyamp.distributed import _fingerprint as fp
+from polyamp.distributed import _wire as wire
 
 SCALES = [2.0**-126, 0.3, 1.0, 65536.0, 2.0**100 * 1.75, 3.4028234663852886e38]
 
@@ -22,12 +24,32 @@ def _is_prime(n: int) -> bool:
     return n > 1 and all(n % k for k in range(2, math.isqrt(n) + 1))
 
 
+def _reference(values, digest: fp.Hash) -> int:
+    """The documented digest in plain Python: ``sum(w * h) mod p`` over the fields' 16-bit halves."""
+    return sum(int(w) * (v >> (16 * half) & 0xFFFF)
+               for v, pair in zip(values, digest.weights) for half, w in enumerate(pair)) % digest.prime
+
+
+def _d(values) -> int:
+    """The two-value message's digest ``d = d1 * 2**25 + d2`` (reference)."""
+    return _reference(values, fp.HIGH) * 2**25 + _reference(values, fp.LOW)
+
+
+def _lane(values, found: bool, rank: int, ranks: int, key: int) -> int:
+    """What a rank sends in the one-value SUM (reference): ``f * B + (c * D mod Q)``."""
+    return int(found) * wire.B + wire.coefficient(rank, ranks, key) * _reference(values, fp.LANE) % fp.Q
+
+
+def _head(values, found: bool) -> list[float]:
+    return [4.0 * _d(values) + found, found - 4.0 * _d(values)]
+
+
 def test_the_digest_primes_and_weights():
     assert _is_prime(fp.P1) and _is_prime(fp.P2) and fp.P1 != fp.P2 and max(fp.P1, fp.P2) < 2**25
     assert fp.P1 * fp.P2 > 2**49  # a mismatch goes unseen with a chance below 2**-49
-    for table, prime in ((fp.W1, fp.P1), (fp.W2, fp.P2)):
-        weights = [w for pair in table for w in pair]
-        assert len(weights) == 2 * len(fp.FIELDS) and all(0 < w < prime for w in weights)
+    for digest in (fp.HIGH, fp.LOW, fp.LANE):
+        weights = digest.weights.reshape(-1).tolist()
+        assert len(weights) == 2 * len(fp.FIELDS) and all(0 < w < digest.prime for w in weights)
         assert len(set(weights)) == len(weights)
 
 
@@ -40,131 +62,135 @@ def _print(**fields) -> fp.Fingerprint:
 
 def test_the_digest_fits_and_every_field_moves_it():
     base = _print()
-    d = fp.digest(base)
-    assert 0 <= d < 2**50 and fp.digest(list(base)) == d
+    d = _d(base)
+    assert 0 <= d < 2**50
     for name in fp.FIELDS:
         for delta in (1, 2**16, 2**31):
             other = base._replace(**{name: (getattr(base, name) + delta) % 2**32})
-            assert fp.digest(other) != d, (name, delta)
+            assert _d(other) != d, (name, delta)
 
 
-def _device_head(xp, device, mine: fp.Fingerprint, found, to_array):
-    digest = fp.DeviceDigest(xp, device)
-    state = (to_array(np.float32(fp._from_bits(mine.scale)), "float32"),
-             to_array(np.int32(mine.growth_tracker), "int32"),
-             to_array(np.int32(mine.backoff_tracker), "int32"))
-    return digest(fp.shares(mine[:fp.HOST_FIELDS]), found, *state)
+def _place(library: str):
+    """A device place (the GPU path's code) on NumPy or torch CPU arrays, and how to make its arrays."""
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        import array_api_compat
+
+        xp = array_api_compat.array_namespace(torch.zeros(()))
+        return fp.Place(xp, torch.device("cpu")), lambda v, dtype: torch.tensor(
+            np.asarray(v).tolist(), dtype=getattr(torch, dtype))
+    import array_api_compat.numpy as xp
+
+    return fp.Place(xp, "cpu"), lambda v, dtype: np.asarray(v, dtype)
 
 
+def _on(place, to_array, mine: fp.Fingerprint, state: bool = True) -> fp.Fields:
+    """``mine`` where ``place`` builds messages: the state as arrays there, or every field a host int."""
+    if not state:
+        return place.fields(list(mine))
+    arrays = (to_array(np.float32(fp._from_bits(mine.scale)), "float32"),
+              to_array(mine.growth_tracker, "int32"), to_array(mine.backoff_tracker, "int32"))
+    return place.fields(list(mine[:fp.HOST_FIELDS]), arrays)
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("found", [False, True, "array0", "array3"])
-def test_the_device_digest_equals_the_host_digest_numpy(scale, found):
-    mine = _print(scale=fp.scale_bits(np.float32(scale)), growth_tracker=2**31 - 1, backoff_tracker=65537)
-    flag = np.array(float(found[-1]), np.float32) if isinstance(found, str) else found
-    got = _device_head(np, "cpu", mine, flag, lambda v, dtype: np.asarray(v, dtype))
-    f = bool(float(flag))
-    assert got.dtype == np.float64 and got.tolist() == list(fp.head(fp.digest(mine), f))
+def test_the_two_value_message_is_the_same_on_host_and_device(library, scale, found):
+    place, to_array = _place(library)
+    mine = _print(scale=fp.scale_bits(np.float32(scale)), iteration=2**32 - 1, growth_tracker=2**31 - 1,
+                  backoff_tracker=65537)
+    flag = found if isinstance(found, bool) else to_array(float(found[-1]), "float32")
+    f = found not in (False, "array0")
+    want = _head(mine, f)
+    host = wire.TwoValueMax(fp.HOST, 0, 2, 0).send(fp.HOST.fields(list(mine)), f, None)
+    assert host.dtype == np.float64 and host.tolist() == want
+    for state in (True, False):  # the state's arrays, or a host state (every field a host int)
+        got = wire.TwoValueMax(place, 0, 2, 0).send(_on(place, to_array, mine, state), flag, None)
+        assert str(got.dtype).endswith("float64") and np.asarray(got).tolist() == want
 
 
-@pytest.mark.parametrize("scale", SCALES)
-def test_the_device_digest_equals_the_host_digest_torch(scale):
-    torch = pytest.importorskip("torch")
-    import array_api_compat
-
-    xp = array_api_compat.array_namespace(torch.zeros(()))
-    mine = _print(scale=fp.scale_bits(np.float32(scale)), iteration=2**32 - 1, growth_tracker=77)
-    got = _device_head(xp, torch.device("cpu"), mine, torch.tensor(1.0),
-                       lambda v, dtype: torch.tensor(v.item(), dtype=getattr(torch, dtype)))
-    assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
-    assert got.tolist() == list(fp.head(fp.digest(mine), True))
-
-
-def _reduced(digests: np.ndarray, found: np.ndarray) -> float:
-    """``a + b`` after a MAX over every rank's ``[4d + f, f - 4d]`` (as gloo/MPI compute it)."""
+def _reduced(digests: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """The two-value message after a MAX over every rank's ``[4d + f, f - 4d]`` (as gloo/MPI compute it)."""
     d = digests.astype(np.float64)
-    heads = np.stack([4.0 * d + found, found - 4.0 * d], axis=1)
-    a, b = np.maximum.reduce(heads, axis=0)
-    return float(a + b)
+    return np.maximum.reduce(np.stack([4.0 * d + found, found - 4.0 * d], axis=1), axis=0)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 1000, 2**20])
 def test_the_verdict_is_exact_at_any_world_size(ranks):
     rng = np.random.default_rng(ranks)
-    d = fp.digest(_print())
+    read = wire.TwoValueMax(fp.HOST, 0, ranks, 0).read
+    d = _d(_print())
     same = np.full(ranks, d, np.int64)
     for found in (np.zeros(ranks), np.eye(1, ranks, ranks - 1)[0], rng.integers(0, 2, ranks).astype(float)):
-        total = _reduced(same, found)
-        assert fp.verdict(total) and total / 2 == float(found.any())
-    for other in (d + 1, d - 1, 0, 2**50 - 1, fp.digest(_print(scale=fp.scale_bits(32768.0)))):
+        got = read(_reduced(same, found))
+        assert got.aligned and got.flag == found.any() and got.extra is None
+    for other in (d + 1, d - 1, 0, 2**50 - 1, _d(_print(scale=fp.scale_bits(32768.0)))):
         if other == d or ranks == 1:
             continue
         for where in (0, ranks - 1):
             digests = same.copy()
             digests[where] = other
             for found in (np.zeros(ranks), np.ones(ranks)):
-                total = _reduced(digests, found)
-                assert not fp.verdict(total)
-                assert total == 4 * abs(other - d) + 2 * found.max()  # exact: no rounding anywhere
+                message = _reduced(digests, found)
+                assert not read(message).aligned
+                assert message.sum() == 4 * abs(other - d) + 2 * found.max()  # exact: no rounding anywhere
 
 
 def test_the_one_value_constants():
     assert _is_prime(fp.Q) and 2**42 < fp.Q < 2**43  # a mismatch goes unseen with a chance below 2**-41
-    assert fp.LANE_RANKS * (fp.Q - 1) < fp.B and fp.LANE_RANKS * fp.B + fp.B <= 2**63  # sums split, exact
-    weights = [w for pair in fp.WQ for w in pair]
-    assert len(set(weights)) == len(weights) == 2 * len(fp.FIELDS) and all(0 < w < fp.Q for w in weights)
+    assert wire.LANE_RANKS * (fp.Q - 1) < wire.B and wire.LANE_RANKS * wire.B + wire.B <= 2**63  # exact
     base = _print()
-    assert fp.lane_share(base) == (fp.lane_share(base[:1]) + fp.lane_share(base[1:], first=1)) % fp.Q
+    halves, weights = fp.HOST.fields(list(base)).halves, fp.LANE.weights
+    parts = [fp.share(np, halves[:k], weights[:k], fp.Q) for k in (1, 7)]
+    rests = [fp.share(np, halves[k:], weights[k:], fp.Q, part) for k, part in zip((1, 7), parts)]
+    assert rests == [_reference(base, fp.LANE)] * 2  # shares of disjoint fields add up
     for name in fp.FIELDS:  # every field moves the digest (a difference below 2**16 per half, never 0 mod Q)
         for delta in (1, 2**16, 2**31):
             other = base._replace(**{name: (getattr(base, name) + delta) % 2**32})
-            assert fp.lane_share(other) != fp.lane_share(base), (name, delta)
+            assert _reference(other, fp.LANE) != _reference(base, fp.LANE), (name, delta)
 
 
 @pytest.mark.parametrize("library", ["numpy", "torch"])
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("found", [False, True, "array0", "array3"])
-def test_the_device_lane_equals_the_host_lane(library, scale, found):
+def test_the_one_value_message_is_the_same_on_host_and_device(library, scale, found):
     """The one-value message computed from the state arrays (a GPU rank's, here on the CPU): equal
-    to the host's, whatever the fields (up to 2**32 - 1), the scale and the flag."""
-    if library == "torch":
-        torch = pytest.importorskip("torch")
-        import array_api_compat
-
-        xp, device = array_api_compat.array_namespace(torch.zeros(())), torch.device("cpu")
-        to_array = lambda value, dtype: torch.tensor(np.asarray(value).tolist(), dtype=getattr(torch, dtype))  # noqa: E731
-    else:
-        xp, device = np, "cpu"
-        to_array = lambda value, dtype: np.asarray(value, dtype)  # noqa: E731
+    to the host's and the reference, whatever the fields (up to 2**32 - 1), the scale and the flag."""
+    place, to_array = _place(library)
     mine = _print(config=2**32 - 1, iteration=2**31 + 5, scale=fp.scale_bits(np.float32(scale)),
                   growth_tracker=2**31 - 1, backoff_tracker=65537)
     flag = found if isinstance(found, bool) else to_array(float(found[-1]), "float32")
-    lane = fp.DeviceLane(xp, device)
+    f = found not in (False, "array0")
     for rank, ranks, key in ((0, 2, 0), (1, 2, 7), (5, 1023, 2**40 + 1)):
-        c = fp.coefficient(rank, ranks, key)
-        want = fp.lane(fp.lane_share(mine), found not in (False, "array0"), rank, ranks, key)
-        state = (to_array(np.float32(fp._from_bits(mine.scale)), "float32"),
-                 to_array(mine.growth_tracker, "int32"), to_array(mine.backoff_tracker, "int32"))
-        got = lane(fp.lane_share(mine[:fp.HOST_FIELDS]), flag, c, *state)
-        assert str(got.dtype).endswith("int64") and tuple(got.shape) == (1,) and int(got[0]) == want
-        assert int(lane(fp.lane_share(mine), flag, c)[0]) == want  # a host state: every field's share
+        want = _lane(mine, f, rank, ranks, key)
+        host = wire.OneValue(fp.HOST, rank, ranks, key).send(fp.HOST.fields(list(mine)), f, None)
+        assert host.dtype == np.int64 and host.tolist() == [want]
+        for state in (True, False):
+            got = wire.OneValue(place, rank, ranks, key).send(_on(place, to_array, mine, state), flag, None)
+            assert str(got.dtype).endswith("int64") and tuple(got.shape) == (1,) and int(got[0]) == want
 
 
 def test_mulmod_is_exact():
     rng = np.random.default_rng(3)
     x = np.concatenate([rng.integers(0, fp.Q, 1000), [0, 1, fp.Q - 1]]).astype(np.int64)
     for k in (0, 1, 2**16 + 3, fp.Q - 1, fp.Q + 5, int(rng.integers(0, fp.Q))):
-        assert fp.mulmod(k, x).tolist() == [k * int(v) % fp.Q for v in x]
+        assert wire.mulmod(k, x).tolist() == [k * int(v) % fp.Q for v in x]
 
 
 def _lane_sum(prints: list[fp.Fingerprint], found, key: int) -> tuple[int, np.int64]:
     """Every rank's one value summed: exactly (a Python int) and as an int64 all-reduce sums it."""
-    values = [fp.lane(fp.lane_share(p), bool(f), r, len(prints), key)
-              for r, (p, f) in enumerate(zip(prints, found))]
-    assert all(0 <= v < fp.B + fp.Q for v in values)
+    values = [_lane(p, bool(f), r, len(prints), key) for r, (p, f) in enumerate(zip(prints, found))]
+    assert all(0 <= v < wire.B + fp.Q for v in values)
     return sum(values), np.sum(np.array(values, np.int64))
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 64, fp.LANE_RANKS])
+def _one_value_read(total: int, ranks: int) -> tuple[bool, bool]:
+    read = wire.OneValue(fp.HOST, 0, ranks, 0).read(np.array([total], np.int64))
+    return bool(read.aligned), bool(read.flag)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 64, wire.LANE_RANKS])
 def test_the_one_value_sum_is_exact_and_its_flag_exact_up_to_1023_ranks(ranks):
     rng = np.random.default_rng(ranks)
     same = [_print()] * ranks
@@ -173,10 +199,10 @@ def test_the_one_value_sum_is_exact_and_its_flag_exact_up_to_1023_ranks(ranks):
         for found in (np.zeros(ranks), last, rng.integers(0, 2, ranks), np.ones(ranks)):
             exact, as_int64 = _lane_sum(same, found, key)
             assert exact == as_int64 < 2**63  # no int64 overflow, whatever the flags
-            assert fp.lane_verdict(exact) == (True, bool(found.any()))
+            assert _one_value_read(exact, ranks) == (True, bool(found.any()))
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 64, fp.LANE_RANKS])
+@pytest.mark.parametrize("ranks", [2, 3, 64, wire.LANE_RANKS])
 def test_the_one_value_sum_finds_ranks_that_differ(ranks):
     """One rank off, two ranks whose differences cancel in a fixed linear sum (one an iteration
     ahead, one behind), half the ranks: for 50 collectives each, never aligned; the flag stays exact."""
@@ -190,7 +216,7 @@ def test_the_one_value_sum_finds_ranks_that_differ(ranks):
         for key in range(50):
             found = np.eye(1, ranks, key % ranks)[0]
             exact, as_int64 = _lane_sum(prints, found, key)
-            assert exact == as_int64 and fp.lane_verdict(exact) == (False, True)
+            assert exact == as_int64 and _one_value_read(exact, ranks) == (False, True)
 
 
 class Grid(Reducer):
@@ -212,23 +238,25 @@ class Grid(Reducer):
 
 
 def test_groups_above_1023_ranks_send_the_two_value_max():
-    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=Grid(fp.LANE_RANKS + 1))
+    scaler = LossScaler(LossScaleConfig(init_scale=4.0), reducer=Grid(wire.LANE_RANKS + 1))
     assert not scaler.step([np.ones(2, np.float32)], lambda: None).skipped
     assert scaler.reducer.sent == [("max", "float64", 2)]
+
+
+def _with_extras(pairs, ranks: int) -> np.ndarray:
+    """Every rank's two-value message with its extra values (rank ``r`` sends ``pairs[r]``)."""
+    fields = fp.HOST.fields(list(_print()))
+    return np.stack([wire.TwoValueMax(fp.HOST, r, ranks, 0).send(fields, False, np.asarray(pairs[r]))
+                     for r in range(ranks)])
 
 
 @pytest.mark.parametrize("ranks", [2, 5])
 def test_extras_slots_sum_every_ranks_values_in_rank_order(ranks):
     rng = np.random.default_rng(0)
     pairs = rng.random((ranks, 2)) * 10.0**rng.integers(-300, 300, (ranks, 1))
-    messages = np.empty((ranks, 2 * ranks))
-    for r in range(ranks):
-        from polyamp._agreement import _fill_slots
-
-        _fill_slots(messages[r], pairs[r], r)
-    reduced = np.maximum.reduce(messages, axis=0)
-    np.testing.assert_array_equal(reduced.reshape(ranks, 2), pairs)
-    total = fp.gather_extras(reduced, ranks)
+    reduced = np.maximum.reduce(_with_extras(pairs, ranks), axis=0)
+    np.testing.assert_array_equal(reduced[wire.HEAD:].reshape(ranks, 2), pairs)
+    total = wire.TwoValueMax(fp.HOST, 0, ranks, 0).read(reduced).extra
     want = pairs[0].copy()
     for row in pairs[1:]:
         want += row
@@ -237,12 +265,8 @@ def test_extras_slots_sum_every_ranks_values_in_rank_order(ranks):
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_extra_keeps_the_sum_non_finite(bad):
-    from polyamp._agreement import _fill_slots
-
-    messages = np.empty((3, 6))
-    for r, pair in enumerate(([1.0, 2.0], [bad, 3.0], [4.0, 5.0])):
-        _fill_slots(messages[r], np.array(pair), r)
-    total = fp.gather_extras(np.maximum.reduce(messages, axis=0), 3)
+    reduced = np.maximum.reduce(_with_extras([[1.0, 2.0], [bad, 3.0], [4.0, 5.0]], 3), axis=0)
+    total = wire.TwoValueMax(fp.HOST, 0, 3, 0).read(reduced).extra
     assert not np.isfinite(total[0]) and total[1] == 10.0
 
 
@@ -257,13 +281,13 @@ class Ranks(Reducer):
         return array
 
     def _allreduce(self, buffer, op):
-        from polyamp._agreement import _fill_slots
-
         assert op == "max"
+        fields = fp.HOST.fields([0] * len(fp.FIELDS))
         for r in range(self.size):
             if r != self.rank:  # the peer's message, built as polyamp builds it
                 peer = np.array(buffer, copy=True)
-                _fill_slots(peer[2:], self.peer_extras[r], r)
+                theirs = wire.TwoValueMax(fp.HOST, r, self.size, 0).send(fields, False, self.peer_extras[r])
+                peer[wire.HEAD:] = theirs[wire.HEAD:]
                 np.maximum(buffer, peer, out=buffer)
 
     def _barrier(self):
@@ -296,15 +320,6 @@ def test_the_explanation_is_exact_at_2_20_ranks():
     assert fp.describe(sums, ranks, others).endswith("other positions on the other ranks")
 
 
-@pytest.mark.parametrize("found", [False, True, "array"])
-def test_the_device_digest_of_a_host_state(found):
-    """The trainer without loss scaling digests a fixed host state: every field's share on the host."""
-    mine = _print(scale=fp.scale_bits(1.0), growth_tracker=0)
-    flag = np.array(1.0, np.float32) if found == "array" else found
-    got = fp.DeviceDigest(np, "cpu")(fp.shares(mine), flag)
-    assert got.dtype == np.float64 and got.tolist() == list(fp.head(fp.digest(mine), bool(flag)))
-
-
 class Peer(Reducer):
     """Rank 0 of 2 whose peer holds ``other``: its head in a MAX or its one value in a SUM, its bytes
     in the explanation's SUM."""
@@ -318,9 +333,9 @@ class Peer(Reducer):
 
     def _allreduce(self, buffer, op):
         if op == "max":
-            np.maximum(buffer, fp.head(fp.digest(self.other), False), out=buffer)
+            np.maximum(buffer, _head(self.other, False), out=buffer)
         elif buffer.dtype == np.int64:  # the one-value message, as rank 1 computes it from its fields
-            buffer += fp.lane(fp.lane_share(self.other), False, 1, 2, self.other.sequence)
+            buffer += _lane(self.other, False, 1, 2, self.other.sequence)
         else:  # the explanation: its bytes
             buffer += fp.encode(self.other)
 

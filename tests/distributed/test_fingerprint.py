@@ -1,5 +1,5 @@
-"""The agreement message: the digest (host == device), the MAX verdict at any world size, the
-extras slots, and the bytes of the second collective that name what differs.
+"""The fingerprint's encodings (host == device == the documented layout), the bytes of the second
+collective that name what differs, and the agreement against a second scaler's real messages.
 
 Multi-process runs are in test_misaligned_ranks.py; here the encoding itself, and the device
 path (used for GPU arrays) run on NumPy arrays against a second scaler's real message.
@@ -13,6 +13,7 @@ import pytest
 from polyamp import LossScaleConfig, LossScaler
 from polyamp.distributed import RankMismatchError, Reducer, ReducerError, config_fingerprint, reducer
 from polyamp.distributed import _fingerprint as fp
+from polyamp.distributed import _wire as wire
 from polyamp.policy import LossScaleState
 
 SCALES = [2.0**-126, 2.0**-100, 0.3, 1.0, 3.0, 1024.0, 65536.0, 2.0**100 * 1.75, 3.4028234663852886e38]
@@ -21,21 +22,37 @@ SCALES = [2.0**-126, 2.0**-100, 0.3, 1.0, 3.0, 1024.0, 65536.0, 2.0**100 * 1.75,
 ENCODINGS = [fp.BYTES, fp.BITS]
 
 
+def _layout(values, encoding: fp.Encoding) -> np.ndarray:
+    """The documented layout: field by field, lowest digit first (bytes and then their squares, or bits)."""
+    octets = np.array(values, "<u4").view(np.uint8)
+    if encoding.digit_bits == 1:
+        return np.unpackbits(octets, bitorder="little").astype(np.float64)
+    return np.concatenate([octets, octets.astype(np.float64) ** 2]).astype(np.float64)
+
+
+def _numpy_device() -> fp.Place:
+    import array_api_compat.numpy as xp
+
+    return fp.Place(xp, "cpu")  # the device code (as for a GPU), on NumPy arrays
+
+
 @pytest.mark.parametrize("encoding", ENCODINGS, ids=["bytes", "bits"])
 @pytest.mark.parametrize("scale", SCALES)
 def test_the_device_encoding_equals_the_host_encoding(scale, encoding):
     host = [123456789, 7, 2, 2**32 - 1, 10**9, 2, 5]
     growth, backoff = 1999, 3
-    device = fp.DeviceEncoder(np, "cpu", encoding)
+    device = _numpy_device()
     state = (np.array(scale, np.float32), np.array(growth, np.int32), np.array(backoff, np.int32))
-    got = device(host, *state)
-    want = fp.encode(fp.Fingerprint(*host, fp.scale_bits(np.float32(scale)), growth, backoff), encoding)
+    got = device.encode(device.fields(host, state), encoding)
+    mine = fp.Fingerprint(*host, fp.scale_bits(np.float32(scale)), growth, backoff)
+    want = fp.encode(mine, encoding)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(want, _layout(mine, encoding))
     assert got.shape == (encoding.size,) and float(got.max()) <= (255.0**2 if encoding.squares else 1.0)
 
 
 def test_bytes_and_squares_fit_the_message():
-    assert fp.BYTES.size == 2 * 4 * len(fp.FIELDS) == 80 and fp.HEAD == 2 and fp.BITS.size == 320
+    assert fp.BYTES.size == 2 * 4 * len(fp.FIELDS) == 80 and wire.HEAD == 2 and fp.BITS.size == 320
 
 
 def _sums(*prints: fp.Fingerprint, encoding=fp.BYTES) -> np.ndarray:
@@ -113,8 +130,8 @@ class Recorder(Reducer):
     def _allreduce(self, buffer, op):
         self.messages.append(np.array(buffer.numpy() if hasattr(buffer, "numpy") else buffer, copy=True))
         if self.size == 2 and op == "sum" and str(buffer.dtype).endswith("int64"):  # rank 0, same state:
-            flag, v = divmod(int(buffer[0]), fp.B)  # its flag, and -v mod Q (its c is -c)
-            buffer[0] = 2 * flag * fp.B + v + (-v) % fp.Q
+            flag, v = divmod(int(buffer[0]), wire.B)  # its flag, and -v mod Q (its c is -c)
+            buffer[0] = 2 * flag * wire.B + v + (-v) % fp.Q
 
     def _barrier(self):
         pass
@@ -249,9 +266,10 @@ def test_on_fault_is_checked():
 def test_state_values_of_a_host_state_are_fingerprinted_too():
     """The trainer without loss scaling fingerprints a fixed scale of 1."""
     state = LossScaleState(np.array(1.0, np.float32), np.array(0, np.int32), np.array(0, np.int32))
-    device = fp.DeviceEncoder(np, "cpu")
-    on_host = device([1, 2, 3, 4, 5, 0, fp.scale_bits(1.0), 0, 0])
-    np.testing.assert_array_equal(on_host, device([1, 2, 3, 4, 5, 0], *state))
+    device = _numpy_device()
+    on_host = device.encode(device.fields([1, 2, 3, 4, 5, 0, 7, fp.scale_bits(1.0), 0, 0]), fp.BYTES)
+    from_state = device.encode(device.fields([1, 2, 3, 4, 5, 0, 7], state), fp.BYTES)
+    np.testing.assert_array_equal(on_host, from_state)
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS, ids=["bytes", "bits"])
@@ -261,15 +279,17 @@ def test_the_device_encoding_runs_on_torch_tensors(encoding):
     import array_api_compat
 
     xp = array_api_compat.array_namespace(torch.zeros(()))
-    device = fp.DeviceEncoder(xp, torch.device("cpu"), encoding)
+    device = fp.Place(xp, torch.device("cpu"))
     state = (torch.tensor(0.3, dtype=torch.float32), torch.tensor(17, dtype=torch.int32),
              torch.tensor(2, dtype=torch.int32))
     host = [4, 3, 2, 1, 0, 2, 0]
-    got = device(host, *state)
+    got = device.encode(device.fields(host, state), encoding)
     want = fp.encode(fp.Fingerprint(*host, fp.scale_bits(np.float32(0.3)), 17, 2), encoding)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
     np.testing.assert_array_equal(got.numpy(), want)
-    assert not bool(device.misaligned(got * 2, 2)) and bool(device.misaligned(got * 2 + 1, 2))
+    if encoding == fp.BITS:  # the trainer's check of summed bits, on the device
+        read = wire.PayloadBits(device, 0, 2, 0).read
+        assert bool(read(got * 2).aligned) and not bool(read(got * 2 + 1).aligned)
 
 
 class TorchPairedWith(PairedWith):

@@ -1,0 +1,190 @@
+"""The step agreement's wire formats: one class each behind one interface (:class:`Wire`), and the
+one place that picks one (:func:`wire_for`).
+
+Each rank's message carries its flag (1 when it found an inf/nan) with a digest of its
+:class:`~polyamp.distributed._fingerprint.Fingerprint`, in ONE all-reduce; every rank reads the same
+reduced message and reaches the same verdict. A format is written once for host and device: it
+builds and reads its message through a :class:`~polyamp.distributed._fingerprint.Place`.
+
+- :class:`OneValue`: ONE int64, summed: ``f * B + (c * D mod Q)`` (:func:`lane`), ``D`` the
+  fingerprint's LANE digest and ``c = g(rank) - g(rank + 1)``, the ranks in a circle and ``g`` drawn
+  anew for each collective: the ``c`` sum to 0, so ranks with one ``D`` send ``v`` parts that sum to
+  0 mod Q. The sum is exact (below 1023 * (B + Q) < 2**63) and splits into the flags' count
+  (``total // B``) and the ``v`` (``total % B``). Ranks that differ, in any pattern, sum to 0 with
+  probability 1/Q for one collective, and their digests collide with probability at most 1/(Q - 1):
+  below 2**-41 in all.
+- :class:`TwoValueMax`: ``[4*d + f, f - 4*d, *slots]`` (float64), MAX: ``d < 2**50`` the HIGH and
+  LOW digests; after the MAX, ``a + b == 2 * OR(f)`` when every rank sent the same ``d``, and ``a + b
+  >= 4`` otherwise: exact at any number of ranks (a MAX never rounds; ``4d + 1 < 2**53``). ``slots``:
+  each rank's extra values in slots of its own, -inf in the others' (a MAX keeps each rank's own).
+- :class:`PayloadBits`: a payload (the trainer's float32 gradients) summed with the fingerprint's
+  bits after it (a bit's sum is 0 or n: exact below 2**24 ranks); the payload's own check is the flag.
+
+Where the ranks differ, :meth:`Wire.explain` names the difference: the first two run a second
+collective (the fingerprint's bytes and their squares summed); the bits already name it.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, NamedTuple
+
+from ._agree import _to_host
+from ._fingerprint import BITS, BYTES, HIGH, LANE, LOW, Fields, Fingerprint, Place, Q, describe
+
+#: The one-value message: each rank sends ``f * B + v``, ``v`` below Q. Summed over n <= LANE_RANKS
+#: ranks, the ``v`` stay below 1023 * Q < B and the flags' count below 2**10: exact in int64.
+B, LANE_RANKS = 2**53, 2**10 - 1
+#: Values in a two-value message before its extra slots.
+HEAD = 2
+_M64 = 2**64 - 1
+
+
+class Read(NamedTuple):
+    """What every rank reads from the reduced message (host values, or 0-d arrays on the device)."""
+
+    flag: Any  # some rank found an inf/nan (bool), or None: the format carries no flag
+    extra: Any  # the extra values summed over ranks in rank order (float64, 1-d), or None
+    aligned: Any  # every rank sent the same fingerprint (bool)
+
+
+class Wire(ABC):
+    """One wire format: what this rank sends, what every rank reads back, how a difference is named.
+
+    Built for one collective: ``place`` where the message lives, this rank and the group's size,
+    and ``key`` (the reducer's count of collectives, the same on aligned ranks).
+    """
+
+    op: ClassVar[str]  # how the ranks' messages are reduced: "sum" or "max"
+
+    def __init__(self, place: Place, rank: int, size: int, key: int) -> None:
+        self.place, self.rank, self.size, self.key = place, rank, size, key
+
+    @abstractmethod
+    def send(self, fields: Fields, found: Any, values: Any) -> Any:
+        """This rank's message from its flag, its extra values (or payload) and its fingerprint."""
+
+    @abstractmethod
+    def read(self, message: Any) -> Read:
+        """The agreed flag, the extras and whether the ranks are aligned, from the reduced message."""
+
+    def explain(self, reducer: Any, message: Any, mine: Fingerprint) -> str:
+        """What differs, once :meth:`read` found the ranks differ: the second collective, run by
+        every rank (the fingerprint's bytes and their squares summed, where the message lives)."""
+        sums = self.place.encode(self.place.fields(list(mine)), BYTES)
+        reducer.allreduce_sum_(sums)
+        return describe(_to_host(sums), self.size, mine)
+
+
+def wire_for(size: int, n_extra: int, payload: bool = False) -> type[Wire]:
+    """The wire format of an agreement among ``size`` ranks carrying ``n_extra`` extra values (or,
+    with ``payload``, summing the trainer's gradients).
+
+    Every rank picks the same one: ``size`` is the group's and ``n_extra`` is in the fingerprint.
+    A payload is summed as it is, so the fingerprint rides along as bits (:class:`PayloadBits`).
+    Otherwise the cheapest message, one int64 (:class:`OneValue`), unless it cannot serve: extra
+    values need slots of their own per rank, which a sum of one value cannot keep apart, and above
+    LANE_RANKS ranks its int64 sum could overflow; then two float64 and the slots with a MAX, exact at
+    any size (:class:`TwoValueMax`).
+    """
+    if payload:
+        return PayloadBits
+    if n_extra == 0 and size <= LANE_RANKS:
+        return OneValue
+    return TwoValueMax
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit words whose outputs look uniform."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def coefficient(rank: int, ranks: int, key: int) -> int:
+    """``c = g(rank) - g(rank + 1) mod Q``, the ranks in a circle and ``g`` drawn anew for each
+    collective ``key``: the ``c`` of all ranks sum to 0 mod Q."""
+    def g(r: int) -> int:
+        return _mix(((key & 0xFFFFFFFFFFF) << 20) | r) % Q
+
+    return (g(rank) - g((rank + 1) % ranks)) % Q
+
+
+def mulmod(k: int, x: Any) -> Any:
+    """``k * x mod Q`` for a host integer ``k`` and int64 ``x`` in ``[0, Q)`` (a Python int or an
+    array on any device), without overflow: ``k * 2**(16j) mod Q`` times the 16-bit digits of ``x``,
+    each product below 2**59, three summed below 2**61."""
+    k %= Q
+    return (k * (x & 0xFFFF) + k * 2**16 % Q * ((x >> 16) & 0xFFFF) + k * 2**32 % Q * (x >> 32)) % Q
+
+
+def lane(share: Any, found: Any, rank: int, ranks: int, key: int) -> Any:
+    """What ``rank`` of ``ranks`` sends in the one-value SUM: ``f * B + (c * D mod Q)``, ``D`` the
+    fingerprint's LANE digest (``share``), ``f`` 0 or 1 (Python ints or int64 arrays alike)."""
+    return found * B + mulmod(coefficient(rank, ranks, key), share)
+
+
+class OneValue(Wire):
+    """One int64, summed (no extra values, at most LANE_RANKS ranks)."""
+
+    op = "sum"
+
+    def send(self, fields: Fields, found: Any, values: Any) -> Any:
+        place = self.place
+        value = lane(place.share(fields, LANE), place.bit(found), self.rank, self.size, self.key)
+        return place.vector([value], "int64")
+
+    def read(self, message: Any) -> Read:
+        total = message[0]  # the flags' count times B, and the v parts: 0 mod Q when aligned
+        return Read(total >= B, None, total % B % Q == 0)
+
+
+class TwoValueMax(Wire):
+    """``[4d + f, f - 4d]`` and each rank's extra values in slots of its own, float64, MAX."""
+
+    op = "max"
+
+    def send(self, fields: Fields, found: Any, values: Any) -> Any:
+        place, f = self.place, self.place.bit(found)
+        four_d = (place.share(fields, HIGH) * 2**25 + place.share(fields, LOW)) * 4  # below 2**52
+        head = place.vector([four_d + f, f - four_d], "float64")
+        if values is None:
+            return head
+        xp = place.xp
+        mine = xp.reshape(xp.astype(values, xp.float64), (-1,))
+        mine = xp.where(xp.isnan(mine), xp.full_like(mine, math.inf), mine)  # inf survives a MAX
+        k = mine.shape[0]
+        others = xp.full(((self.size - 1) * k,), -math.inf, dtype=xp.float64, device=place.device)
+        return xp.concat([head, others[:self.rank * k], mine, others[self.rank * k:]])
+
+    def read(self, message: Any) -> Read:
+        total = message[0] + message[1]  # 0 or 2 when aligned, 4 and more when not: exact
+        extra = None
+        if message.shape[0] > HEAD:
+            slots = self.place.xp.reshape(message[HEAD:], (self.size, -1))
+            extra = slots[0, ...]
+            for r in range(1, self.size):  # rank order, the same on every rank
+                extra = extra + slots[r, ...]
+        return Read(total > 0, extra, total <= 2)
+
+
+class PayloadBits(Wire):
+    """A payload summed with the fingerprint's bits in its last ``BITS.size`` values (no flag)."""
+
+    op = "sum"
+
+    def send(self, fields: Fields, found: Any, values: Any) -> Any:
+        bits = self.place.encode(fields, BITS)
+        values[values.shape[0] - BITS.size:] = self.place.xp.astype(bits, values.dtype)
+        return values
+
+    def read(self, message: Any) -> Read:
+        xp = self.place.xp
+        sums = xp.astype(message[message.shape[0] - BITS.size:], xp.float64)
+        return Read(None, None, xp.all(sums * sums == float(self.size) * sums))  # every bit 0 or n
+
+    def explain(self, reducer: Any, message: Any, mine: Fingerprint) -> str:
+        """The summed bits name what differs: no second collective."""
+        return describe(_to_host(message[message.shape[0] - BITS.size:]), self.size, mine, BITS)
