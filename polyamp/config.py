@@ -71,20 +71,7 @@ class LossScaleConfig:
             )
         _check_interval("growth_interval", self.growth_interval)
         _check_interval("backoff_interval", self.backoff_interval)
-        if self.min_scale is not None:
-            check_scale("min_scale", self.min_scale)
-        if self.max_scale is not None:
-            check_scale("max_scale", self.max_scale)
-        if (
-            self.min_scale is not None
-            and self.max_scale is not None
-            and self.min_scale > self.max_scale
-        ):
-            raise ConfigError(
-                f"min_scale must be <= max_scale, got min_scale={self.min_scale!r} "
-                f"and max_scale={self.max_scale!r}. Fix: pass a min_scale no larger than max_scale, "
-                "or leave one of them None"
-            )
+        _check_bounds(self.min_scale, self.max_scale)
         if not isinstance(self.dynamic, bool):
             raise ConfigError(f"dynamic must be True or False, got dynamic={short_repr(self.dynamic)}. "
                               "Fix: pass dynamic=True (the scale moves) or dynamic=False (a fixed scale)")
@@ -120,6 +107,18 @@ class LossScaleConfig:
                 "Fix: drop or rename those keys (a dict from LossScaleConfig.to_dict() has only known ones)"
             )
         return cls(**data)
+
+
+def _check_bounds(min_scale: float | None, max_scale: float | None) -> None:
+    """Each bound a valid scale, and ``min_scale <= max_scale`` where both are set."""
+    for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if value is not None:
+            check_scale(name, value)
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ConfigError(
+            f"min_scale must be <= max_scale, got min_scale={min_scale!r} and max_scale={max_scale!r}. "
+            "Fix: pass a min_scale no larger than max_scale, or leave one of them None"
+        )
 
 
 def _check_rule(config: LossScaleConfig) -> None:

@@ -308,7 +308,7 @@ class GradBuffer(FlatArrays):
 
         Needed after code that replaces ``.grad`` (e.g. an optimizer's zero_grad(set_to_none=True)).
         """
-        for param, view in zip(self._params, self._views):
+        for param, view in zip(self._params, self.views):
             grad = param.grad
             if grad is view:
                 continue
@@ -337,7 +337,7 @@ class GradBuffer(FlatArrays):
 
     def unscale_(self, scaler: Any) -> Any:
         """Unscale through ``scaler.unscale_`` in one call on ``flat``; return its overflow flag."""
-        found_inf = scaler.unscale_([self._flat])
+        found_inf = scaler.unscale_([self.flat])
         self._scaled = False
         return found_inf
 

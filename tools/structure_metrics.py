@@ -168,8 +168,14 @@ def _class_defined(cls: ast.ClassDef) -> set[str]:
     return names
 
 
+#: NamedTuple's own methods and attributes (defined by the standard library, not by another module of
+#: the measured tree).
+NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
+
+
 def foreign_self_reads(modules: list[Module]) -> list[Hit]:
-    """``self._x`` loads in a class of module M where no class of M defines ``_x`` (dunders excluded)."""
+    """``self._x`` loads in a class of module M where no class of M defines ``_x`` (dunders and
+    NamedTuple's ``_replace``-style API excluded)."""
     hits = []
     for module in modules:
         defined: set[str] = set()
@@ -179,7 +185,7 @@ def foreign_self_reads(modules: list[Module]) -> list[Hit]:
             if (cls is not None and isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
                     and isinstance(node.value, ast.Name) and node.value.id == "self"
                     and node.attr.startswith("_") and not node.attr.endswith("__")
-                    and node.attr not in defined):
+                    and node.attr not in defined and node.attr not in NAMEDTUPLE_API):
                 hits.append(Hit(module.name, ".".join(scope), node.attr, node.lineno))
     return hits
 

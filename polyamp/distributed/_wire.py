@@ -56,7 +56,7 @@ class Wire(ABC):
     and ``key`` (the reducer's count of collectives, the same on aligned ranks).
     """
 
-    op: ClassVar[str]  # how the ranks' messages are reduced: "sum" or "max"
+    op: ClassVar[str] = "sum"  # how the ranks' messages are reduced: "sum" or "max" (each format says)
 
     def __init__(self, place: Place, rank: int, size: int, key: int) -> None:
         self.place, self.rank, self.size, self.key = place, rank, size, key
