@@ -16,7 +16,7 @@ import numpy as np
 
 from ._registry import backend_of
 from .backend import Backend
-from .config import short_repr
+from .config import fits_float, short_repr
 from .guard import StepGuard
 
 
@@ -26,11 +26,14 @@ def plus(total: Any, value: Any) -> Any:
 
 
 def loss_check(loss: Any, where: str) -> None:
-    """Refuse a loss that is neither a real number nor an array holding one value (reads nothing)."""
-    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+    """Refuse a loss that is neither a real number (within float64's range) nor an array holding one
+    real value (not bool, not complex); reads nothing."""
+    if isinstance(loss, numbers.Real) and not isinstance(loss, bool) and fits_float(loss):
         return
     shape = getattr(loss, "shape", None)
-    if shape is None or isinstance(loss, (bool, np.bool_)) or math.prod(tuple(shape)) != 1:
+    kind = str(getattr(loss, "dtype", "")).rsplit(".", 1)[-1]  # numpy's, torch's, paddle's names alike
+    if (shape is None or isinstance(loss, (bool, np.bool_)) or math.prod(tuple(shape)) != 1
+            or kind == "bool" or kind.startswith("complex")):
         raise TypeError(
             f"{where} needs loss to be a real number or an array holding one value (the step's loss), "
             f"got loss={short_repr(loss)} ({type(loss).__name__}). Fix: pass e.g. loss=loss.detach()."

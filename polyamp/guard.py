@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ._errors import ConfigError, StateDictError, StepGuardError
-from .config import _plain, short_repr
+from .config import _plain, fits_float, short_repr
 
 logger = logging.getLogger("polyamp")
 
@@ -116,7 +116,7 @@ class StepGuard:
 def _positive(name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not fits_float(value) or not (
             math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be None or a finite number > 0, got {name}={short_repr(value)}. "
                           f"Fix: pass e.g. {name}=6.0, or None to turn this rule off.")

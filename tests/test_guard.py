@@ -408,3 +408,36 @@ def test_diagnose_reports_the_guards_values_on_a_guard_skip():
     assert "another rank" not in str(report)
     bad = scaler.step({"w": np.array([np.inf], np.float32)}, lambda: None, loss=1.0)
     assert bad.reason == "overflow" and scaler.last_overflow.reason is None and scaler.last_overflow.found
+
+
+# -- issue 32, items 9 and 14: losses and settings taken wrongly -------------------------------------
+@pytest.mark.parametrize("loss", [np.complex64(1 + 5j), np.array([1 + 5j]), np.array(True), 10**400],
+                         ids=["complex-scalar", "complex-array", "bool-array", "huge-int"])
+def test_a_loss_that_is_not_one_real_value_is_refused_before_anything_changes(loss):
+    from polyamp import LossScaler
+
+    scaler = LossScaler(guard=StepGuard(loss_zscore=3.0), backend="numpy")
+    grad = np.full(2, 4.0, np.float32)
+    with pytest.raises(TypeError, match=r"step\(\) needs loss to be a real number.*got loss="):
+        scaler.step([grad], lambda: None, loss=loss)
+    assert grad.tolist() == [4.0, 4.0] and not scaler.has_pending_check  # nothing moved
+
+
+def test_a_torch_bool_loss_is_refused_as_a_python_bool_is():
+    torch = pytest.importorskip("torch")
+    from polyamp import LossScaler
+
+    scaler = LossScaler(guard=StepGuard(loss_zscore=3.0), backend="torch")
+    for loss in (True, torch.tensor(True), torch.tensor([1 + 1j])):
+        with pytest.raises(TypeError, match="real number"):
+            scaler.step([torch.ones(2)], lambda: None, loss=loss)
+
+
+@pytest.mark.parametrize("build", [lambda v: StepGuard(loss_zscore=v), lambda v: StepGuard(max_grad_norm=v),
+                                   lambda v: __import__("polyamp").LossScaleConfig(growth_factor=v),
+                                   lambda v: __import__("polyamp").LossScaleConfig(backoff_factor=v)])
+def test_an_int_beyond_float64_is_refused_naming_the_field(build):
+    from polyamp import ConfigError
+
+    with pytest.raises(ConfigError, match=r"(loss_zscore|max_grad_norm|growth_factor|backoff_factor)=1000"):
+        build(10**400)
