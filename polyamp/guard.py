@@ -230,10 +230,26 @@ def _text(value: float | None) -> str:
 
 
 def mean_std(history: Sequence[float]) -> tuple[float, float]:
-    """The mean and the sample standard deviation (ddof=1) of at least 2 values, in float64."""
+    """The mean and the sample standard deviation (ddof=1) of at least 2 finite values, in float64.
+
+    Computed on the values scaled by a power of two that brings the largest near 1 (exact: the same
+    bits as unscaled wherever that does not overflow), so values up to float64's largest cannot
+    overflow the squares."""
     n = len(history)
-    mean = math.fsum(history) / n
-    return mean, math.sqrt(math.fsum((x - mean) ** 2 for x in history) / (n - 1))
+    top = max(map(abs, history))
+    shift = math.frexp(top)[1] if top > 0 and math.isfinite(top) else 0
+    scaled = [math.ldexp(x, -shift) for x in history]
+    mean = math.fsum(scaled) / n
+    std = math.sqrt(math.fsum((x - mean) * (x - mean) for x in scaled) / (n - 1))
+    return _ldexp(mean, shift), _ldexp(std, shift)
+
+
+def _ldexp(value: float, shift: int) -> float:
+    """``value * 2**shift``, inf past float64's range (a std of values near its largest)."""
+    try:
+        return math.ldexp(value, shift)
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def judge(guard: StepGuard, history: GuardHistory, *, overflow: bool, loss: float | None,

@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 
 import polyamp
-from polyamp import ConfigError, GuardReport, LossScaleConfig, LossScaler, StepGuard, StepGuardError
+from polyamp import (
+    ConfigError,
+    GuardHistory,
+    GuardReport,
+    LossScaleConfig,
+    LossScaler,
+    StepGuard,
+    StepGuardError,
+)
 
 THRESHOLDS = {"loss": 4.0, "grad_norm": 4.0}
 MAX_NORM = 40.0
@@ -441,3 +449,21 @@ def test_an_int_beyond_float64_is_refused_naming_the_field(build):
 
     with pytest.raises(ConfigError, match=r"(loss_zscore|max_grad_norm|growth_factor|backoff_factor)=1000"):
         build(10**400)
+
+
+def test_huge_values_in_a_history_judge_without_overflowing():
+    """Issue 32 item 12: histories holding values near float64's largest (from a checkpoint, or
+    admitted before min_history) used to make every judged step raise OverflowError from the std."""
+    from polyamp.guard import mean_std
+
+    assert mean_std([1.7e308, 1.7e308]) == (1.7e308, 0.0)
+    assert mean_std([1.7e308, -1.7e308]) == (0.0, math.inf)
+    history = [0.5, 0.25, 1.0, 3.0]
+    assert mean_std(history) == (statistics.mean(history), statistics.stdev(history))
+    scaler = LossScaler(guard=StepGuard(loss_zscore=3.0, window=4, min_history=2), backend="numpy")
+    state = scaler.state_dict()
+    state["guard"] = GuardHistory(loss=(1.7e308, -1.7e308)).to_dict()
+    scaler.load_state_dict(state)
+    result = scaler.step([np.ones(2, np.float32)], lambda: None, loss=1.0)
+    scaler.update()
+    assert not result.skipped and scaler.steps == 1 and not scaler.has_pending_check
