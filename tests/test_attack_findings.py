@@ -66,3 +66,109 @@ def test_f2_refused_new_scale_leaves_no_half_open_iteration():
     scaler.step(opt)
     scaler.update()
     assert scaler._iteration.histories[0].loss[-1] == pytest.approx(loss)  # this step's loss, alone
+
+
+# -- F3: a step retried after the optimizer raised records the guard's verdict twice -------------
+@pytest.mark.xfail(strict=True, reason="F3: the torch facade re-decides a retried step (torch allows the "
+                   "retry: the stage stays UNSCALED) and the guard's history takes the step's values twice")
+def test_f3_torch_facade_retried_step_is_recorded_once():
+    torch, model, opt, scaler, forward_backward = _torch_loop(StepGuard(**GUARD))
+    real_step, failures = opt.step, [1]
+
+    def flaky_step(*args, **kwargs):
+        if failures:
+            failures.pop()
+            raise RuntimeError("transient")
+        return real_step(*args, **kwargs)
+
+    opt.step = flaky_step
+    forward_backward()
+    with pytest.raises(RuntimeError, match="transient"):
+        scaler.step(opt)
+    scaler.step(opt)  # torch's GradScaler allows the retry
+    scaler.update()
+    assert len(scaler._iteration.histories[0].loss) == 1  # one step, one value
+
+
+@pytest.mark.xfail(strict=True, reason="F3: the paddle facade re-decides a retried step and the guard's "
+                   "history takes the step's values twice")
+def test_f3_paddle_facade_retried_step_is_recorded_once():
+    paddle = pytest.importorskip("paddle")
+    from polyamp.compat.paddle import GradScaler
+
+    paddle.seed(0)
+    model = paddle.nn.Linear(3, 1)
+    opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+    real_step, failures = opt.step, [1]
+
+    def flaky_step():
+        if failures:
+            failures.pop()
+            raise RuntimeError("transient")
+        return real_step()
+
+    opt.step = flaky_step
+    scaler = GradScaler(init_loss_scaling=4.0, guard=StepGuard(**GUARD))
+    scaler.scale(model(paddle.ones([1, 3])).sum()).backward()
+    with pytest.raises(RuntimeError, match="transient"):
+        scaler.step(opt)
+    scaler.step(opt)  # paddle's GradScaler allows the retry
+    scaler.update()
+    assert len(scaler._iteration.histories[0].loss) == 1
+
+
+# -- F4: the trainer never recovers from an optimizer step that raised once ----------------------
+class _Linear:
+    """``x @ w`` from float16 copies of float32 masters (the ArrayModel protocol)."""
+
+    def __init__(self):
+        from polyamp import Parameter
+
+        self.w = Parameter((np.random.default_rng(0).standard_normal((4, 2)) * 0.1).astype(np.float32))
+
+    def parameters(self):
+        return [self.w]
+
+    def forward(self, x, compute_dtype):
+        self.x = x.astype(np.float32)
+        return (self.x @ self.w.data.astype(np.float16).astype(np.float32)).astype(compute_dtype)
+
+    def backward(self, grad_output):
+        self.w.grad[...] = (self.x.T @ grad_output.astype(np.float32)).astype(np.float16)
+
+
+def _mse(output, target):
+    err = output.astype(np.float32) - target
+    return np.mean(err * err), 2 * err / err.size
+
+
+@pytest.mark.xfail(strict=True, reason="F4: after optimizer.step raised inside train_step, every later "
+                   "train_step raises ScalerStateError ('call update() after step()'), a call the user "
+                   "never makes: the trainer is bricked")
+@pytest.mark.parametrize("loss_scaling", [True, False])
+@pytest.mark.parametrize("guarded", [True, False])
+def test_f4_trainer_recovers_after_the_optimizer_raised(loss_scaling, guarded):
+    from polyamp import MixedPrecisionTrainer
+    from polyamp.optim import SGD
+
+    model = _Linear()
+    opt = SGD(model.parameters(), lr=0.01)
+    trainer = MixedPrecisionTrainer(model, opt, "float16", loss_scaling=loss_scaling,
+                                    guard=StepGuard(**GUARD) if guarded else None)
+    real_step, failures = opt.step, [1]
+
+    def flaky_step(*args, **kwargs):
+        if failures:
+            failures.pop()
+            raise RuntimeError("transient")
+        return real_step(*args, **kwargs)
+
+    opt.step = flaky_step
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((8, 2)).astype(np.float32)
+    if loss_scaling:
+        trainer.scaler.set_scale(1.0)  # no float16 overflow at the first step
+    with pytest.raises(RuntimeError, match="transient"):
+        trainer.train_step(x, y, _mse)
+    metrics = trainer.train_step(x, y, _mse)  # the next step runs (the failed one is simply lost)
+    assert not metrics.skipped
