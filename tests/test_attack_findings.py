@@ -172,3 +172,54 @@ def test_f4_trainer_recovers_after_the_optimizer_raised(loss_scaling, guarded):
         trainer.train_step(x, y, _mse)
     metrics = trainer.train_step(x, y, _mse)  # the next step runs (the failed one is simply lost)
     assert not metrics.skipped
+
+
+# -- F5: a guard-only scaler's scale, "fixed at 1", moves -----------------------------------------
+def _torch_guard_only():
+    pytest.importorskip("torch")
+    import polyamp
+
+    return polyamp.GradScaler("cpu", enabled=False, guard=StepGuard(grad_norm_zscore=3.0))
+
+
+def _paddle_guard_only():
+    pytest.importorskip("paddle")
+    from polyamp.compat.paddle import GradScaler
+
+    return GradScaler(enable=False, guard=StepGuard(grad_norm_zscore=3.0))
+
+
+TORCH_CHECKPOINT = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+                    "_growth_tracker": 0}
+
+
+@pytest.mark.xfail(strict=True, reason="F5: load_state_dict of an fp16 run's checkpoint gives a guard-only "
+                   "scaler that checkpoint's scale (torch facade), and the dynamic rule too (paddle facade)")
+@pytest.mark.parametrize("make", [_torch_guard_only, _paddle_guard_only], ids=["torch", "paddle"])
+def test_f5_guard_only_scale_stays_fixed_at_one_after_load_state_dict(make):
+    scaler = make()
+    try:
+        scaler.load_state_dict(dict(TORCH_CHECKPOINT))
+    except Exception:  # noqa: BLE001 - refusing it clearly is a fix too
+        pass
+    assert scaler.engine.get_scale() == 1.0 and not scaler.engine.config.dynamic
+
+
+# -- F6: load_state_dict between step() and update() is refused with state_dict()'s message --------
+@pytest.mark.xfail(strict=True, reason="F6: the facades' load_state_dict calls engine.state_dict(), so "
+                   "between step() and update() it raises 'state_dict()/save() was called between step() "
+                   "and update()' (torch and paddle load there)")
+def test_f6_torch_facade_load_state_dict_mid_iteration_matches_torch():
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    for cls in (torch.amp.GradScaler, polyamp.GradScaler):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = cls("cpu", init_scale=4.0, growth_interval=2)
+        scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+        scaler.step(opt)
+        scaler.load_state_dict(dict(TORCH_CHECKPOINT))
+        scaler.update()
+        assert scaler.get_scale() == 1024.0, cls
