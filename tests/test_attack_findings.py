@@ -223,3 +223,32 @@ def test_f6_torch_facade_load_state_dict_mid_iteration_matches_torch():
         scaler.load_state_dict(dict(TORCH_CHECKPOINT))
         scaler.update()
         assert scaler.get_scale() == 1024.0, cls
+
+
+# -- F7: scalers in different threads share the torch backend's squares scratch buffer -----------
+@pytest.mark.xfail(strict=True, reason="F7: backends/torch.py sum_of_squares writes every scaler's squares "
+                   "into one module-level _scratch buffer per (device, dtype): threads that share nothing "
+                   "get each other's gradient norms, so the guard judges wrong values")
+def test_f7_threads_with_their_own_scalers_get_their_own_norms():
+    import math
+    import threading
+
+    torch = pytest.importorskip("torch")
+    size, wrong = 2**16, {}
+
+    def run(k):
+        scaler = LossScaler(backend="torch", init_scale=1.0,
+                            guard=StepGuard(grad_norm_zscore=3.0, window=8, min_history=4))
+        wrong[k] = 0
+        for _ in range(100):
+            grad = torch.full((size,), float(k + 1), dtype=torch.float16)  # torch's two-pass squares
+            result = scaler.step([grad], lambda: None)
+            scaler.update()
+            wrong[k] += result.grad_norm != math.sqrt(size) * (k + 1)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == {0: 0, 1: 0, 2: 0, 3: 0}
