@@ -252,3 +252,28 @@ def test_f7_threads_with_their_own_scalers_get_their_own_norms():
     for thread in threads:
         thread.join()
     assert wrong == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+# -- F8: a paddle scaler with a guard, copied between unscale_ and step, applies an overflow -------
+@pytest.mark.xfail(strict=True, reason="F8: the copy keeps the pending flag as a host bool (_found_inf), but "
+                   "the guarded path decides on iteration.checks.found, which the copy lacks: it records a 0 "
+                   "flag and the inf gradients reach the weights")
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_f8_paddle_guarded_copy_mid_iteration_still_skips_an_overflow(how):
+    import copy
+    import pickle
+
+    paddle = pytest.importorskip("paddle")
+    from polyamp.compat.paddle import GradScaler
+
+    paddle.seed(0)
+    model = paddle.nn.Linear(3, 1)
+    opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+    scaler = GradScaler(init_loss_scaling=4.0, guard=StepGuard(grad_norm_zscore=3.0))
+    scaler.scale(model(paddle.ones([1, 3])).sum() * float("inf")).backward()
+    scaler.unscale_(opt)
+    clone = copy.deepcopy(scaler) if how == "deepcopy" else pickle.loads(pickle.dumps(scaler))
+    clone.step(opt)
+    clone.update()
+    assert clone.last_step_skipped and clone.last_skip_reason == "overflow"
+    assert bool(paddle.isfinite(model.weight).all())
