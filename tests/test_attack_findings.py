@@ -277,3 +277,16 @@ def test_f8_paddle_guarded_copy_mid_iteration_still_skips_an_overflow(how):
     clone.update()
     assert clone.last_step_skipped and clone.last_skip_reason == "overflow"
     assert bool(paddle.isfinite(model.weight).all())
+
+
+# -- F9: NumPy complex and object losses pass the loss check -------------------------------------
+@pytest.mark.xfail(strict=True, reason="F9: loss_check refuses Python complex but takes any one-value array: "
+                   "a complex loss loses its imaginary part (a ComplexWarning), an object array is judged as "
+                   "a NaN loss (a loss_spike skip) instead of a TypeError naming loss")
+@pytest.mark.parametrize("loss", [np.complex128(1 + 1j), np.array([1 + 1j]), np.array(None)],
+                         ids=["np-complex", "complex-array", "object-array"])
+def test_f9_non_real_array_losses_are_refused(loss):
+    scaler = LossScaler(backend="numpy", guard=StepGuard(**GUARD))
+    grad = np.ones(3, np.float32)
+    with pytest.raises(TypeError, match="loss"):
+        scaler.step([grad], lambda: None, loss=loss)
