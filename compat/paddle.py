@@ -119,6 +119,7 @@ class AmpScaler:
             diagnose=self._diagnose and enabled, guard=guard if enabled else None)
         self._engine = LossScaler.over(self._iteration)
         self._stages: dict[int, OptimizerState] = {}
+        self._decided: dict[int, tuple[bool, Any]] = {}  # this iteration's decisions, by id(optimizer)
         self._found_inf: Any = None  # the last unscale's device flag, whichever optimizer
         self._cache_found_inf: bool | None = None  # the last step's decision
         self.skipped_steps = 0
@@ -169,6 +170,16 @@ class AmpScaler:
         """``(ran, call())``, not calling it if the last unscale saw inf/nan; paddle optimizers
         take the flag as their ``found_inf`` auxiliary variable and decide themselves, as in paddle.
         """
+        decided = self._decided.get(id(optimizer))  # a retry after the optimizer raised: decided once
+        found, flag = decided if decided is not None else self._decide(optimizer)
+        if callable(getattr(optimizer, "_set_auxiliary_var", None)):
+            optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
+            return True, call()  # paddle's optimizers take the flag and skip themselves
+        return (False, None) if found else (True, call())
+
+    def _decide(self, optimizer: Any) -> tuple[bool, Any]:
+        """The step's decision (the one host read), counted once: (skipped, the flag to give a paddle
+        optimizer)."""
         flag = local = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
         iteration = self._iteration
         named = lambda: paddle_named_grads(optimizer)  # noqa: E731  # only for a report
@@ -181,25 +192,20 @@ class AmpScaler:
             # and a report sees the gradients before paddle's kernel of a skipped step writes grad * 0
             found = iteration.decide(flag, named=named, local=local).skipped
             self.last_skip_reason = "overflow" if found else None
-        if callable(getattr(optimizer, "_set_auxiliary_var", None)):
-            optimizer._set_auxiliary_var("found_inf", False if flag is None else flag)
-            ran, result = True, call()  # paddle's optimizers take the flag and skip themselves
-        else:
-            ran = not found
-            result = call() if ran else None
+        self._decided[id(optimizer)] = found, flag
         self._cache_found_inf = self.last_step_skipped = found
         self.skipped_steps += found
         iteration.count(found)  # steps and the window of metrics()
-        return ran, result
+        return found, flag
 
     def _guarded(self, named: Callable[[], Any], local: Any) -> tuple[bool, Any]:
         """The guard's decision on this iteration's checks (the engine's path: the flag and the
         values agreed in one collective, read in one host read); (skipped, the flag to give a
         paddle optimizer: True when the guard skips a step with finite gradients)."""
         iteration = self._iteration
-        if iteration.checks.found is None:  # no gradients on this rank: it still takes part
+        if iteration.checks.found is None:  # no gradients on this rank (or a copy's host flag): it takes part
             backend, state = iteration.scaling.ready()
-            iteration.record(backend.full(0.0, "float32", state.scale))
+            iteration.record(backend.full(float(bool(local)), "float32", state.scale))
         decision = iteration.decide(named=named, local=local)
         self.last_skip_reason = decision.reason
         return decision.skipped, (True if decision.skipped else decision.flag)
@@ -245,6 +251,7 @@ class AmpScaler:
                 iteration.finish(iteration.decided(), rule=False)
         finally:
             self._stages.clear()
+            self._decided.clear()
 
     def _describe_change(self, found: bool, before: Any, after: Any) -> str | None:
         """The log line of one update, in paddle's words (None: the scale did not move)."""

@@ -37,6 +37,7 @@ from polyamp import _guard_values as guard_values
 from polyamp import metrics, schedule
 from polyamp._agreement import Agreement
 from polyamp._errors import ConfigError
+from polyamp._inputs import scale_value
 from polyamp.config import FIXED_ONE, short_repr
 from polyamp.distributed import Reducer
 from polyamp.engine import LossScaler, make_iteration
@@ -91,6 +92,7 @@ class OptimizerRecord:
     found: Any = None  # its device flag; None without gradients
     values: Any = None  # with a guard: its values (agreed over the ranks when sharded)
     skipped: bool = False  # its step was skipped (read on the host)
+    decision: Any = None  # the iteration's Decision on it (a retry after optimizer.step raised reuses it)
 
 
 @dataclass
@@ -374,16 +376,17 @@ class GradScaler:
         optimizer, iteration = record.optimizer, self._iteration
         earlier = [r.optimizer for r in self._records.values() if r.skipped] if len(self._records) > 1 else []
         named = lambda: self._named_grads([*earlier, optimizer])  # noqa: E731
-        group = 0 if iteration.guarding is None else self._group_of(optimizer)
-        decision = iteration.decide(record.found, values=record.values, group=group, named=named,
-                                    keep_report=bool(earlier))
-        skipped = record.skipped = decision.skipped
-        self._last_reason = decision.reason
-        retval = None if skipped else optimizer.step(*args, **kwargs)
-        self._last_skipped = skipped
-        self._skipped_host += skipped
-        iteration.count(skipped)  # steps and the window of metrics()
-        return retval
+        decision = record.decision
+        if decision is None:  # else a retry after optimizer.step raised: decided (and counted) once
+            group = 0 if iteration.guarding is None else self._group_of(optimizer)
+            decision = record.decision = iteration.decide(record.found, values=record.values, group=group,
+                                                          named=named, keep_report=bool(earlier))
+            record.skipped = decision.skipped
+            self._skipped_host += decision.skipped
+            iteration.count(decision.skipped)  # steps and the window of metrics()
+        skipped = decision.skipped
+        self._last_reason, self._last_skipped = decision.reason, skipped
+        return None if skipped else optimizer.step(*args, **kwargs)
 
     def _named_grads(self, optimizers: list[Any]) -> list[tuple[str, Any]]:
         """The named gradients of the optimizers whose steps this iteration skipped, for one report."""
@@ -440,11 +443,14 @@ class GradScaler:
         the engine, which records the guard's verdicts of its steps.
         """
         self._check_initialized("update")
+        iteration = self._iteration
+        if new_scale is not None:  # refused before anything ends
+            if not isinstance(new_scale, float):
+                check_new_scale(new_scale, self._device)
+            new_scale = scale_value(new_scale)
         try:
             if new_scale is not None:  # torch's update(new_scale) ends the iteration, across ranks too
-                if not isinstance(new_scale, float):
-                    check_new_scale(new_scale, self._device)
-                self._engine.set_scale(new_scale)
+                iteration.finish(iteration.decided(), new_scale=new_scale)
                 return
             found, skipped = None, False
             for record in self._records.values():
@@ -453,7 +459,6 @@ class GradScaler:
                     found = record.found if found is None else found + record.found
             if found is None:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            iteration = self._iteration
             iteration.finish(iteration.concluded(found, skipped=skipped))
         finally:
             self._records = {}

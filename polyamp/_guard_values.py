@@ -25,6 +25,11 @@ def plus(total: Any, value: Any) -> Any:
     return value if total is None else total + value
 
 
+#: The dtype names (after the last dot: numpy's, torch's, paddle's alike) of a real loss value:
+#: not bool, complex, object or str.
+_REAL_KINDS = ("float", "int", "uint", "bfloat")
+
+
 def loss_check(loss: Any, where: str) -> None:
     """Refuse a loss that is neither a real number (within float64's range) nor an array holding one
     real value (not bool, not complex); reads nothing."""
@@ -33,7 +38,7 @@ def loss_check(loss: Any, where: str) -> None:
     shape = getattr(loss, "shape", None)
     kind = str(getattr(loss, "dtype", "")).rsplit(".", 1)[-1]  # numpy's, torch's, paddle's names alike
     if (shape is None or isinstance(loss, (bool, np.bool_)) or math.prod(tuple(shape)) != 1
-            or kind == "bool" or kind.startswith("complex")):
+            or not kind.startswith(_REAL_KINDS) or getattr(loss, "is_meta", False)):
         raise TypeError(
             f"{where} needs loss to be a real number or an array holding one value (the step's loss), "
             f"got loss={short_repr(loss)} ({type(loss).__name__}). Fix: pass e.g. loss=loss.detach()."

@@ -318,7 +318,11 @@ class Iteration:
         if self.scaling.state is None:  # no gradients yet: the loss's own library decides the backend
             backend = self.scaling.bind(loss) if hasattr(loss, "shape") else self.scaling.ready()[0]
         like = self.scaling.ready()[1].scale
-        value = _guard_values.loss_value(loss, backend, like, where)
+        try:
+            value = _guard_values.loss_value(loss, backend, like, where)
+        except BaseException:  # e.g. a tensor that cannot be read: the iteration ends, not half open
+            self.end()
+            raise
         self.checks = self.checks._replace(loss=plus(self.checks.loss, value))
 
     def require_loss(self, loss: Any, where: str,

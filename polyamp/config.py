@@ -195,8 +195,8 @@ _EXAMPLES = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 200
 def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not fits_float(value):
         example = _EXAMPLES.get(name, 2.0)
-        raise ConfigError(f"{name} must be a real number within float64's range, got "
-                          f"{name}={short_repr(value)}. Fix: pass a float, e.g. {name}={example!r}")
+        raise ConfigError(f"{name} must be a real number, got {name}={short_repr(value)}. "
+                          f"Fix: pass a float (within float64's range), e.g. {name}={example!r}")
 
 
 def fits_float(value: Any) -> bool:
