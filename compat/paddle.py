@@ -48,6 +48,7 @@ from polyamp.config import FIXED_ONE
 from polyamp.engine import LossScaler, make_iteration
 from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
+from polyamp.policy import HostState
 
 from ._explain import paddle_named_grads
 from ._paddle_copy import facade_state, restore, restore_facade
@@ -283,6 +284,8 @@ class AmpScaler:
         """Set the initial scale and restart the current scale from it; counters are kept."""
         build_config(self._engine.config.replace, {"init_scale": "new_init_loss_scaling"},
                      init_scale=new_init_loss_scaling)
+        if self._guard_only:  # its scale stays fixed at 1 (a disabled scaler ignores this too)
+            return
         self._init_loss_scaling = new_init_loss_scaling
         self._engine.set_scale(float(plain(new_init_loss_scaling)))
 
@@ -335,7 +338,11 @@ class AmpScaler:
         names = None
         if is_torch_format(state_dict):
             state_dict, names = from_torch_state_dict(state_dict), TORCH_NAMES
-        self._init_loss_scaling = load_paddle_state(self._engine, state_dict, names)
+        init = load_paddle_state(self._engine, state_dict, names)
+        if self._guard_only:  # the counters and the guard's history load; the scale stays fixed at 1
+            self._iteration.load(FIXED_ONE, HostState(1.0, 0, 0))
+            return
+        self._init_loss_scaling = init
 
     # -- copies -----------------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:

@@ -43,6 +43,7 @@ from polyamp.distributed import Reducer
 from polyamp.engine import LossScaler, make_iteration
 from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
+from polyamp.policy import HostState
 
 from ._explain import torch_named_grads
 from ._stages import check_step, check_unscale
@@ -450,7 +451,8 @@ class GradScaler:
             new_scale = scale_value(new_scale)
         try:
             if new_scale is not None:  # torch's update(new_scale) ends the iteration, across ranks too
-                iteration.finish(iteration.decided(), new_scale=new_scale)
+                fixed = self._guard_only  # a guard-only scaler's scale stays 1, as a disabled one ignores it
+                iteration.finish(iteration.decided(), rule=False, new_scale=None if fixed else new_scale)
                 return
             found, skipped = None, False
             for record in self._records.values():
@@ -652,6 +654,8 @@ class GradScaler:
         histories = load_torch_state(self._engine, state_dict)
         if histories is not None:
             self._iteration.histories = histories
+        if self._guard_only:  # the counters and the guard's histories load; the scale stays fixed at 1
+            self._iteration.load(FIXED_ONE, HostState(1.0, 0, 0))
         self._groups = {}  # the loaded histories are keyed by the order of first step: it restarts
 
     def __getstate__(self) -> dict[str, Any]:

@@ -406,6 +406,10 @@ class Iteration:
                                       given_loss=self.checks.loss is not None)
         return Decision(verdict.reason is not None, flag, exact=own, verdicts=((group, verdict),))
 
+    def undecide(self) -> None:
+        """Forget the last decision (the step it allowed raised, so it was not taken)."""
+        self.checks = self.checks._replace(decisions=self.checks.decisions[:-1])
+
     def count(self, skipped: bool) -> None:
         """Count one optimizer step's host decision: steps, skipped steps, the window of recent skips
         (every shell, for ``metrics()``; the facades keep their own ``skipped_steps`` beside it)."""

@@ -339,7 +339,11 @@ class LossScaler:
         decision = iteration.decide()
         before = iteration.scaling.ready()[1].scale + 0  # a copy: update() may change the scale in place
         if not decision.skipped:
-            step_fn()
+            try:
+                step_fn()
+            except BaseException:  # not taken: a retry of step() decides again (the gradients stay unscaled)
+                iteration.undecide()
+                raise
         iteration.count(decision.skipped)
         return StepResult(decision.skipped, before, decision.verdict)
 

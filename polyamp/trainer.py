@@ -224,7 +224,11 @@ class MixedPrecisionTrainer:
             self._iteration.take_loss(self._summed_loss() if self._loss_slot else loss, "train_step()")
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
         finite = self._check_norm(norm)
-        result = scaler.step([grads.flat], self._optimizer.step if finite else _no_step)  # misaligned: raises
+        try:
+            result = scaler.step([grads.flat], self._optimizer.step if finite else _no_step)
+        except BaseException:  # the optimizer raised (or Ctrl-C): the next train_step starts afresh
+            self._iteration.end() if scaler.enabled else scaler.update()
+            raise
         scaler.update()
         skipped = bool(result.skipped) or not finite
         loss, scale = float(loss), float(result.scale_before)

@@ -133,9 +133,6 @@ def _mse(output, target):
     return np.mean(err * err), 2 * err / err.size
 
 
-@pytest.mark.xfail(strict=True, reason="F4: after optimizer.step raised inside train_step, every later "
-                   "train_step raises ScalerStateError ('call update() after step()'), a call the user "
-                   "never makes: the trainer is bricked")
 @pytest.mark.parametrize("loss_scaling", [True, False])
 @pytest.mark.parametrize("guarded", [True, False])
 def test_f4_trainer_recovers_after_the_optimizer_raised(loss_scaling, guarded):
@@ -184,8 +181,6 @@ TORCH_CHECKPOINT = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5
                     "_growth_tracker": 0}
 
 
-@pytest.mark.xfail(strict=True, reason="F5: load_state_dict of an fp16 run's checkpoint gives a guard-only "
-                   "scaler that checkpoint's scale (torch facade), and the dynamic rule too (paddle facade)")
 @pytest.mark.parametrize("make", [_torch_guard_only, _paddle_guard_only], ids=["torch", "paddle"])
 def test_f5_guard_only_scale_stays_fixed_at_one_after_load_state_dict(make):
     scaler = make()
