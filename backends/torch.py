@@ -10,6 +10,7 @@ device value back except :func:`read_flag` and :func:`to_host`.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
@@ -168,7 +169,15 @@ def _numpy_views(torch: Any, grads: Sequence[Any], found_inf: Any) -> list[Any] 
 
 #: Values squared at a time into a reused scratch buffer (4 MiB of float32 per device and dtype).
 _SQUARES_CHUNK = 2**20
-_scratch: dict[Any, Any] = {}  # (device, dtype) -> the scratch buffer of the guard's squares
+_scratch = threading.local()  # per thread: (device, dtype) -> the scratch buffer of the guard's squares
+
+
+def _buffers() -> dict[Any, Any]:
+    """This thread's scratch buffers: scalers in threads that share nothing never share one."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    return buffers
 
 
 @hookimpl
@@ -183,10 +192,10 @@ def sum_of_squares(arrays: Sequence[Any]) -> Any:
         flat = g.detach().reshape(-1)
         if flat.dtype not in (torch.float32, torch.float64):
             flat = flat.float()
-        key = (flat.device, flat.dtype)
-        scratch = _scratch.get(key)
+        key, buffers = (flat.device, flat.dtype), _buffers()
+        scratch = buffers.get(key)
         if scratch is None:
-            scratch = _scratch[key] = torch.empty(_SQUARES_CHUNK, dtype=flat.dtype, device=flat.device)
+            scratch = buffers[key] = torch.empty(_SQUARES_CHUNK, dtype=flat.dtype, device=flat.device)
         for start in range(0, flat.numel(), _SQUARES_CHUNK):
             chunk = flat[start:start + _SQUARES_CHUNK]
             out = scratch[:chunk.numel()]

@@ -202,7 +202,7 @@ def load_paddle_state(
 ) -> float:
     """Load a paddle-format state dict into ``engine``; validated whole first. Returns the scale."""
     config, scale, incr, decr = parse_paddle_state(state, engine.config, names)
-    full = engine.state_dict()
+    full = engine.state_now()
     full.update(config=config.to_dict(), scale=scale, growth_tracker=incr, backoff_tracker=decr)
     full.pop("guard", None)  # a state dict without histories (paddle's, older ones): empty ones
     if "guard" in state:

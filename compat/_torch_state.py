@@ -122,7 +122,7 @@ def _engine_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[str, Any
         )
     except ConfigError as exc:
         raise StateDictError(str(exc)) from None
-    full = engine.state_dict()
+    full = engine.state_now()
     full.update(
         config=config.to_dict(),
         scale=check_scale("scale", _number(state, "scale"), StateDictError),

@@ -390,13 +390,18 @@ class LossScaler:
         Refused between ``step()`` and ``update()``: the step is counted there but its scale change
         is not made yet, so the checkpoint would resume with the old scale (copies refuse it too).
         """
-        iteration = self._iteration
-        if iteration.checks.skipped is not None:
+        if self._iteration.checks.skipped is not None:
             raise ScalerStateError(
                 "state_dict()/save() was called between step() and update(): the step is counted but "
                 "the scale it leads to is not computed yet, so a checkpoint now would resume with the "
                 f"old scale. Fix: call update() first, and save after it (the loop is `{_LOOP}`)."
             )
+        return self.state_now()
+
+    def state_now(self) -> dict[str, Any]:
+        """:meth:`state_dict` as the state is now, also between ``step()`` and ``update()`` (for a
+        loader that fills it in, as the facades' ``load_state_dict`` do: torch and paddle load there)."""
+        iteration = self._iteration
         return checkpoint.to_state_dict(self.config, iteration.scaling.host_state(), iteration.steps,
                                         iteration.skipped_steps,
                                         None if iteration.guard is None else self.guard_history)

@@ -1,6 +1,6 @@
 """Regression tests for the adversarial review of "The step as one decision" (branch h-attack).
 
-Each test fails on the code it was written against and is marked xfail(strict=True) until fixed.
+Each test failed on the code it was written against; each passes since its fix.
 """
 
 from __future__ import annotations
@@ -192,9 +192,6 @@ def test_f5_guard_only_scale_stays_fixed_at_one_after_load_state_dict(make):
 
 
 # -- F6: load_state_dict between step() and update() is refused with state_dict()'s message --------
-@pytest.mark.xfail(strict=True, reason="F6: the facades' load_state_dict calls engine.state_dict(), so "
-                   "between step() and update() it raises 'state_dict()/save() was called between step() "
-                   "and update()' (torch and paddle load there)")
 def test_f6_torch_facade_load_state_dict_mid_iteration_matches_torch():
     torch = pytest.importorskip("torch")
     import polyamp
@@ -212,9 +209,6 @@ def test_f6_torch_facade_load_state_dict_mid_iteration_matches_torch():
 
 
 # -- F7: scalers in different threads share the torch backend's squares scratch buffer -----------
-@pytest.mark.xfail(strict=True, reason="F7: backends/torch.py sum_of_squares writes every scaler's squares "
-                   "into one module-level _scratch buffer per (device, dtype): threads that share nothing "
-                   "get each other's gradient norms, so the guard judges wrong values")
 def test_f7_threads_with_their_own_scalers_get_their_own_norms():
     import math
     import threading
