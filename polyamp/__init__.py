@@ -89,6 +89,12 @@ def make_scaler(
     scale is fixed at 1 that skips non-finite and spiking steps (``config`` is not used then).
     """
     if not enabled and guard is not None:
+        if config is not None or fields:
+            given = ", ".join(["config"] * (config is not None) + sorted(fields))
+            raise ConfigError(
+                f"make_scaler(enabled=False, guard=...) is a guard-only scaler, its scale fixed at 1: "
+                f"{given} would not be used. Fix: leave them out, or pass enabled=True to scale."
+            )
         return LossScaler(FIXED_ONE, backend, guard=guard)
     if guard is not None:
         return LossScaler(config, backend, guard=guard, **fields)

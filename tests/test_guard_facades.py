@@ -403,3 +403,10 @@ def test_a_fused_optimizer_is_judged_by_the_guard_too():
         opt.zero_grad()
         assert scaler.last_skip_reason == expected
         assert torch.equal(before, p.detach()) is (expected is not None)
+
+
+def test_make_scaler_guard_only_refuses_settings_it_would_not_use():
+    import polyamp
+
+    with pytest.raises(polyamp.ConfigError, match=r"guard-only.*init_scale would not be used.*Fix: "):
+        polyamp.make_scaler(enabled=False, guard=StepGuard(max_grad_norm=1.0), init_scale=1024.0)
