@@ -31,6 +31,7 @@ import numpy as np
 from . import _dtypes, _step_inputs
 from ._agreement import Agreement
 from ._errors import ConfigError
+from ._guard_values import loss_check
 from ._iteration import Iteration
 from ._masters import check_masters
 from ._registry import model_steps
@@ -215,6 +216,7 @@ class MixedPrecisionTrainer:
         reducer = self.reducer
         ranks = 1 if reducer is None else reducer.size
         loss = self._steps.forward_backward(input, target, loss_fn, scaler, ranks)
+        host_loss = _host_loss(loss)  # the loss's one read, before any weight or counter moves
         if scaler.enabled:
             grads.mark_scaled()
         if reducer is not None:
@@ -231,7 +233,7 @@ class MixedPrecisionTrainer:
             raise
         scaler.update()
         skipped = bool(result.skipped) or not finite
-        loss, scale = float(loss), float(result.scale_before)
+        loss, scale = host_loss, float(result.scale_before)
         report = self._explain(loss, scale) if skipped and self._diagnose else None
         return StepMetrics(loss, scale, skipped, float(norm), report, result.verdict if finite else None)
 
@@ -329,6 +331,12 @@ class ArraySteps:
         return loss
 
 
+
+
+def _host_loss(loss: Any) -> float:
+    """The loss as a Python float (one read); TypeError naming it unless it is one real value."""
+    loss_check(loss, "train_step()")
+    return float(loss.reshape(()) if hasattr(loss, "reshape") else loss)
 
 
 def _no_step() -> None:

@@ -341,3 +341,42 @@ def test_the_device_side_fingerprint_path_trains_the_same(monkeypatch, twins):
         runs.append((losses, model.w.data.copy(), trainer.skipped_steps))
     assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2] == 0
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("loss", [np.array([[0.5]], np.float32), np.complex64(1 + 1j), np.array("a")],
+                         ids=["one-value-2d", "complex", "str"])
+def test_a_loss_is_read_before_anything_moves(loss):
+    """Issue 32 item 11: a 1-element loss that is not 0-d is read as its value; one that is not a
+    real value is refused before the weights move (it used to apply the step, then raise)."""
+    from polyamp import Parameter
+    from polyamp.optim import SGD
+
+    class Linear:
+        def __init__(self):
+            self.w = Parameter(np.full((4, 1), 0.1, np.float32))
+
+        def parameters(self):
+            return [self.w]
+
+        def forward(self, x, dtype):
+            self.x = x.astype(np.float32)
+            return (self.x @ self.w.data).astype(dtype)
+
+        def backward(self, grad):
+            self.w.grad[...] = self.x.T @ grad.astype(np.float32)
+
+    model = Linear()
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16")
+    before = model.w.data.copy()
+
+    def loss_fn(output, target):
+        return loss, np.ones_like(output, dtype=np.float32)
+
+    if np.asarray(loss).dtype.kind == "f":
+        metrics = trainer.train_step(np.ones((8, 4), np.float32), None, loss_fn)
+        assert metrics.loss == 0.5 and trainer.steps == 1
+    else:
+        with pytest.raises(TypeError, match="loss"):
+            trainer.train_step(np.ones((8, 4), np.float32), None, loss_fn)
+        np.testing.assert_array_equal(model.w.data, before)
+        assert trainer.steps == 0
