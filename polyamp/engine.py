@@ -325,14 +325,7 @@ class LossScaler:
                 f"{_inputs.short_repr(step_fn)}. Fix: pass e.g. optimizer.step (not optimizer.step())."
             )
         if iteration.guard is not None:
-            iteration.require_loss(loss, "step()")
-            if loss is not None:
-                _guard_values.loss_check(loss, "step()")
-            if loss is not None and iteration.checks.loss is not None:  # it would be summed twice
-                raise ScalerStateError(
-                    "step() got loss=, but unscale_() already took this iteration's loss. Fix: give the "
-                    "loss to unscale_(grads, loss=loss) or to step(grads, step_fn, loss=loss), not both."
-                )
+            _check_step_loss(iteration, loss)
         if not iteration.checks.unscaled:
             iteration.unscale(grads, where="step()")
         iteration.take_loss(loss, "step()")
@@ -460,6 +453,18 @@ def make_iteration(config: LossScaleConfig | None, backend: str | None, *, reduc
     step_guard = _guard.check_guard(guard)
     agreement = None if reducer is None else Agreement(reducer)
     return Iteration(config, chosen, agreement=agreement, diagnose=diagnose, step_guard=step_guard)
+
+
+def _check_step_loss(iteration: Iteration, loss: Any) -> None:
+    """A guarded step's loss: given where the guard judges one, one real value, given once."""
+    iteration.require_loss(loss, "step()")
+    if loss is not None:
+        _guard_values.loss_check(loss, "step()")
+    if loss is not None and iteration.checks.loss is not None:  # it would be summed twice
+        raise ScalerStateError(
+            "step() got loss=, but unscale_() already took this iteration's loss. Fix: give the "
+            "loss to unscale_(grads, loss=loss) or to step(grads, step_fn, loss=loss), not both."
+        )
 
 
 def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
