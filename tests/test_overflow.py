@@ -178,3 +178,16 @@ def test_bad_input_names_the_argument(kwargs, error, words):
 def test_public_names():
     assert polyamp.explain_overflow is explain_overflow
     assert {"OverflowReport", "TensorOverflow", "explain_overflow"} <= set(polyamp.__all__)
+
+
+def test_a_gradient_made_with_create_graph_is_read_as_itself():
+    """Issue 32 item 8: a non-leaf gradient (torch.autograd.grad(..., create_graph=True)) requires
+    grad; it is the gradient, not a parameter whose .grad to read."""
+    torch = pytest.importorskip("torch")
+    from polyamp import explain_overflow
+
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    (g,) = torch.autograd.grad((w * torch.tensor([float("inf"), 1.0])).sum() * w.sum(), w, create_graph=True)
+    assert g.requires_grad and not g.is_leaf
+    report = explain_overflow([g])
+    assert report.found and report.tensors[0].name == "grads[0]"
