@@ -231,7 +231,9 @@ def _gradient_of(item: Any) -> Any:
     that holds a ``.grad`` and is a parameter (a ``polyamp.Parameter``, a tensor that requires grad,
     a tensor whose ``stop_gradient`` is False) stands for its gradient. A tensor that requires grad but
     is not a leaf is itself a gradient (``create_graph=True``, gradient penalties): it stands for itself."""
-    if getattr(item, "is_leaf", True) is False or not hasattr(item, "grad"):
+    if getattr(item, "is_leaf", True) is False:  # torch's: a gradient in a graph, read as its values
+        return item.detach()
+    if not hasattr(item, "grad"):
         return item
     own = sys.modules.get("polyamp.parameter")  # not loaded: no polyamp.Parameter exists yet
     is_parameter = ((own is not None and isinstance(item, own.Parameter))
