@@ -283,7 +283,7 @@ def _fix(what: str) -> str:
                 "StepGuard history (load the same checkpoint on every rank: a guard's histories of applied "
                 "steps and its streak are part of the flag's identity), build its scalers in "
                 "the same order, and give a data-parallel trainer the same max_grad_norm (two optimizers "
-                "with the same number of parameters per group and the same dtypes cannot be told apart: "
+                "of one class over plain tensors, swapped from their first step, cannot be told apart: "
                 "keep their order the same on every rank).")
     if "extra values agreed" in what:
         return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none.")
