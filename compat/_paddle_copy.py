@@ -24,7 +24,7 @@ def facade_state(scaler: Any) -> dict[str, Any]:
     state = {k: v for k, v in vars(scaler).items() if k not in _REBUILT}
     engine, flag = scaler._engine, scaler._found_inf
     backend = engine.backend
-    state["_engine"] = {"backend": backend.name if backend else None, "state_dict": engine.state_dict(),
+    state["_engine"] = {"backend": backend.name if backend else None, "state_dict": engine.state_now(),
                         "reducer": engine.reducer, "last_overflow": engine.last_overflow,
                         "guard": engine.guard}
     if flag is not None and not isinstance(flag, bool):

@@ -39,10 +39,7 @@ from ._skip_log import SkipLog
 from .backend import Backend
 from .config import LossScaleConfig
 from .metrics import SkipWindow
-from .policy import (
-    HostState,
-    next_host_state,
-)
+from .policy import HostState, next_host_state
 
 logger = logging.getLogger("polyamp")
 

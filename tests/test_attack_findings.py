@@ -264,3 +264,24 @@ def test_f9_non_real_array_losses_are_refused(loss):
     grad = np.ones(3, np.float32)
     with pytest.raises(TypeError, match="loss"):
         scaler.step([grad], lambda: None, loss=loss)
+
+
+def test_a_paddle_scaler_copies_between_step_and_update():
+    """The paddle facade's decision is recorded in the iteration; a copy taken between step() and
+    update() (paddle allows it) still works, and the copy updates as the original does."""
+    import copy
+
+    from polyamp import Parameter
+    from polyamp.compat.paddle import GradScaler
+    from polyamp.optim import SGD
+
+    scaler = GradScaler(init_loss_scaling=8.0, incr_every_n_steps=1, backend="numpy")
+    p = Parameter(np.zeros(2, np.float32))
+    opt = SGD([p], lr=1.0)
+    scaler.scale(np.ones((), np.float32))
+    p.grad = np.full(2, 8.0, np.float32)
+    scaler.step(opt)
+    twin = copy.deepcopy(scaler)
+    scaler.update()
+    twin.update()
+    assert scaler.engine.get_scale() == twin.engine.get_scale() == 16.0
