@@ -271,8 +271,9 @@ def test_a_paddle_scaler_copies_between_step_and_update():
     update() (paddle allows it) still works, and the copy updates as the original does."""
     import copy
 
-    from polyamp import Parameter
     from polyamp.compat.paddle import GradScaler
+
+    from polyamp import Parameter
     from polyamp.optim import SGD
 
     scaler = GradScaler(init_loss_scaling=8.0, incr_every_n_steps=1, backend="numpy")

@@ -98,6 +98,17 @@ class Hash(NamedTuple):
     prime: int
     weights: np.ndarray  # (fields, 2): the weights of each field's low and high half
 
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """The weights as Python ints, per field (low, high): the host's share needs no array."""
+        pairs = _PAIRS.get(self.prime)
+        if pairs is None:
+            pairs = _PAIRS[self.prime] = [(int(lo), int(hi)) for lo, hi in self.weights]
+        return pairs
+
+
+_PAIRS: dict[int, list[tuple[int, int]]] = {}  # prime -> Hash.pairs, made once
+
 
 #: The one-value message's digest (``D``) and the two halves of the two-value message's (``d1``, ``d2``).
 LANE, HIGH, LOW = Hash(Q, _weights(Q, "q")), Hash(P1, _weights(P1, "p1")), Hash(P2, _weights(P2, "p2"))
@@ -125,12 +136,15 @@ def scale_bits(scale: float) -> int:
 
 class Fields(NamedTuple):
     """A fingerprint where its message is built: ``host`` the fields known on the host (all ten, or
-    the first HOST_FIELDS) and ``halves`` theirs (in host memory), ``state`` the halves of the state's
-    three (on its device) or None."""
+    the first HOST_FIELDS), ``state`` the halves of the state's three (on its device) or None."""
 
     host: list[int]
-    halves: np.ndarray
     state: Any
+
+    @property
+    def halves(self) -> np.ndarray:
+        """The host fields' 16-bit halves, (n, 2) int64 in host memory (the low half first)."""
+        return np.array([(v & 0xFFFF, v >> 16) for v in self.host], np.int64).reshape(-1, 2)
 
 
 def _pattern(xp: Any, powers: Any, scale: Any) -> Any:
@@ -168,14 +182,15 @@ class Place:
             scale, growth, backoff = state
             words = [_pattern(xp, powers, scale), growth, backoff]
             halves = _halves(xp, xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in words]) & _MASK)
-        host = [v & _MASK for v in host]
-        return Fields(host, np.array([(v & 0xFFFF, v >> 16) for v in host], np.int64), halves)
+        return Fields([v & _MASK for v in host], halves)
 
     def share(self, fields: Fields, digest: Hash) -> Any:
         """``digest`` of every field: the host fields' share on the host, the state's added here (a
-        Python int, or a 0-d int64 array here)."""
-        n = len(fields.host)
-        base = int(share(np, fields.halves, digest.weights[:n], digest.prime))
+        Python int, or a 0-d int64 array here). The host's share is :func:`share`'s sum in Python
+        ints (the same products, reduced the same way: no array for ten numbers)."""
+        n, prime = len(fields.host), digest.prime
+        base = sum(lo * (v & 0xFFFF) % prime + hi * (v >> 16) % prime
+                   for v, (lo, hi) in zip(fields.host, digest.pairs)) % prime
         if fields.state is None:
             return base
         weights = self.constant(digest.prime, digest.weights[n:])
