@@ -762,11 +762,12 @@ class ShardedGradScaler(GradScaler):
         """
         agreement, iteration = self._agreed(), self._iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
-        iteration.require_loss(None, "ShardedGradScaler.step()",
-                               "scale the loss (a tensor holding one value) with scaler.scale(loss)")
+        if iteration.guarding is not None:
+            iteration.require_loss(None, "ShardedGradScaler.step()",
+                                   "scale the loss (a tensor holding one value) with scaler.scale(loss)")
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
         whose = self._places.identity(optimizer, agreement.reducer)
-        if iteration.guard is None:
+        if iteration.guarding is None:
             return iteration.agree_flag(found, whose=whose)
         # the guard's values (the loss, these shards' squares) ride in the same collective
         agreed = iteration.agree_group(found, iteration.squares(grads), self._group_of(optimizer),

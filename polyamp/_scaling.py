@@ -73,7 +73,10 @@ class Scaling:
         """Divide ``arrays`` (of the bound backend) by the scale in place (``check_only``: only check
         them): (their device flag, their sum of squares when ``squares``, else None). ``keep``: an
         overflowing step's values stay as they were (for a report). No sync."""
-        backend, state = self.ready() if not arrays else (self.bind(arrays[0]), self.state)
+        if self.state is not None:  # bound: the arrays are the backend's (checked by the caller)
+            backend, state = self.backend, self.state
+        else:
+            backend, state = self.ready() if not arrays else (self.bind(arrays[0]), self.state)
         found = backend.full(0.0, "float32", state.scale)
         if not arrays:
             return found, None
