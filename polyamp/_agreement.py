@@ -13,7 +13,6 @@ imported only when a reducer is given.
 from __future__ import annotations
 
 import math
-import struct
 import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
@@ -24,7 +23,7 @@ import numpy as np
 from ._errors import ConfigError
 from ._registry import backend_of
 from .config import LossScaleConfig
-from .policy import HostState
+from .policy import HostState, scale_bits
 
 if TYPE_CHECKING:  # the annotation only: importing polyamp must not import polyamp.distributed
     from .distributed import Reducer
@@ -308,18 +307,12 @@ def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
 def _host_state(state: Any) -> tuple[int, int, int]:
     """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
     if isinstance(state, HostState):
-        return _scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
+        return scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
     to_host = backend_of(state[0]).to_host  # a plain read of CPU scalars, one sync each on a GPU
     scale, growth, backoff = (to_host(a) for a in state)
-    return _scale_bits(float(scale)), int(growth), int(backoff)
+    return scale_bits(float(scale)), int(growth), int(backoff)
 
 
-def _scale_bits(scale: float) -> int:
-    """The float32 bit pattern of ``scale`` (as ``polyamp.distributed._fingerprint.scale_bits``)."""
-    return _U32.unpack(_F32.pack(scale))[0]
-
-
-_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
 
 
 def _is_host(array: Any) -> bool:

@@ -38,6 +38,7 @@ against it.
 
 from __future__ import annotations
 
+import struct
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -205,3 +206,12 @@ def next_state(
     restart = growth_zeros + params.growth_delay if params.growth_delay else growth_zeros  # deepspeed: 1
     new_growth = xp.where(found, growth_zeros, xp.where(do_grow, restart, growth_next))
     return LossScaleState(new_scale, new_growth, new_backoff)
+
+
+def scale_bits(scale: float) -> int:
+    """The float32 bit pattern of ``scale`` (what the fingerprint carries, and a device computes
+    from the scale array)."""
+    return _U32.unpack(_F32.pack(scale))[0]
+
+
+_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")

@@ -18,6 +18,7 @@ from polyamp import ConfigError, LossScaleConfig, LossScaler, ScalerStateError, 
 from polyamp.distributed import Reducer, config_fingerprint
 from polyamp.distributed import _fingerprint as fp
 from polyamp.distributed import _wire as wire
+from polyamp.policy import scale_bits
 
 
 class OneRank(Reducer):
@@ -47,7 +48,7 @@ def _head(values: list[float]) -> tuple[float, int]:
 def _digest(config, iteration, collective, sequence, scale, growth=0, extras=0, whose=0) -> int:
     """``whose``: the agreement's place among those made on its reducer's group (0: the first)."""
     mine = fp.Fingerprint(config_fingerprint(config), iteration, collective, sequence, 0, extras, whose,
-                          fp.scale_bits(scale), growth, 0)
+                          scale_bits(scale), growth, 0)
     return fp.HOST.share(fp.HOST.fields(list(mine)), fp.LANE)
 
 

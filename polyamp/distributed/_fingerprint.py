@@ -17,7 +17,6 @@ scale's bit pattern is rebuilt by comparisons with the powers of two).
 from __future__ import annotations
 
 import hashlib
-import struct
 from typing import Any, NamedTuple
 
 import array_api_compat.numpy as np_xp
@@ -36,7 +35,6 @@ FIELDS = ("config", "iteration", "collective", "sequence", "payload", "extras", 
 HOST_FIELDS = 7
 WIDTH = 32
 _MASK = 2**WIDTH - 1
-_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
 
 #: The two-value digest's primes (the largest two below 2**25), the one-value digest's (the largest
 #: below 2**43), and the label their weights are drawn from.
@@ -129,9 +127,6 @@ def _halves(xp: Any, words: Any) -> Any:
     return xp.stack([words & 0xFFFF, words >> 16], axis=1)
 
 
-def scale_bits(scale: float) -> int:
-    """The float32 bit pattern of ``scale`` (what a device computes from the scale array)."""
-    return _U32.unpack(_F32.pack(scale))[0]
 
 
 class Fields(NamedTuple):

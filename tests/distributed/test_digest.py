@@ -16,6 +16,7 @@ from polyamp import LossScaleConfig, LossScaler
 from polyamp.distributed import Reducer
 from polyamp.distributed import _fingerprint as fp
 from polyamp.distributed import _wire as wire
+from polyamp.policy import scale_bits
 
 SCALES = [2.0**-126, 0.3, 1.0, 65536.0, 2.0**100 * 1.75, 3.4028234663852886e38]
 
@@ -55,7 +56,7 @@ def test_the_digest_primes_and_weights():
 
 def _print(**fields) -> fp.Fingerprint:
     base = dict(config=3_000_000_000, iteration=12, collective=1, sequence=40, payload=0, extras=0, whose=0,
-                scale=fp.scale_bits(65536.0), growth_tracker=1999, backoff_tracker=0)
+                scale=scale_bits(65536.0), growth_tracker=1999, backoff_tracker=0)
     base.update(fields)
     return fp.Fingerprint(**base)
 
@@ -98,7 +99,7 @@ def _on(place, to_array, mine: fp.Fingerprint, state: bool = True) -> fp.Fields:
 @pytest.mark.parametrize("found", [False, True, "array0", "array3"])
 def test_the_two_value_message_is_the_same_on_host_and_device(library, scale, found):
     place, to_array = _place(library)
-    mine = _print(scale=fp.scale_bits(np.float32(scale)), iteration=2**32 - 1, growth_tracker=2**31 - 1,
+    mine = _print(scale=scale_bits(np.float32(scale)), iteration=2**32 - 1, growth_tracker=2**31 - 1,
                   backoff_tracker=65537)
     flag = found if isinstance(found, bool) else to_array(float(found[-1]), "float32")
     f = found not in (False, "array0")
@@ -125,7 +126,7 @@ def test_the_verdict_is_exact_at_any_world_size(ranks):
     for found in (np.zeros(ranks), np.eye(1, ranks, ranks - 1)[0], rng.integers(0, 2, ranks).astype(float)):
         got = read(_reduced(same, found))
         assert got.aligned and got.flag == found.any() and got.extra is None
-    for other in (d + 1, d - 1, 0, 2**50 - 1, _d(_print(scale=fp.scale_bits(32768.0)))):
+    for other in (d + 1, d - 1, 0, 2**50 - 1, _d(_print(scale=scale_bits(32768.0)))):
         if other == d or ranks == 1:
             continue
         for where in (0, ranks - 1):
@@ -158,7 +159,7 @@ def test_the_one_value_message_is_the_same_on_host_and_device(library, scale, fo
     """The one-value message computed from the state arrays (a GPU rank's, here on the CPU): equal
     to the host's and the reference, whatever the fields (up to 2**32 - 1), the scale and the flag."""
     place, to_array = _place(library)
-    mine = _print(config=2**32 - 1, iteration=2**31 + 5, scale=fp.scale_bits(np.float32(scale)),
+    mine = _print(config=2**32 - 1, iteration=2**31 + 5, scale=scale_bits(np.float32(scale)),
                   growth_tracker=2**31 - 1, backoff_tracker=65537)
     flag = found if isinstance(found, bool) else to_array(float(found[-1]), "float32")
     f = found not in (False, "array0")
@@ -209,7 +210,7 @@ def test_the_one_value_sum_finds_ranks_that_differ(ranks):
     base = _print()
     ahead, behind = base._replace(iteration=13), base._replace(iteration=11)
     cases = [[base] * (ranks - 1) + [ahead], [ahead] + [base] * (ranks - 1),
-             [base] * (ranks // 2) + [base._replace(scale=fp.scale_bits(32768.0))] * (ranks - ranks // 2)]
+             [base] * (ranks // 2) + [base._replace(scale=scale_bits(32768.0))] * (ranks - ranks // 2)]
     if ranks > 2:
         cases.append([ahead, behind] + [base] * (ranks - 2))
     for prints in cases:
@@ -358,7 +359,7 @@ def test_a_host_state_is_checked_and_explained_on_either_path(monkeypatch, devic
         monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
     config = LossScaleConfig(init_scale=1.0, dynamic=False)
     payload = 7 if differs else 5
-    other = fp.Fingerprint(config_fingerprint(config), 0, 1, 0, payload, 0, 0, fp.scale_bits(1.0), 0, 0)
+    other = fp.Fingerprint(config_fingerprint(config), 0, 1, 0, payload, 0, 0, scale_bits(1.0), 0, 0)
     red = Peer(other)
     agreement_ = Agreement(red)
     if not differs:

@@ -14,7 +14,7 @@ from polyamp import LossScaleConfig, LossScaler
 from polyamp.distributed import RankMismatchError, Reducer, ReducerError, config_fingerprint, reducer
 from polyamp.distributed import _fingerprint as fp
 from polyamp.distributed import _wire as wire
-from polyamp.policy import LossScaleState
+from polyamp.policy import LossScaleState, scale_bits
 
 SCALES = [2.0**-126, 2.0**-100, 0.3, 1.0, 3.0, 1024.0, 65536.0, 2.0**100 * 1.75, 3.4028234663852886e38]
 
@@ -44,7 +44,7 @@ def test_the_device_encoding_equals_the_host_encoding(scale, encoding):
     device = _numpy_device()
     state = (np.array(scale, np.float32), np.array(growth, np.int32), np.array(backoff, np.int32))
     got = device.encode(device.fields(host, state), encoding)
-    mine = fp.Fingerprint(*host, fp.scale_bits(np.float32(scale)), growth, backoff)
+    mine = fp.Fingerprint(*host, scale_bits(np.float32(scale)), growth, backoff)
     want = fp.encode(mine, encoding)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(want, _layout(mine, encoding))
@@ -61,7 +61,7 @@ def _sums(*prints: fp.Fingerprint, encoding=fp.BYTES) -> np.ndarray:
 
 def _print(scale: float = 1024.0, **fields) -> fp.Fingerprint:
     base = dict(config=5, iteration=3, collective=1, sequence=3, payload=0, extras=0, whose=0,
-                scale=fp.scale_bits(scale), growth_tracker=0, backoff_tracker=0)
+                scale=scale_bits(scale), growth_tracker=0, backoff_tracker=0)
     base.update(fields)
     return fp.Fingerprint(**base)
 
@@ -168,7 +168,7 @@ class PairedWith(Reducer):
 
 def _peer(config: LossScaleConfig, iteration: int, sequence: int, scale: float, growth: int = 0):
     """The fingerprint of the peer's agreement (collective 1 of ``iteration``)."""
-    return fp.Fingerprint(config_fingerprint(config), iteration, 1, sequence, 0, 0, 0, fp.scale_bits(scale),
+    return fp.Fingerprint(config_fingerprint(config), iteration, 1, sequence, 0, 0, 0, scale_bits(scale),
                           growth, 0)
 
 
@@ -267,7 +267,7 @@ def test_state_values_of_a_host_state_are_fingerprinted_too():
     """The trainer without loss scaling fingerprints a fixed scale of 1."""
     state = LossScaleState(np.array(1.0, np.float32), np.array(0, np.int32), np.array(0, np.int32))
     device = _numpy_device()
-    on_host = device.encode(device.fields([1, 2, 3, 4, 5, 0, 7, fp.scale_bits(1.0), 0, 0]), fp.BYTES)
+    on_host = device.encode(device.fields([1, 2, 3, 4, 5, 0, 7, scale_bits(1.0), 0, 0]), fp.BYTES)
     from_state = device.encode(device.fields([1, 2, 3, 4, 5, 0, 7], state), fp.BYTES)
     np.testing.assert_array_equal(on_host, from_state)
 
@@ -284,7 +284,7 @@ def test_the_device_encoding_runs_on_torch_tensors(encoding):
              torch.tensor(2, dtype=torch.int32))
     host = [4, 3, 2, 1, 0, 2, 0]
     got = device.encode(device.fields(host, state), encoding)
-    want = fp.encode(fp.Fingerprint(*host, fp.scale_bits(np.float32(0.3)), 17, 2), encoding)
+    want = fp.encode(fp.Fingerprint(*host, scale_bits(np.float32(0.3)), 17, 2), encoding)
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
     np.testing.assert_array_equal(got.numpy(), want)
     if encoding == fp.BITS:  # the trainer's check of summed bits, on the device
