@@ -22,6 +22,10 @@ from polyamp.guard import GuardHistory
 from polyamp.policy import fit_to_config
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+#: polyamp's keys for a rule beyond torch's, written only where they differ from torch's (so a default
+#: scaler's state dict is exactly torch's), and their torch values.
+RULE_KEYS = {"rule": "torch", "consecutive_hysteresis": False, "raise_error_at_min_scale": False,
+             "product_dtype": None}
 INTERVAL_LIMIT = 2**63 - 1  # torch's _amp_update_scale_ takes growth_interval as an int64
 NEW_SCALE = (
     "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
@@ -55,6 +59,9 @@ def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory]) ->
         state["min_scale"] = config.min_scale
     if config.max_scale is not None:
         state["max_scale"] = config.max_scale
+    for key, default in RULE_KEYS.items():  # a rule beyond torch's (Megatron's, DeepSpeed's, ...)
+        if getattr(config, key) != default:
+            state[key] = getattr(config, key)
     if engine.guard is not None:  # polyamp's: each optimizer's StepGuard history, in step order
         groups = range(max(histories, default=-1) + 1)
         state["guard"] = [histories.get(g, GuardHistory()).to_dict() for g in groups]
@@ -114,11 +121,12 @@ def _engine_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[str, Any
                                       StateDictError)
     bounds = {k: None if state.get(k) is None else check_scale(k, _number(state, k), StateDictError)
               for k in ("min_scale", "max_scale")}
+    rule = {key: state[key] for key in RULE_KEYS if key in state}  # absent: the scaler's own
     try:
         config = engine.config.replace(
             growth_factor=_factor(state, "growth_factor"),
             backoff_factor=_factor(state, "backoff_factor"),
-            growth_interval=growth_interval, backoff_interval=backoff_interval, **bounds,
+            growth_interval=growth_interval, backoff_interval=backoff_interval, **bounds, **rule,
         )
     except ConfigError as exc:
         raise StateDictError(str(exc)) from None

@@ -345,3 +345,38 @@ def test_torch_loads_a_tracker_at_its_interval_and_never_grows_again():
     assert theirs.get_scale() == good["scale"]  # stuck: the tracker passed the interval
     with pytest.raises(polyamp.StateDictError, match="_growth_tracker=2"):
         GradScaler("cpu").load_state_dict({**good, "_growth_tracker": good["growth_interval"]})
+
+
+@pytest.mark.parametrize("rule", ["megatron", "deepspeed"])
+def test_a_rule_beyond_torchs_survives_the_facades_own_state_dict(rule):
+    """Issue 32 item 6: a Megatron or DeepSpeed engine state loaded into the facade runs that rule,
+    and the facade's own state_dict() keeps it, so a resume runs the same rule (it resumed torch's)."""
+    torch = pytest.importorskip("torch")
+    import polyamp
+    from polyamp import LossScaleConfig, LossScaler
+
+    engine = LossScaler(LossScaleConfig(rule=rule, init_scale=256.0, growth_interval=2, backoff_interval=2))
+
+    def run(scaler, flags):
+        p = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([p], lr=0.0)
+        scales = []
+        for bad in flags:
+            scaler.scale(torch.ones(()))
+            p.grad = torch.full((2,), float("inf") if bad else 1.0)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales
+
+    first = polyamp.GradScaler("cpu")
+    first.load_state_dict(engine.state_dict())
+    run(first, [False])
+    saved = first.state_dict()
+    assert saved["rule"] == rule
+    resumed = polyamp.GradScaler("cpu")
+    resumed.load_state_dict(saved)
+    assert resumed.engine.config.rule == rule
+    assert run(resumed, [False, True, True, False]) == run(first, [False, True, True, False])
+    plain = polyamp.GradScaler("cpu").state_dict()
+    assert not set(plain) - {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
