@@ -9,7 +9,7 @@
     last_overflow/<name>   diagnose=True: non-finite values of the last skipped step's top tensors
 
 The skips of the window are counted on the host from the decisions ``step()`` already read
-(:class:`SkipWindow`, fed by :meth:`polyamp._iteration.Iteration.tally`): between two calls nothing
+(:class:`SkipWindow`, fed by :meth:`polyamp._iteration.Iteration.count`): between two calls nothing
 is read. A call reads the scale once; the torch facade's pending flags of fused optimizers (never
 read by ``step()``) ride in that same read.
 """
