@@ -69,6 +69,10 @@ class NoOpLossScaler:
         """Always 1.0."""
         return 1.0
 
+    def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
+        """Empty: a disabled scaler scales nothing and skips nothing (as a disabled GradScaler's)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """Empty: a disabled scaler has no state."""
         return {}

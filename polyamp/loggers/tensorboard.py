@@ -8,7 +8,10 @@ Writes through ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboar
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
+
+import numpy as np
 
 
 def summary_writer_class() -> type:
@@ -38,10 +41,17 @@ class ScalerMetricsWriter:
         if not callable(getattr(scaler, "metrics", None)):
             raise TypeError(f"ScalerMetricsWriter(scaler=...) takes a polyamp scaler (with metrics()), got "
                             f"{type(scaler).__name__}. Fix: pass a polyamp GradScaler or LossScaler.")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if isinstance(every, (bool, np.bool_)) or not isinstance(every, numbers.Integral) or every < 1:
             raise ValueError(f"ScalerMetricsWriter(every=...) must be an int >= 1, got every={every!r}. "
                              "Fix: pass how many steps lie between two writes, e.g. every=50.")
-        self.scaler, self.every, self.prefix, self.diagnose = scaler, every, prefix, diagnose
+        if not isinstance(prefix, str):
+            raise TypeError(f"ScalerMetricsWriter(prefix=...) must be a str, got prefix={prefix!r}. "
+                            "Fix: pass e.g. prefix='scaler/', or '' for bare metric names.")
+        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(f"ScalerMetricsWriter(writer=...) needs add_scalar(tag, value, step), got a "
+                            f"{type(writer).__name__}. Fix: pass a torch.utils.tensorboard.SummaryWriter, or "
+                            "log_dir= to open one.")
+        self.scaler, self.every, self.prefix, self.diagnose = scaler, int(every), prefix, diagnose
         self._owned = writer is None
         self.writer = summary_writer_class()(log_dir) if writer is None else writer
         self.steps = 0
@@ -56,6 +66,9 @@ class ScalerMetricsWriter:
 
     def write(self, global_step: int) -> dict[str, float | int]:
         """Write the metrics now at ``global_step`` (one host read) and return them."""
+        if isinstance(global_step, (bool, np.bool_)) or not isinstance(global_step, numbers.Integral):
+            raise TypeError(f"ScalerMetricsWriter.write(global_step=...) must be an int, got "
+                            f"global_step={global_step!r}. Fix: pass the training step, e.g. write(100).")
         values = self.scaler.metrics(diagnose=self.diagnose)
         for key, value in values.items():
             self.writer.add_scalar(self.prefix + key, value, global_step)

@@ -153,4 +153,35 @@ def test_writer_refuses_bad_arguments():
     with pytest.raises(TypeError, match="metrics"):
         ScalerMetricsWriter(object(), writer=object())
     with pytest.raises(ValueError, match="every=0"):
-        ScalerMetricsWriter(__import__("polyamp").LossScaler(), writer=object(), every=0)
+        ScalerMetricsWriter(__import__("polyamp").LossScaler(), every=0)
+
+
+def test_writer_takes_numpy_ints_and_refuses_bad_arguments_early():
+    """Issue 32 item 16: every=np.int64(3) is taken as configs take NumPy ints; prefix=None, a writer
+    without add_scalar and write(global_step='x') are refused at the call, naming the argument; the
+    no-op scaler has metrics() (empty) as the disabled GradScaler has."""
+    import numpy as np
+
+    import polyamp
+    from polyamp.loggers.tensorboard import ScalerMetricsWriter
+
+    written = []
+
+    class Writer:
+        def add_scalar(self, tag, value, step):
+            written.append((tag, step))
+
+        def flush(self):
+            pass
+
+    scaler = polyamp.LossScaler(backend="numpy")
+    writer = ScalerMetricsWriter(scaler, writer=Writer(), every=np.int64(3))
+    assert writer.every == 3 and not writer.step() and not writer.step() and writer.step()
+    assert written and {step for _, step in written} == {3}
+    with pytest.raises(TypeError, match="prefix=None"):
+        ScalerMetricsWriter(scaler, writer=Writer(), prefix=None)
+    with pytest.raises(TypeError, match="writer=.*add_scalar"):
+        ScalerMetricsWriter(scaler, writer=object())
+    with pytest.raises(TypeError, match="global_step='x'"):
+        writer.write("x")
+    assert polyamp.make_scaler(enabled=False).metrics() == {}
