@@ -19,7 +19,7 @@ from polyamp.adapters import iter_params
 from polyamp.config import short_repr
 from polyamp.distributed import Reducer, ReducerUnavailableError, reducer
 
-_PICKLE = (
+PICKLE_REFUSED = (
     "a ShardedGradScaler built on process_group={group} cannot be pickled or copied: a process "
     "group belongs to the process that built it. Fix: save scaler.state_dict() and load it into "
     "a ShardedGradScaler built on the group in the new process (process_group=None, the default "

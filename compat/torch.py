@@ -51,7 +51,7 @@ from ._torch_disabled import cuda_missing
 from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
 from ._torch_grads import collect_grads
 from ._torch_install import Installation, Installer
-from ._torch_sharded import _PICKLE, Places, build_reducer, mesh_inside
+from ._torch_sharded import PICKLE_REFUSED, Places, build_reducer, mesh_inside
 from ._torch_state import (
     TorchConfigError,
     check_interval,
@@ -803,7 +803,7 @@ class ShardedGradScaler(GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         group = self._group
         if group is not None and not isinstance(group, str):
-            raise TypeError(_PICKLE.format(group=short_repr(group)))
+            raise TypeError(PICKLE_REFUSED.format(group=short_repr(group)))
         state = super().__getstate__()
         for name in ("_group", "_meshes", "_places"):
             state["extra"].pop(name, None)

@@ -91,7 +91,7 @@ class Agreement:
     def __init__(self, group: Any) -> None:
         # only here: `import polyamp` stays free of polyamp.distributed
         from .distributed import RankMismatchError, _fingerprint, _wire, reducer
-        from .distributed._agree import _to_host, config_fingerprint
+        from .distributed._agree import config_fingerprint, to_host_array
 
         self.reducer: Reducer = reducer(group)
         # whose flags: the n-th agreement this process made on this group (ranks build their scalers
@@ -100,7 +100,7 @@ class Agreement:
         self.iteration = 0  # iterations ended (update() calls) since this agreement was made
         self.collective = 0  # agreements so far in this iteration
         self._fp, self._wire, self._mismatch = _fingerprint, _wire, RankMismatchError
-        self._crc, self._to_host = config_fingerprint, _to_host
+        self._crc, self._host_read = config_fingerprint, to_host_array
         self._sent: list[_Sent] = []  # this iteration's messages checked on the device only
         self._host = _fingerprint.Place(_fingerprint.HOST.xp, "cpu", host=True)  # its buffers are ours
         self._places: dict[Any, Any] = {}  # (xp, device) -> its Place
@@ -229,7 +229,7 @@ class Agreement:
         ranks that differ (reads them: a host sync, only on skipped steps; where a digest
         differs, the second collective that names the difference, on every rank)."""
         for sent in self._sent:
-            if not self._to_host(sent.aligned)[0]:
+            if not self._host_read(sent.aligned)[0]:
                 self._explain(sent.wire, sent.message, sent.fields, sent.state)
 
     def _explain(self, wire: Any, message: Any, fields: Any, state: Any) -> NoReturn:

@@ -31,7 +31,7 @@ def check_same_config(reducer: Reducer, config: LossScaleConfig, like: Any = Non
     host = np.array([mine, -mine], dtype=np.float64)  # exact: |f| < 2**32
     buffer = _on_device_of(host, like)
     reducer.allreduce_max_(buffer)
-    high, neg_low = (float(v) for v in _to_host(buffer))
+    high, neg_low = (float(v) for v in to_host_array(buffer))
     if high != -neg_low:
         raise ConfigError(
             f"{reducer.describe()}: the ranks' loss-scale configs differ (fingerprints from "
@@ -47,7 +47,7 @@ def _on_device_of(host: np.ndarray, like: Any) -> Any:
     return backend_of(like).from_host(host, like, None)
 
 
-def _to_host(buffer: Any) -> np.ndarray:
+def to_host_array(buffer: Any) -> np.ndarray:
     """A small array's values in host memory (its backend's ``to_numpy``: a sync on a device)."""
     if isinstance(buffer, np.ndarray):
         return buffer

@@ -30,7 +30,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
-from ._agree import _to_host
+from ._agree import to_host_array
 from ._fingerprint import BITS, BYTES, HIGH, LANE, LOW, Fields, Fingerprint, Place, Q, describe
 
 #: The one-value message: each rank sends ``f * B + v``, ``v`` below Q. Summed over n <= LANE_RANKS
@@ -74,7 +74,7 @@ class Wire(ABC):
         every rank (the fingerprint's bytes and their squares summed, where the message lives)."""
         sums = self.place.encode(self.place.fields(list(mine)), BYTES)
         reducer.allreduce_sum_(sums)
-        return describe(_to_host(sums), self.size, mine)
+        return describe(to_host_array(sums), self.size, mine)
 
 
 def wire_for(size: int, n_extra: int, payload: bool = False) -> type[Wire]:
@@ -187,4 +187,4 @@ class PayloadBits(Wire):
 
     def explain(self, reducer: Any, message: Any, mine: Fingerprint) -> str:
         """The summed bits name what differs: no second collective."""
-        return describe(_to_host(message[message.shape[0] - BITS.size:]), self.size, mine, BITS)
+        return describe(to_host_array(message[message.shape[0] - BITS.size:]), self.size, mine, BITS)
