@@ -141,6 +141,9 @@ def _checked_scale(scale: Any) -> float | None:
 
 def _checked_loss(loss: Any) -> None:
     """Refuse a loss that is not a number or a 1-element array (strings, numbers beyond float64)."""
+    if getattr(loss, "is_meta", False) is True:
+        raise TypeError("loss is on torch's 'meta' device, which holds no value. Fix: pass the loss "
+                        "computed on a real device, or leave loss= out.")
     if loss is None or hasattr(loss, "shape"):
         return
     if isinstance(loss, int) and not isinstance(loss, bool):
@@ -215,6 +218,7 @@ def _check_readable(named: list[tuple[str, Any]]) -> None:
         problem = (
             "is on torch's 'meta' device, which holds no values" if getattr(array, "is_meta", False) is True
             else "is sparse; the counts read dense values" if getattr(array, "is_sparse", False) is True
+            or "sparse" in str(getattr(array, "layout", ""))  # torch's CSR, CSC, BSR, BSC too
             else None if short_name(array.dtype) in FLOATING
             else f"has dtype {array.dtype}; only float16, bfloat16, float32 and float64 are checked"
         )

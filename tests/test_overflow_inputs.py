@@ -173,3 +173,20 @@ def test_watch_forward_reads_sparse_outputs_and_refuses_meta_ones():
     meta = torch.nn.Linear(2, 2, device="meta")
     with pytest.raises(TypeError, match="'meta' device.*Fix:"), watch_forward(meta):
         meta(torch.ones(2, device="meta"))
+
+
+def test_csr_gradients_and_a_meta_loss_are_refused_by_name():
+    """Issue 32 item 16: a sparse CSR gradient (not is_sparse in torch) and a meta-device loss got
+    raw torch errors from the counts."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    from polyamp import explain_overflow
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: sparse CSR support is in beta
+        csr = torch.tensor([[0.0, float("inf")], [1.0, 0.0]]).to_sparse_csr()
+    with pytest.raises(TypeError, match=r"gradient 'grads\[0\]' is sparse"):
+        explain_overflow([csr])
+    with pytest.raises(TypeError, match="loss is on torch's 'meta' device"):
+        explain_overflow([torch.ones(2)], loss=torch.empty((), device="meta"))

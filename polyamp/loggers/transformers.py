@@ -47,6 +47,12 @@ class ScalerMetricsCallback(TrainerCallback):
     def attach(cls, trainer: Any, **options: Any) -> ScalerMetricsCallback:
         """A callback reading ``trainer``'s scaler, put FIRST among its callbacks so that the reporters
         (``report_to``: TensorBoard, wandb, ...), called after it, see the keys. Returns it."""
+        if not hasattr(getattr(trainer, "callback_handler", None), "callbacks"):
+            raise TypeError(
+                f"ScalerMetricsCallback.attach(trainer=...) takes a transformers Trainer (with "
+                f"callback_handler), got a {type(trainer).__name__}. Fix: pass the Trainer, e.g. "
+                "ScalerMetricsCallback.attach(trainer)."
+            )
         callback = cls(trainer=trainer, **options)
         trainer.callback_handler.callbacks.insert(0, callback)
         return callback

@@ -185,3 +185,11 @@ def test_writer_takes_numpy_ints_and_refuses_bad_arguments_early():
     with pytest.raises(TypeError, match="global_step='x'"):
         writer.write("x")
     assert polyamp.make_scaler(enabled=False).metrics() == {}
+
+
+def test_callback_attach_refuses_what_is_not_a_trainer():
+    pytest.importorskip("transformers")
+    from polyamp.loggers.transformers import ScalerMetricsCallback
+
+    with pytest.raises(TypeError, match=r"attach\(trainer=...\) takes a transformers Trainer"):
+        ScalerMetricsCallback.attach(object())
