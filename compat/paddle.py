@@ -52,7 +52,6 @@ from polyamp.policy import HostState
 
 from ._explain import paddle_named_grads
 from ._paddle_copy import facade_state, restore, restore_facade
-from ._paddle_disabled import disabled_type
 from ._paddle_state import (
     TORCH_NAMES,
     PaddleConfigError,
@@ -89,7 +88,7 @@ class AmpScaler:
             scaler = object.__new__(cls)
             scaler._guard_only = True
             return scaler
-        return object.__new__(cls if enable else disabled_type(cls, issubclass(cls, GradScaler)))
+        return object.__new__(cls if enable else disabled_type(cls))
 
     def __init__(
         self,
@@ -408,5 +407,65 @@ class GradScaler(AmpScaler):
         return self._unscale(optimizer)
 
 
-DisabledAmpScaler = disabled_type(AmpScaler, with_step=False)
-DisabledGradScaler = disabled_type(GradScaler, with_step=True)
+class DisabledAmpScaler(AmpScaler):
+    """What ``AmpScaler(enable=False)`` builds, as paddle's disabled scaler: scale() returns its input,
+    minimize() just minimizes; no method asks "am I enabled?"."""
+
+    _enable = False
+    _public_class: type = AmpScaler
+
+    def scale(self, var: Any) -> Any:
+        """``var`` unchanged."""
+        return var
+
+    def minimize(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.minimize(*args, **kwargs)`` (``step()`` where there is none); never skipped."""
+        return apply_optimizer(optimizer, args, kwargs)
+
+    def _unscale(self, optimizer: Any) -> None:
+        return None
+
+    def is_use_dynamic_loss_scaling(self) -> bool:
+        """Always False, as paddle's disabled scaler."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Empty: a disabled scaler has no state (paddle's returns {} too)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Ignored, as paddle's disabled scaler does."""
+        return None
+
+
+class DisabledGradScaler(DisabledAmpScaler, GradScaler):
+    """What ``GradScaler(enable=False)`` builds: step() steps, update() and unscale_() do nothing."""
+
+    _public_class: type = GradScaler
+
+    def step(self, optimizer: Any) -> None:
+        """``optimizer.step()``; never skipped."""
+        optimizer.step()
+
+    def update(self) -> None:
+        """Nothing to update."""
+        return None
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Nothing to undo."""
+        return None
+
+
+_MADE: dict[type, type] = {AmpScaler: DisabledAmpScaler, GradScaler: DisabledGradScaler}
+
+
+def disabled_type(cls: type) -> type:
+    """The no-op type for ``cls(enable=False)``: DisabledAmpScaler or DisabledGradScaler, or for a
+    user's subclass one made once, with the no-op methods first and still an instance of ``cls``."""
+    if not getattr(cls, "_enable", True):
+        return cls
+    if cls not in _MADE:
+        base = DisabledGradScaler if issubclass(cls, GradScaler) else DisabledAmpScaler
+        _MADE[cls] = type(f"Disabled{cls.__name__}", (base, cls), {"__module__": cls.__module__,
+                                                                    "_public_class": cls})
+    return _MADE[cls]
