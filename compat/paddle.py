@@ -204,8 +204,7 @@ class AmpScaler:
         paddle optimizer: True when the guard skips a step with finite gradients)."""
         iteration = self._iteration
         if iteration.checks.found is None:  # no gradients on this rank (or a copy's host flag): it takes part
-            backend, state = iteration.scaling.ready()
-            iteration.record(backend.full(float(bool(local)), "float32", state.scale))
+            iteration.record(iteration.scaling.flag_array(bool(local)))
         decision = iteration.decide(named=named, local=local)
         self.last_skip_reason = decision.reason
         return decision.skipped, (True if decision.skipped else decision.flag)

@@ -113,11 +113,6 @@ class Checks(NamedTuple):
         return any(d.skipped for d in self.decisions) if self.decisions else None
 
     @property
-    def verdict(self) -> guard.Verdict | None:
-        """The last verdict of this iteration (the engine's one step's), or None."""
-        return self.decisions[-1].verdict if self.decisions else None
-
-    @property
     def flag(self) -> Any:
         """The flag the decision and the update use: the agreed one once there is one."""
         return self.found if self.agreed is None else self.agreed
@@ -209,15 +204,15 @@ class Iteration:
             arrays = _inputs.gradient_list(given, where)  # refuses bad gradients before any state changes
             if arrays:
                 _inputs.check_owned(arrays, scaling.bind(arrays[0]), where)
-        norm = self.guarding is not None and self.guarding.guard.watches_norm
-        found, squares = scaling.unscale(arrays, check_only=check_only, keep=self.diagnose, squares=norm)
+        found, squares = scaling.unscale(arrays, check_only=check_only, keep=self.diagnose,
+                                         squares=self.watches_norm)
         checks = self.checks
         checked = checks.checked
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
-        total = found if checks.found is None else checks.found + found
         sumsq = checks.sumsq if squares is None else plus(checks.sumsq, squares)
-        self.checks = checks._replace(found=total, unscaled=True, checked=checked, sumsq=sumsq)
+        self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
+                                      sumsq=sumsq)
         return found
 
     def record(self, flag: Any) -> None:
@@ -294,10 +289,8 @@ class Iteration:
         ``found_inf`` as it is. The iteration's own checks are not touched."""
         if self.agreement is None:
             return found_inf
-        backend, state = self.scaling.ready()
-        if found_inf is None or isinstance(found_inf, bool):
-            found_inf = backend.full(float(bool(found_inf)), "float32", state.scale)
-        return self.agreement.flag(found_inf, self.config, state, whose=whose)
+        found_inf = self.scaling.flag_array(found_inf)
+        return self.agreement.flag(found_inf, self.config, self.scaling.state, whose=whose)
 
     def verify(self) -> None:
         """After a decision read a non-zero agreed flag: RankMismatchError if the ranks differ."""
@@ -351,13 +344,12 @@ class Iteration:
     def agree_group(self, found: Any, squares: Any, group: int, *, whose: int = 0) -> Agreed:
         """One group's flag and guard values (the iteration's loss, its squares) agreed over the
         ranks in ONE collective (the torch facades' per-optimizer agreement)."""
-        backend, state = self.scaling.ready()
-        if found is None or isinstance(found, bool):
-            found = backend.full(float(bool(found)), "float32", state.scale)
+        found = self.scaling.flag_array(found)
         sent = self._sent(squares)
         if self.agreement is None:
             return Agreed(found, sent)
-        return self.agreement.flag_and_extra(found, sent, self.config, state, whose=self.whose(whose, group))
+        return self.agreement.flag_and_extra(found, sent, self.config, self.scaling.state,
+                                             whose=self.whose(whose, group))
 
     # -- the decision -----------------------------------------------------------------------
     def decide(
@@ -458,10 +450,10 @@ class Iteration:
             return Decision(one.skipped, flag, exact, one.verdicts)
         if decisions:
             return self.decided()._replace(flag=flag)
-        if skipped is None and (self.diagnose or found_inf is None and self.agreement is not None
-                                and self.agreement.unverified):  # update() without step(): one read
-            skips = flag if isinstance(flag, bool) else self.scaling.ready()[0].read_flag(flag)
-            if skips and found_inf is None and self.agreement is not None and self.agreement.unverified:
+        unverified = found_inf is None and self.agreement is not None and self.agreement.unverified
+        if skipped is None and (self.diagnose or unverified):  # update() without step(): one read
+            skips = self.scaling.read_flag(flag)
+            if skips and unverified:
                 self.verify()  # ranks that differ: RankMismatchError before the scale moves
             if self.diagnose:
                 self.last_overflow = self._report() if skips else None

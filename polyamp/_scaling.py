@@ -87,6 +87,14 @@ class Scaling:
         (backend.unscale_and_check_keep if keep else backend.unscale_and_check)(arrays, by, found)
         return found, backend.sum_of_squares(arrays) if squares else None
 
+    def flag_array(self, flag: Any) -> Any:
+        """``flag`` as a float32 flag array on the state's device: a host bool (or None: no
+        gradients, 0) made one; a device flag as it is. No sync."""
+        if flag is not None and not isinstance(flag, bool):
+            return flag
+        backend, state = self.ready()
+        return backend.full(float(bool(flag)), "float32", state.scale)
+
     def read_flag(self, flag: Any) -> bool:
         """A flag (a device array or a host bool) on the host: one read of an array."""
         return flag if isinstance(flag, bool) else bool(self.ready()[0].read_flag(flag))
@@ -128,10 +136,8 @@ class Scaling:
         if isinstance(flag, bool) and self.state is None:
             self.host = next_host_state(self.host, flag, self.config)
             return
-        backend, state = (self.backend, self.state) if self.state is not None else self.ready()
-        if isinstance(flag, bool):
-            flag = backend.full(float(flag), "float32", state.scale)
-        self.state = backend.update_scale(state, flag, self.config)
+        backend, state = self.ready()
+        self.state = backend.update_scale(state, self.flag_array(flag), self.config)
 
     def refuse_backoff_at_floor(self, flag: Any, state: HostState | None) -> None:
         """DeepSpeed's ``raise_error_at_min_scale``: MinScaleError, before the rule runs, when this

@@ -24,7 +24,6 @@ from ._errors import ScalerStateError
 from ._iteration import Iteration
 from .backend import Backend
 from .config import LossScaleConfig, config_from
-from .guard import why
 from .policy import HostState, LossScaleState
 
 logger = logging.getLogger("polyamp")
@@ -33,7 +32,7 @@ __all__ = ["LossScaler", "ScalerStateError", "StepResult"]
 
 
 @dataclass(frozen=True)
-class StepResult:
+class StepResult(_guard.VerdictFields):
     """What one :meth:`LossScaler.step` did; truthy exactly when the optimizer step ran.
 
     ``skipped`` was read on the host (the one sync); ``scale_before`` is the scale the step
@@ -54,22 +53,7 @@ class StepResult:
     @property
     def reason(self) -> str | None:
         """Why the step was skipped (None when applied): a guard's reason, else ``"overflow"``."""
-        return why(self.verdict, self.skipped)
-
-    @property
-    def loss(self) -> float | None:
-        """The agreed loss the guard judged (None when not seen)."""
-        return None if self.verdict is None else self.verdict.loss
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The agreed gradient norm the guard judged (None when not seen)."""
-        return None if self.verdict is None else self.verdict.grad_norm
-
-    @property
-    def zscores(self) -> dict[str, float] | None:
-        """Quantity -> z-score judged (None before ``min_history``)."""
-        return None if self.verdict is None else self.verdict.zscores
+        return _guard.why(self.verdict, self.skipped)
 
     @property
     def applied(self) -> bool:
@@ -263,10 +247,7 @@ class LossScaler:
         """
         iteration = self._iteration
         flag = _inputs.flag_value(flag, iteration.scaling.backend, "record_found_inf()", "flag")
-        if isinstance(flag, bool):  # on the state's device, as a flag array
-            backend, state = iteration.scaling.ready()
-            flag = backend.full(float(flag), "float32", state.scale)
-        iteration.record(flag)
+        iteration.record(iteration.scaling.flag_array(flag))  # a host bool: on the state's device
 
     def agree_(self, extra: Any = None) -> Agreed:
         """Sum this iteration's overflow check over the ranks now, with ``extra`` in the same collective.
@@ -411,7 +392,7 @@ class LossScaler:
         iteration.load(config, host)
         if iteration.guarding is not None:  # an older checkpoint (or one saved without a guard): empty
             fitted = (history or _guard.GuardHistory()).fitted(iteration.guard.window)
-            iteration.guarding.histories = {0: fitted}
+            iteration.histories = {0: fitted}
 
     def save(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Write :meth:`state_dict` to a path (atomically; gzip when it ends in .gz) or a binary file."""

@@ -188,13 +188,33 @@ class Verdict(NamedTuple):
     zscores: dict[str, float] | None
 
 
+class VerdictFields:
+    """The guard's values of a report that embeds its :class:`Verdict` as ``verdict`` (None where
+    the guard saw nothing): ``loss``, ``grad_norm`` and ``zscores`` read from it, never copied."""
+
+    @property
+    def loss(self) -> float | None:
+        """The agreed loss the guard judged (None when not seen)."""
+        return None if self.verdict is None else self.verdict.loss  # type: ignore[attr-defined]
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The agreed gradient norm the guard judged (None when not seen)."""
+        return None if self.verdict is None else self.verdict.grad_norm  # type: ignore[attr-defined]
+
+    @property
+    def zscores(self) -> dict[str, float] | None:
+        """Quantity -> z-score judged (None before ``min_history``)."""
+        return None if self.verdict is None else self.verdict.zscores  # type: ignore[attr-defined]
+
+
 def why(verdict: Verdict | None, skipped: bool | None) -> str | None:
     """A step's reason: the guard's verdict's, else ``"overflow"`` when it was skipped."""
     return verdict.reason if verdict is not None else ("overflow" if skipped else None)
 
 
 @dataclass(frozen=True)
-class GuardReport:
+class GuardReport(VerdictFields):
     """What ``on_streak`` is given after ``max_consecutive_skips`` skips in a row (every rank alike)."""
 
     streak: int
@@ -202,21 +222,6 @@ class GuardReport:
     mean: dict[str, float]
     std: dict[str, float]
     verdict: Verdict  # the last skip's
-
-    @property
-    def loss(self) -> float | None:
-        """The last skipped step's loss (None when not seen)."""
-        return self.verdict.loss
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The last skipped step's gradient norm (None when not seen)."""
-        return self.verdict.grad_norm
-
-    @property
-    def zscores(self) -> dict[str, float] | None:
-        """The last skipped step's z-scores (None before ``min_history``)."""
-        return self.verdict.zscores
 
     def __str__(self) -> str:
         counts = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))

@@ -19,7 +19,7 @@ from ._dtypes import short_name
 from ._inputs import FLOATING
 from ._registry import backend_of
 from .config import short_repr
-from .guard import Verdict
+from .guard import Verdict, VerdictFields
 
 __all__ = ["OverflowReport", "TensorOverflow", "explain_overflow", "floor_note", "log_summary"]
 
@@ -44,7 +44,7 @@ class TensorOverflow:
 
 
 @dataclass(frozen=True)
-class OverflowReport:
+class OverflowReport(VerdictFields):
     """What :func:`explain_overflow` found; truthy exactly when something was not finite.
 
     ``tensors``: only those holding a non-finite value, most non-finite values first (ties:
@@ -68,21 +68,6 @@ class OverflowReport:
     def reason(self) -> str | None:
         """The guard's reason for the skip (None: not a guard's skip)."""
         return None if self.verdict is None else self.verdict.reason
-
-    @property
-    def loss(self) -> float | None:
-        """The agreed loss the guard judged (None when not seen)."""
-        return None if self.verdict is None else self.verdict.loss
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The agreed gradient norm the guard judged (None when not seen)."""
-        return None if self.verdict is None else self.verdict.grad_norm
-
-    @property
-    def zscores(self) -> dict[str, float] | None:
-        """Quantity -> z-score judged (None before ``min_history``)."""
-        return None if self.verdict is None else self.verdict.zscores
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable data (shapes as lists; the verdict's fields flat)."""

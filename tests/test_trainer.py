@@ -348,24 +348,7 @@ def test_the_device_side_fingerprint_path_trains_the_same(monkeypatch, twins):
 def test_a_loss_is_read_before_anything_moves(loss):
     """Issue 32 item 11: a 1-element loss that is not 0-d is read as its value; one that is not a
     real value is refused before the weights move (it used to apply the step, then raise)."""
-    from polyamp import Parameter
-    from polyamp.optim import SGD
-
-    class Linear:
-        def __init__(self):
-            self.w = Parameter(np.full((4, 1), 0.1, np.float32))
-
-        def parameters(self):
-            return [self.w]
-
-        def forward(self, x, dtype):
-            self.x = x.astype(np.float32)
-            return (self.x @ self.w.data).astype(dtype)
-
-        def backward(self, grad):
-            self.w.grad[...] = self.x.T @ grad.astype(np.float32)
-
-    model = Linear()
+    model = Linear(4, 1)
     trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16")
     before = model.w.data.copy()
 
@@ -387,34 +370,15 @@ def test_a_loss_is_read_before_anything_moves(loss):
 def test_a_guarded_trainer_stays_usable_after_a_refused_loss(bad):
     """Issue 32 item 10: with a StepGuard, a refused loss used to leave the scaler's iteration open,
     so every later train_step raised ScalerStateError."""
-    from polyamp import Parameter, StepGuard
-    from polyamp.optim import SGD
+    from polyamp import StepGuard
 
-    class Linear:
-        def __init__(self):
-            self.w = Parameter(np.full((4, 1), 0.1, np.float32))
-
-        def parameters(self):
-            return [self.w]
-
-        def forward(self, x, dtype):
-            self.x = x.astype(np.float32)
-            return (self.x @ self.w.data).astype(dtype)
-
-        def backward(self, grad):
-            self.w.grad[...] = self.x.T @ grad.astype(np.float32)
-
-    def mse(output, target):
-        err = output.astype(np.float32) - target
-        return np.mean(err * err), 2 * err / err.size
-
-    model = Linear()
+    model = Linear(4, 1)
     trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.1), "float16",
                                     LossScaleConfig(init_scale=1.0), guard=StepGuard(loss_zscore=3.0))
     x, y = np.ones((8, 4), np.float32), np.zeros((8, 1), np.float32)
     before = model.w.data.copy()
     with pytest.raises(TypeError, match="loss"):
-        trainer.train_step(x, y, lambda o, t: (bad, mse(o, t)[1]))
+        trainer.train_step(x, y, lambda o, t: (bad, mse()(o, t)[1]))
     np.testing.assert_array_equal(model.w.data, before)
-    metrics = trainer.train_step(x, y, mse)  # usable: no ScalerStateError
+    metrics = trainer.train_step(x, y, mse())  # usable: no ScalerStateError
     assert not metrics.skipped and trainer.steps == 1

@@ -67,24 +67,8 @@ def test_the_scenarios_leave_a_tracker_past_the_new_limits():
         assert fit_to_config(at_change, after) != at_change, name
 
 
-def _like(name: str):
-    if name == "numpy":
-        return np.zeros((), np.float32)
-    if name == "torch":
-        import torch
-
-        return torch.zeros(())
-    if name == "array_api":
-        import array_api_strict
-
-        return array_api_strict.zeros(())
-    if name == "paddle":
-        import paddle
-
-        return paddle.zeros([])
-    import cupy
-
-    return cupy.zeros(())
+#: A 0-d float32 value: what the state's device is taken from (``make_array`` makes it the backend's).
+ZERO = np.zeros((), np.float32)
 
 
 def _fused_torch(backend_name: str, config: LossScaleConfig) -> bool:
@@ -93,14 +77,13 @@ def _fused_torch(backend_name: str, config: LossScaleConfig) -> bool:
     return backend_name == "torch" and _torch_rule(config)
 
 
-def kernel_run(backend_name: str, name: str, fit: bool) -> tuple[list[HostState], list[HostState]]:
+def kernel_run(backend_name: str, name: str, fit: bool, like) -> tuple[list[HostState], list[HostState]]:
     """The backend's update_scale over a scenario, read back after every step; ``fit``: the
     trackers are cut at the change and new tracker arrays made, as the engine's reconfigure does."""
     kwargs, flags, change, flags_after = SCENARIOS[name]
     before = LossScaleConfig(**kwargs)
     after = before.replace(**change)
     backend = polyamp.get_backend(backend_name)
-    like = _like(backend_name)
     state = LossScaleState(backend.full(before.init_scale, "float32", like),
                            backend.full(0, "int32", like), backend.full(0, "int32", like))
     yes, no = backend.full(1.0, "float32", like), backend.full(0.0, "float32", like)
@@ -123,7 +106,7 @@ def _same_scales(got: list[HostState], want: list[HostState]) -> bool:
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_every_backend_kernel_is_the_rule_after_a_shortened_interval(backend_name, name):
+def test_every_backend_kernel_is_the_rule_after_a_shortened_interval(backend_name, make_array, name):
     """Fitted at the change, every kernel (torch's fused one too) follows the rule step by step,
     and its scales are the rule's from the unfitted state. Unfitted, every kernel that compares
     ``>=`` (all but torch's fused op) is the rule too."""
@@ -133,12 +116,13 @@ def test_every_backend_kernel_is_the_rule_after_a_shortened_interval(backend_nam
     for found in SCENARIOS[name][3]:
         state = next_host_state(state, found, after)
         fitted_want.append(state)
-    got_first, got_second = kernel_run(backend_name, name, fit=True)
+    got_first, got_second = kernel_run(backend_name, name, fit=True, like=make_array(ZERO))
     assert got_first == first, f"{backend_name} {name}: before the change"
     assert got_second == fitted_want, f"{backend_name} {name}: fitted"
     assert _same_scales(got_second, second), f"{backend_name} {name}: fitted scales"
     if not _fused_torch(backend_name, after):
-        assert kernel_run(backend_name, name, fit=False)[1] == second, f"{backend_name} {name}: as is"
+        as_is = kernel_run(backend_name, name, fit=False, like=make_array(ZERO))[1]
+        assert as_is == second, f"{backend_name} {name}: as is"
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -170,14 +154,14 @@ def _engine_run(scaler: polyamp.LossScaler, flags: list[bool]) -> list[HostState
 
 
 @pytest.mark.parametrize("name", ["issue-32", "torch-min-scale", "megatron"])
-def test_the_engine_after_reconfigure_is_the_rule_and_its_checkpoint_loads(backend_name, name):
+def test_the_engine_after_reconfigure_is_the_rule_and_its_checkpoint_loads(backend_name, make_array, name):
     """LossScaler(..., growth_interval=10), 7 clean steps, reconfigure(growth_interval=3), 4 clean
     steps (issue 32): the scales are the rule's on every backend; state_dict() then loads and
     resumes on the same trajectory."""
     before, first, after, _, second = reference(name)
     kwargs, flags, change, flags_after = SCENARIOS[name]
     scaler = polyamp.LossScaler(LossScaleConfig(**kwargs))
-    scaler.bind(_like(backend_name))
+    scaler.bind(make_array(ZERO))
     assert [s.scale for s in _engine_run(scaler, flags)] == [s.scale for s in first]
     scaler.reconfigure(**change)
     got = _engine_run(scaler, flags_after)
@@ -186,25 +170,25 @@ def test_the_engine_after_reconfigure_is_the_rule_and_its_checkpoint_loads(backe
     assert all(s.growth_tracker <= most_growth and s.backoff_tracker <= most_backoff for s in got)
     resumed = polyamp.LossScaler()
     resumed.load_state_dict(scaler.state_dict())
-    resumed.bind(_like(backend_name))
+    resumed.bind(make_array(ZERO))
     tail = [F, F, F, T, F]
     assert _engine_run(resumed, tail) == _engine_run(scaler, tail)
 
 
 @pytest.mark.parametrize("name", ["issue-32", "megatron-backoff-only"])
-def test_a_checkpoint_taken_right_after_reconfigure_loads_and_follows_the_rule(backend_name, name):
+def test_a_checkpoint_taken_right_after_reconfigure_loads_and_follows_the_rule(make_array, name):
     """state_dict() between the change and the next step, trackers still past the new limits: it is
     written fitted, so load_state_dict() takes it (it refuses trackers past the limits), and the
     loaded scaler moves the scale as the rule does from the state at the change."""
     _, _, after, at_change, second = reference(name)
     kwargs, flags, change, flags_after = SCENARIOS[name]
     scaler = polyamp.LossScaler(LossScaleConfig(**kwargs))
-    scaler.bind(_like(backend_name))
+    scaler.bind(make_array(ZERO))
     _engine_run(scaler, flags)
     scaler.reconfigure(**change)
     sd = scaler.state_dict()
     assert (sd["growth_tracker"], sd["backoff_tracker"]) == fit_to_config(at_change, after)[1:]
     resumed = polyamp.LossScaler()
     resumed.load_state_dict(sd)
-    resumed.bind(_like(backend_name))
+    resumed.bind(make_array(ZERO))
     assert [s.scale for s in _engine_run(resumed, flags_after)] == [s.scale for s in second]
