@@ -211,8 +211,8 @@ class Iteration:
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
         sumsq = checks.sumsq if squares is None else plus(checks.sumsq, squares)
-        self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
-                                      sumsq=sumsq)
+        total = found if checks.found is None else checks.found + found  # plus() inline: per step
+        self.checks = checks._replace(found=total, unscaled=True, checked=checked, sumsq=sumsq)
         return found
 
     def record(self, flag: Any) -> None:

@@ -136,8 +136,9 @@ class Scaling:
         if isinstance(flag, bool) and self.state is None:
             self.host = next_host_state(self.host, flag, self.config)
             return
-        backend, state = self.ready()
-        self.state = backend.update_scale(state, self.flag_array(flag), self.config)
+        backend, state = (self.backend, self.state) if self.state is not None else self.ready()
+        flag = self.flag_array(flag) if isinstance(flag, bool) else flag  # per step: no call for an array
+        self.state = backend.update_scale(state, flag, self.config)
 
     def refuse_backoff_at_floor(self, flag: Any, state: HostState | None) -> None:
         """DeepSpeed's ``raise_error_at_min_scale``: MinScaleError, before the rule runs, when this
