@@ -233,7 +233,7 @@ def _torch_rule(config: Any) -> bool:
         and config.backoff_interval == 1
         and config.min_scale is None
         and config.max_scale is None
-        and config.rule == "torch" and config.products == "float64"
+        and config.rule == "torch" and config.product_dtype in (None, "float64")  # torch's own products
     )
 
 

@@ -19,6 +19,9 @@ from polyamp.backend import Backend
 # lookup never compares the dtypes of two libraries (array-api-strict warns when one is compared).
 _FP16: dict[tuple[type, Any], bool] = {}
 
+#: floating dtypes already checked -> is it float16 (keyed as _FP16)
+_CHECKED: dict[tuple[type, Any], bool] = {}
+
 _GRAD, _DTYPE = attrgetter("grad"), attrgetter("dtype")
 
 
@@ -111,9 +114,14 @@ def collect_grads(optimizer: Any, allow_fp16: bool, backend: Backend) -> list[An
     if not grads:
         return grads
     check_one_library(grads, backend)
-    dtypes = set(map(_DTYPE, grads))
-    check_floating_dtypes(dtypes, grads, "unscale_()")  # so the iteration need not read them again
-    if any(is_fp16(dtype) for dtype in dtypes):
+    fp16 = False
+    for dtype in set(map(_DTYPE, grads)):
+        known = _CHECKED.get((type(dtype), dtype))
+        if known is None:  # a dtype not seen yet: checked floating once (so the iteration need not)
+            check_floating_dtypes({dtype}, grads, "unscale_()")
+            known = _CHECKED[(type(dtype), dtype)] = is_fp16(dtype)
+        fp16 = fp16 or known
+    if fp16:
         if not allow_fp16:
             raise ValueError("Attempting to unscale FP16 gradients.")
         _coalesce_sparse_fp16(optimizer)

@@ -183,7 +183,7 @@ class AmpScaler:
         flag = local = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
         iteration = self._iteration
         named = lambda: paddle_named_grads(optimizer)  # noqa: E731  # only for a report
-        if iteration.guard is not None:  # the flag and the guard's values: one collective, one read
+        if iteration.guarding is not None:  # the flag and the guard's values: one collective, one read
             found, flag = self._guarded(named, local)
         else:
             if iteration.agreement is not None:

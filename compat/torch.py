@@ -232,7 +232,8 @@ class GradScaler:
         """Divide the optimizer's gradients by the scale in place and record overflow (no sync)."""
         self._check_initialized("unscale_")
         record = self._record(optimizer)
-        check_unscale(record.stage)
+        if record.stage is not OptState.READY:
+            check_unscale(record.stage)
         record.found = self._unscale_optimizer(optimizer, check_only=False, allow_fp16=self._allow_fp16)
         record.stage = UNSCALED
 
@@ -327,7 +328,8 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_initialized("step")
         record = self._record(optimizer)
-        check_step(record.stage)
+        if record.stage is OptState.STEPPED:
+            check_step(record.stage)
         if getattr(optimizer, "_step_supports_amp_scaling", False) and self._iteration.guarding is None:
             return self._self_scaling_step(optimizer, record, args, kwargs)  # with a guard: decided here
         if record.stage is READY:
@@ -667,9 +669,9 @@ class GradScaler:
         extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL}
         iteration = self._iteration
         return {"device": self._device, "backend": self._backend_name, "extra": extra,
-                "engine": self._engine.state_dict(), "skipped": self.skipped_steps, "guard": iteration.guard,
-                "last_overflow": iteration.last_overflow, "window": iteration.window,
-                "histories": iteration.histories}
+                "engine": self._engine.state_dict(), "skipped": self.skipped_steps,
+                "guard": self._engine.guard, "last_overflow": iteration.last_overflow,
+                "window": iteration.window, "histories": iteration.histories}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state["extra"])  # a subclass's own attributes

@@ -21,6 +21,7 @@ import array_api_compat
 import numpy as np
 
 from ._errors import ConfigError
+from ._guard_values import MOST
 from ._registry import backend_of
 from .config import LossScaleConfig
 from .policy import HostState, scale_bits
@@ -32,9 +33,9 @@ if TYPE_CHECKING:  # the annotation only: importing polyamp must not import poly
 LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
 #: Extra values one agreement carries at most (each rank sends them in slots of its own): the
 #: user's (``agree_(extra=)``, at most USER_EXTRA: a clip's sum-of-squares pair) and then a StepGuard's
-#: (the loss and the gradients' sum of squares).
+#: (its ``GuardValues`` slots).
 USER_EXTRA = 2
-MAX_EXTRA = USER_EXTRA + 2
+MAX_EXTRA = USER_EXTRA + MOST
 
 
 #: group key -> how many agreements this process made on that group (weakly: a group may go)
@@ -135,16 +136,17 @@ class Agreement:
 
     def flag_and_extra(
         self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0,
-        whose: int = 0,
+        whose: int = 0, maxed: tuple[bool, ...] = (),
     ) -> Agreed:
-        """Whether some rank found an inf/nan, and ``extra`` (at most MAX_EXTRA values) summed over ranks,
-        in ONE collective.
+        """Whether some rank found an inf/nan, and ``extra`` (at most MAX_EXTRA values) summed over
+        ranks, in ONE collective.
 
         ``state`` (the scaler's ``LossScaleState``, or a ``HostState``) is digested with the config,
-        the agreement's position, ``payload`` (a size every rank must share) and the number of
-        extra values. Returns new arrays: the agreed flag (0 or 1) as float32 on ``extra``'s (else
-        the flag's) device, 1 also when the ranks are misaligned where that is found on the
-        device, and ``extra`` summed in rank order, in its dtype and shape.
+        the agreement's position, ``payload`` (a size every rank must share) and the number of extra
+        values. ``maxed``: per extra value, True where the ranks' values combine by their max. Returns
+        new arrays: the agreed flag (0 or 1) as float32 on ``extra``'s (else the flag's) device, 1
+        also when the ranks are misaligned where that is found on the device, and ``extra`` summed in
+        rank order, in its dtype and shape.
         """
         extras = 0 if extra is None else _size(extra)
         check_extra(extra, MAX_EXTRA)
@@ -157,6 +159,7 @@ class Agreement:
         else:
             values = extra
         wire = self._wire_for(None if on_host else like, host, extras)
+        wire.maxed = maxed
         fields = self._fields(wire.place, host, state)
         message = self._reduce(wire, wire.send(fields, found_inf, values))
         return self._judge(wire, message, fields, state, like, extra)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _guard_values, guard
+from ._guard_values import GuardValues
 from .backend import Backend
 
 
@@ -40,15 +41,11 @@ class GuardSteps:
                 f"judges the loss of every step. Fix: {give}, or build the guard without loss_zscore."
             )
 
-    def sent(self, backend: Backend, loss: Any, sumsq: Any, like: Any) -> Any:
-        """This rank's values to agree: the loss slot, and the squares when a norm rule is set."""
-        return _guard_values.values(backend, self.guard, loss, sumsq, like)
-
     def judge(self, backend: Backend, flag: Any, sent: Any, *, group: int, ranks: int, given_loss: bool
               ) -> guard.Verdict:
-        """The flag and the values (summed over ``ranks`` ranks) in the ONE host read, then the rule."""
+        """The flag and the values (combined over ``ranks`` ranks) in the ONE host read, then the rule."""
         overflowed, host = _guard_values.read(backend, flag, sent)
-        loss, norm = _guard_values.unpack(self.guard, given_loss, host, ranks, self.replicated)
+        loss, norm = GuardValues.unpack(self.guard, host).measured(given_loss, ranks, self.replicated)
         verdict = guard.judge(self.guard, self.history_of(group), overflow=overflowed, loss=loss,
                               grad_norm=norm)
         self.last_verdict = verdict

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import array_api_compat
 import numpy as np
@@ -65,21 +65,72 @@ def loss_value(loss: Any, backend: Backend, like: Any, where: str) -> Any:
     return backend.pack([value], like)
 
 
+def loss_on(scaling: Any, loss: Any, where: str) -> Any:
+    """``loss`` as a 1-value array on the scale's device (a :class:`polyamp._scaling.Scaling`'s; before
+    any gradients the loss's own library picks the backend). No sync."""
+    backend = scaling.backend
+    if scaling.state is None:
+        backend = scaling.bind(loss) if hasattr(loss, "shape") else scaling.ready()[0]
+    return loss_value(loss, backend, scaling.ready()[1].scale, where)
+
+
 def squared_norm(backend: Backend, arrays: Sequence[Any]) -> Any:
     """The sum of squares of one group of unscaled gradients, 0-d on their device (no sync)."""
     return backend.sum_of_squares(arrays)
 
 
-def values(backend: Backend, guard: StepGuard, loss: Any, sumsq: Any, like: Any) -> Any:
-    """This rank's guard values as one 1-d array on ``like``'s device: [loss, sum of squares?]
-    (the loss slot always, 0 when none was given, so every rank sends the same number of values
-    whether or not it gave a loss; the squares when a norm rule is set: 0 from a rank without
-    gradients)."""
-    zero = None if loss is not None and sumsq is not None else backend.full(0.0, "float32", like)
-    parts = [zero if loss is None else loss]
-    if guard.watches_norm:
-        parts.append(zero if sumsq is None else sumsq)
-    return backend.pack(parts, like)
+class GuardValues(NamedTuple):
+    """The guard's statistics of one step, each a slot of the vector that rides with the skip flag
+    (device values as measured; host floats once read). The record owns the packing, the slot count
+    and how each slot combines over the ranks (:data:`SLOTS`): a new statistic is one field here and
+    its entry there."""
+
+    loss: Any = None  # the step's loss (a rank without one sends 0: every rank sends the same slots)
+    sumsq: Any = None  # the gradients' sum of squares (only when a norm rule is set)
+
+    @staticmethod
+    def fields(guard: StepGuard) -> tuple[str, ...]:
+        """The fields ``guard`` sends, in slot order."""
+        return tuple(name for name, (sent, _) in SLOTS.items() if sent(guard))
+
+    @staticmethod
+    def maxed(guard: StepGuard) -> tuple[bool, ...]:
+        """Per slot sent: True where the ranks' values combine by their max, False by their sum."""
+        return tuple(SLOTS[name][1] == "max" for name in GuardValues.fields(guard))
+
+    def plus(self, **values: Any) -> GuardValues:
+        """These values added to the fields named (device values, no sync)."""
+        return self._replace(**{k: plus(getattr(self, k), v) for k, v in values.items()})
+
+    def pack(self, guard: StepGuard, backend: Backend, like: Any) -> Any:
+        """The slots ``guard`` sends as one 1-d array on ``like``'s device (0 for a value not seen)."""
+        parts = [getattr(self, name) for name in self.fields(guard)]
+        zero = backend.full(0.0, "float32", like) if any(p is None for p in parts) else None
+        return backend.pack([zero if p is None else p for p in parts], like)
+
+    @classmethod
+    def unpack(cls, guard: StepGuard, host: list[float]) -> GuardValues:
+        """The host floats read back, by field (the fields ``guard`` does not send stay None)."""
+        return cls(**dict(zip(cls.fields(guard), host)))
+
+    def measured(self, given_loss: bool, ranks: int, replicated: bool) -> tuple[float | None, float | None]:
+        """(loss, gradient norm) from the values combined over ``ranks`` ranks: the loss the ranks'
+        mean; the norm the root of the summed squares (sharded gradients), or of their mean
+        (replicated ones)."""
+        loss = self.loss / ranks if given_loss else None
+        if self.sumsq is None:
+            return loss, None
+        squares = self.sumsq / ranks if replicated else self.sumsq
+        return loss, (math.sqrt(squares) if not squares < 0 else math.nan)
+
+
+#: field -> (whether a guard sends it, how the ranks' values combine: "sum" or "max")
+SLOTS: dict[str, tuple[Callable[[StepGuard], bool], str]] = {
+    "loss": (lambda guard: True, "sum"),
+    "sumsq": (lambda guard: guard.watches_norm, "sum"),
+}
+#: The most slots a guard sends (the agreement's room for them).
+MOST = len(SLOTS)
 
 
 def read(backend: Backend, flag: Any, sent: Any) -> tuple[bool, list[float]]:
@@ -91,18 +142,6 @@ def read(backend: Backend, flag: Any, sent: Any) -> tuple[bool, list[float]]:
         return flag, [float(v) for v in host]
     host = np.asarray(backend.to_numpy(backend.pack([flag, sent], sent)), np.float64).reshape(-1)
     return bool(host[0] != 0), [float(v) for v in host[1:]]
-
-
-def unpack(guard: StepGuard, given_loss: bool, host: list[float], ranks: int, replicated: bool
-           ) -> tuple[float | None, float | None]:
-    """(loss, gradient norm) from the summed values read: the loss the ranks' mean; the norm the
-    root of the summed squares (sharded gradients), or of their mean (replicated ones)."""
-    loss = host[0] / ranks if given_loss else None  # the loss slot is sent always (values())
-    norm = None
-    if guard.watches_norm:
-        squares = host[1] / ranks if replicated else host[1]
-        norm = math.sqrt(squares) if not squares < 0 else math.nan
-    return loss, norm
 
 
 def joined(extra: Any, sent: Any) -> tuple[Any, int]:

@@ -53,6 +53,21 @@ class Scaling:
             self.state = _make_state(backend, self.host, array)
         return backend
 
+    @property
+    def fingerprinted(self) -> Any:
+        """The state a rank fingerprint carries: the device arrays, or the host state before any."""
+        return self.host if self.state is None else self.state
+
+    def gradients(self, given: Any, where: str, owned: bool = False) -> list[Any]:
+        """``given`` as a list of gradient arrays of the bound backend (binding it on the first),
+        refused before any state changes; ``owned``: a list the shell already checked."""
+        if owned and self.backend is not None and self.state is not None:
+            return given
+        arrays = _inputs.gradient_list(given, where)
+        if arrays:
+            _inputs.check_owned(arrays, self.bind(arrays[0]), where)
+        return arrays
+
     def ready(self) -> tuple[Backend, LossScaleState]:
         """The backend and state, defaulting to numpy when no array has been seen yet."""
         if self.backend is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -101,3 +102,30 @@ class SkipLog:
             logger.info("%d skipped steps%s in the last %d steps, loss scale %s (each step's line is at "
                         "DEBUG level)", self.window_skips, why, self.steps - self.opened + 1, moved)
         self.opened, self.opening_scale, self.window_skips, self.reasons = None, None, 0, {}
+
+
+class SkipWindow:
+    """The skipped steps among the last ``size`` step decisions, kept on the host (no device read).
+
+    Holds the step numbers of the skips still in the window: at most ``size`` integers.
+    """
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self.size = size
+        self.seen = 0  # decisions recorded
+        self._skips: deque[int] = deque()  # the decision numbers (1-based) of skips in the window
+
+    def record(self, skipped: bool) -> None:
+        """Add one step's decision (a host bool the caller already has)."""
+        self.seen += 1
+        skips = self._skips
+        if skipped:
+            skips.append(self.seen)
+        oldest = self.seen - self.size
+        while skips and skips[0] <= oldest:
+            skips.popleft()
+
+    @property
+    def skips(self) -> int:
+        """Skipped steps among the last ``size`` decisions."""
+        return len(self._skips)

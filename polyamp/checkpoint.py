@@ -104,6 +104,24 @@ def guard_history(sd: dict[str, Any]) -> GuardHistory | None:
     return GuardHistory.from_dict(sd["guard"]) if "guard" in sd else None
 
 
+def of_iteration(iteration: Any) -> dict[str, Any]:
+    """:func:`to_state_dict` of a scaler's :class:`polyamp._iteration.Iteration` as it is now (a sync)."""
+    guarding = iteration.guarding
+    history = None if guarding is None else guarding.history_of(0)
+    return to_state_dict(iteration.scaling.config, iteration.scaling.host_state(), iteration.steps,
+                         iteration.skipped_steps, history)
+
+
+def apply(iteration: Any, parts: tuple[LossScaleConfig, HostState, int, int, GuardHistory | None]) -> None:
+    """Load validated ``parts`` (config, state, counters, guard history) into ``iteration``; a guard's
+    history is fitted to its window (empty from a checkpoint saved without one)."""
+    config, host, steps, skipped, history = parts
+    iteration.steps, iteration.skipped_steps = steps, skipped
+    iteration.load(config, host)
+    if iteration.guarding is not None:
+        iteration.histories = {0: (history or GuardHistory()).fitted(iteration.guarding.guard.window)}
+
+
 def _count(sd: dict[str, Any], key: str, limit: int, rule: str, default: int | None = None) -> int:
     """``sd[key]`` as an int in [0, limit); StateDictError naming the key otherwise."""
     if key not in sd and default is not None:

@@ -72,37 +72,18 @@ class StepResult(_guard.VerdictFields):
 class LossScaler:
     """Dynamic loss scaling over any backend: torch's and paddle's rule in one engine.
 
-    The loop is ``stepped = scaler.step(grads, step_fn); scaler.update()``: step unscales
-    (unless ``unscale_`` ran), skips on inf/nan and counts; update moves the scale.
-    ``backend`` (or ``POLYAMP_BACKEND``) picks the kernels now; otherwise the first arrays
-    seen pick them. Errors about the backend are raised here, before any state changes.
-
-    A scaler belongs to one thread: its iteration state is not locked (torch's GradScaler
-    cannot be shared between threads either). Give each thread its own scaler.
-    Copies (``copy.deepcopy``, ``pickle``, taken between ``update()`` and the next step) are
-    independent and keep the state; the copy recreates its device arrays on first use.
-
-    ``config`` or its fields as keywords: ``LossScaler(init_scale=1024, growth_interval=100,
-    backend="numpy")`` (not both).
-
-    ``reducer`` (a torch process group, ``"torch"``, an mpi4py communicator, ``"mpi"``, ...: see
-    ``polyamp.distributed.reducer``) makes every rank agree on each step's overflow before the
-    skip decision: ONE all-reduce per step of a fixed-size message (the overflow flag, and a
-    digest of the config, the iteration, the collective's place and the scale state),
-    issued by every rank in the same order (a rank without gradients sends 0). A rank that
-    differs makes every rank raise ``polyamp.distributed.RankMismatchError`` before anything is
-    applied. Every rank must call ``step`` (or ``update``) each iteration. A deep copy shares the
-    reducer and counts its own iterations; pickling refuses a reducer (pickle ``state_dict()``).
-
-    ``diagnose=True``: after a skipped step, :attr:`last_overflow` is the
-    :class:`polyamp.OverflowReport` on that iteration's gradients (computed then, so applied
-    steps cost nothing more; an ``update()`` without ``step()`` reads the flag once to know).
-    Gradients may be a mapping name -> array (names in reports).
-
-    ``guard`` (a :class:`polyamp.StepGuard`) also skips steps whose loss (``step(..., loss=)``) or
-    global gradient norm is a spike against the applied steps' history; its values ride in the
-    step's one collective and its one host read. With a reducer the gradients are taken as
-    sharded (the norm sums every rank's squares) and the loss as the ranks' mean.
+    The loop is ``stepped = scaler.step(grads, step_fn); scaler.update()``: step unscales (unless
+    ``unscale_`` ran), skips on inf/nan and counts; update moves the scale. ``config`` or its fields
+    as keywords (not both); ``backend`` (or ``POLYAMP_BACKEND``) picks the kernels now, else the first
+    arrays do. One thread per scaler (as torch's). Copies, taken between ``update()`` and the next
+    step, are independent. ``reducer`` (a torch process group, an mpi4py communicator, ``"torch"``,
+    ``"mpi"``: :func:`polyamp.distributed.reducer`) agrees every step over the ranks in ONE
+    all-reduce that also finds misaligned ranks (``RankMismatchError`` on every rank, nothing
+    applied); every rank must call ``step`` or ``update`` each iteration. ``diagnose=True``: after a
+    skipped step, :attr:`last_overflow` reports on its gradients. ``guard`` (a
+    :class:`polyamp.StepGuard`) also skips loss and gradient-norm spikes; its values ride in the
+    step's one collective and host read (with a reducer: gradients sharded, the loss the ranks' mean).
+    See the distributed and guard pages of the docs.
     """
 
     enabled = True
@@ -122,7 +103,6 @@ class LossScaler:
         engine._iteration = iteration
         return engine
 
-    # -- properties -------------------------------------------------------------------
     @property
     def iteration(self) -> Iteration:
         """The :class:`polyamp._iteration.Iteration` this scaler is a shell over (the facades' too)."""
@@ -156,7 +136,8 @@ class LossScaler:
     @property
     def guard(self) -> _guard.StepGuard | None:
         """The :class:`polyamp.StepGuard` judging each step, or None."""
-        return self._iteration.guard
+        guarding = self._iteration.guarding
+        return None if guarding is None else guarding.guard
 
     @property
     def guard_history(self) -> _guard.GuardHistory:
@@ -172,21 +153,16 @@ class LossScaler:
 
     @property
     def last_overflow(self) -> overflow.OverflowReport | None:
-        """The report on the last skipped step's gradients (``diagnose=True``); None after an
-        applied step, and always None with ``diagnose=False``."""
+        """The report on the last skipped step's gradients (``diagnose=True``), else None."""
         return self._iteration.last_overflow
 
     def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
-        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
-        the last overflow's top tensors) as plain numbers: :mod:`polyamp.metrics`. One host read."""
+        """The scaler's numbers for a logger (:mod:`polyamp.metrics`); one host read."""
         iteration = self._iteration
         return metrics.measure(iteration, iteration.steps, iteration.skipped_steps, diagnose=diagnose)
 
     def explain(self, grads: Any, *, names: Any = None, loss: Any = None) -> overflow.OverflowReport:
-        """:func:`polyamp.explain_overflow` with this scaler's scale (one read of it).
-
-        Read-only: no pending check, no state change; allowed at any point of the iteration.
-        """
+        """:func:`polyamp.explain_overflow` with this scaler's scale (one read); read-only, any time."""
         return overflow.explain_overflow(grads, names=names, loss=loss, scale=self.get_scale())
 
     @property
@@ -198,7 +174,6 @@ class LossScaler:
         """Replace some config fields (validated first: a bad value changes nothing)."""
         return self._iteration.scaling.reconfigure(self.config.replace(**changes))
 
-    # -- state set-up -----------------------------------------------------------------
     def bind(self, array: Any) -> Backend:
         """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
         return self._iteration.scaling.bind(array)
@@ -215,60 +190,29 @@ class LossScaler:
         return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
 
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False, loss: Any = None) -> Any:
-        """Divide ``grads`` in place by the scale; return this call's device overflow flag.
-
-        Once per iteration (a second call would divide twice; torch refuses it too). The flag
-        is added to the iteration's check that :meth:`update` uses. ``check_only=True`` checks
-        without dividing (for optimizers that unscale themselves). ``loss``: the step's loss for
-        the guard (before ``agree_``; or give it to ``step``). No host synchronisation.
-        """
-        checks = self._iteration.checks
-        if checks.skipped is not None:
-            raise ScalerStateError(
-                "unscale_() was called after step() in the same iteration; step() already "
-                f"unscaled. Fix: call update() after step() (the loop is `{_LOOP}`)."
-            )
-        if checks.unscaled:
-            raise ScalerStateError(
-                "unscale_() was already called in this iteration (since the last update()); a "
-                "second call would divide the gradients by the scale twice. Fix: remove the second "
-                "scaler.unscale_(...) call; step() does not unscale again after unscale_()."
-            )
+        """Divide ``grads`` in place by the scale (``check_only``: only check them, for optimizers
+        that unscale themselves); return this call's device overflow flag, which joins the check
+        :meth:`update` uses. Once per iteration. ``loss``: the step's loss for the guard. No sync."""
         iteration = self._iteration
-        if loss is not None and iteration.guard is not None:
+        _check_order("unscale_()", iteration.checks)
+        if loss is not None and iteration.guarding is not None:
             _guard_values.loss_check(loss, "unscale_()")  # refused before the gradients change
         found = iteration.unscale(grads, check_only=check_only, where="unscale_()")
         iteration.take_loss(loss, "unscale_()")
         return found
 
     def record_found_inf(self, flag: Any) -> None:
-        """Add a device flag (non-zero = bad step, e.g. a non-finite gradient norm) to the
-        iteration's pending check, so the coming skip decision counts it. No host synchronisation.
-        """
+        """Add a device flag (non-zero: a bad step, e.g. a non-finite norm) to the pending check. No sync."""
         iteration = self._iteration
         flag = _inputs.flag_value(flag, iteration.scaling.backend, "record_found_inf()", "flag")
         iteration.record(iteration.scaling.flag_array(flag))  # a host bool: on the state's device
 
     def agree_(self, extra: Any = None) -> Agreed:
-        """Sum this iteration's overflow check over the ranks now, with ``extra`` in the same collective.
-
-        ONE all-reduce of the flag and ``extra`` (in ``extra``'s dtype, on its device; ``extra``
-        e.g. a local sum of squares, as ``polyamp.grads`` clipping sends). ``step`` then reads
-        the agreed flag and issues no collective of its own. Returns ``Agreed(found_inf, extra)``,
-        agreed over the ranks (the flag 1 when some rank found inf/nan, ``extra`` summed); without a
-        reducer the local values, and nothing is sent.
-        After ``unscale_``, before ``step``, once per iteration. No host synchronisation.
-        """
-        checks = self._iteration.checks
-        when = ("after step()" if checks.skipped is not None else
-                "before any unscale_()" if checks.found is None else
-                "twice" if checks.agreed is not None else None)
-        if when is not None:
-            raise ScalerStateError(
-                f"agree_() was called {when} in this iteration (global_norm and clip_grad_norm_ with a "
-                "distributed scaler= call it). Fix: call it once, after unscale_(grads) and before "
-                f"step() (the loop is `{_LOOP}`)."
-            )
+        """Agree this iteration's overflow check over the ranks now, with ``extra`` (at most two
+        values, e.g. a clip's sum of squares, summed) in the same ONE all-reduce; ``step`` then
+        issues none. After ``unscale_``, before ``step``, once. No sync. Without a reducer: the
+        local values, nothing sent."""
+        _check_order("agree_()", self._iteration.checks)
         if extra is not None and not hasattr(extra, "shape"):
             raise TypeError(
                 "agree_() needs extra to be an array of at most two values (in the gradients' library, "
@@ -278,34 +222,21 @@ class LossScaler:
         return self._iteration.agree(extra)
 
     def agree_flag(self, found_inf: Any) -> Any:
-        """``found_inf`` agreed over the ranks (1 when non-zero on some rank), a new device array.
-
-        For facades that keep their own per-optimizer flags: one collective (with the digest
-        that finds misaligned ranks). None (a rank without gradients) sends 0, a host bool (a
-        copy's) 0 or 1. Without a reducer: ``found_inf`` as it is.
-        """
+        """``found_inf`` agreed over the ranks (1 when non-zero on some rank), a new device array:
+        one collective, for facades that keep their own per-optimizer flags."""
         return self._iteration.agree_flag(found_inf)
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any], *, loss: Any = None) -> StepResult:
         """Unscale ``grads`` (unless unscale_ ran), run ``step_fn`` unless inf/nan; call update() next.
-
-        Reads the overflow flag on the host: the one synchronisation of an iteration. The scale
-        is not changed here: ``update()`` after every step does that. With a reducer the flag is
-        first agreed over the ranks (one collective, unless ``agree_`` did it). ``loss``: the
-        step's loss, judged by the guard (ignored without one; a loss guard needs it).
-        """
+        Reads the flag on the host (the one sync), agreed first with a reducer. ``loss``: the guard's."""
         iteration = self._iteration
-        if iteration.checks.skipped is not None:
-            raise ScalerStateError(
-                "step() was already called in this iteration. Fix: call update() after step() "
-                f"(the loop is `{_LOOP}`)."
-            )
+        _check_order("step()", iteration.checks)
         if not callable(step_fn):
             raise TypeError(
                 f"step() needs step_fn to be a callable that applies the optimizer step, got step_fn="
                 f"{_inputs.short_repr(step_fn)}. Fix: pass e.g. optimizer.step (not optimizer.step())."
             )
-        if iteration.guard is not None:
+        if iteration.guarding is not None:
             _check_step_loss(iteration, loss)
         if not iteration.checks.unscaled:
             iteration.unscale(grads, where="step()")
@@ -322,15 +253,8 @@ class LossScaler:
         return StepResult(decision.skipped, before, decision.verdict)
 
     def update(self, found_inf: Any = None) -> None:
-        """Advance the scale with ``found_inf`` (default: this iteration's checks); no sync.
-
-        ``found_inf`` is a flag array of the bound backend, or a host bool: put on the state's
-        device, or applied to the host state when no array has been seen yet (no backend is
-        chosen by it). After a skipped step it logs the scale change (the first few at INFO, then a
-        summary per 1000 steps: ``_skip_log``), after a growth at DEBUG, reading the scale only
-        when a line is due. With a reducer and no ``step`` this iteration, the pending check is
-        agreed over the ranks first; ``found_inf`` is used as given.
-        """
+        """Advance the scale with ``found_inf`` (default: this iteration's checks, agreed first with
+        a reducer; a flag array, or a host bool); log a skip's scale change. No sync."""
         iteration = self._iteration
         if found_inf is not None:
             found_inf = _inputs.flag_value(found_inf, iteration.scaling.backend)
@@ -339,11 +263,8 @@ class LossScaler:
         iteration.finish(iteration.concluded(found_inf))
 
     def set_scale(self, value: Any) -> None:
-        """Set the scale (a number, or a 1-element array read once to check it); trackers kept.
-
-        Like torch's ``update(new_scale)`` it ends the iteration. The value must be a
-        positive normal float32 (ConfigError otherwise, nothing changed).
-        """
+        """Set the scale (a positive normal float32, or a 1-element array read once); trackers kept.
+        Like torch's ``update(new_scale)`` it ends the iteration."""
         value = _inputs.scale_value(value)
         iteration = self._iteration
         iteration.finish(iteration.decided(), new_scale=value)  # the guard records this iteration's steps
@@ -359,40 +280,20 @@ class LossScaler:
 
     # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """A versioned, JSON-safe dict of config, state and counters (a device sync).
-
-        Refused between ``step()`` and ``update()``: the step is counted there but its scale change
-        is not made yet, so the checkpoint would resume with the old scale (copies refuse it too).
-        """
-        if self._iteration.checks.skipped is not None:
-            raise ScalerStateError(
-                "state_dict()/save() was called between step() and update(): the step is counted but "
-                "the scale it leads to is not computed yet, so a checkpoint now would resume with the "
-                f"old scale. Fix: call update() first, and save after it (the loop is `{_LOOP}`)."
-            )
+        """A versioned, JSON-safe dict of config, state and counters (a device sync); refused
+        between ``step()`` and ``update()``, whose scale change is not made yet."""
+        _check_order("state_dict()", self._iteration.checks)
         return self.state_now()
 
     def state_now(self) -> dict[str, Any]:
-        """:meth:`state_dict` as the state is now, also between ``step()`` and ``update()`` (for a
-        loader that fills it in, as the facades' ``load_state_dict`` do: torch and paddle load there)."""
-        iteration = self._iteration
-        return checkpoint.to_state_dict(self.config, iteration.scaling.host_state(), iteration.steps,
-                                        iteration.skipped_steps,
-                                        None if iteration.guard is None else self.guard_history)
+        """:meth:`state_dict` as the state is now, also between ``step()`` and ``update()`` (for the
+        facades' loaders, which fill it in)."""
+        return checkpoint.of_iteration(self._iteration)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; validated whole before anything changes."""
         parts = checkpoint.from_state_dict(state_dict)
-        self._apply((*parts, checkpoint.guard_history(state_dict)))
-
-    def _apply(self, parts: tuple[LossScaleConfig, HostState, int, int, _guard.GuardHistory | None]) -> None:
-        config, host, steps, skipped, history = parts
-        iteration = self._iteration
-        iteration.steps, iteration.skipped_steps = steps, skipped
-        iteration.load(config, host)
-        if iteration.guarding is not None:  # an older checkpoint (or one saved without a guard): empty
-            fitted = (history or _guard.GuardHistory()).fitted(iteration.guard.window)
-            iteration.histories = {0: fitted}
+        checkpoint.apply(self._iteration, (*parts, checkpoint.guard_history(state_dict)))
 
     def save(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Write :meth:`state_dict` to a path (atomically; gzip when it ends in .gz) or a binary file."""
@@ -400,11 +301,10 @@ class LossScaler:
 
     def load(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Load a checkpoint written by :meth:`save` from a path or a binary file; errors name it."""
-        self._apply(checkpoint.load(f, with_guard=True))
+        checkpoint.apply(self._iteration, checkpoint.load(f, with_guard=True))
 
     def __getstate__(self) -> dict[str, Any]:
-        """The iteration's state as plain data (the backend by name, the state as host values: one
-        sync); refused inside an iteration, whose checks live on the device."""
+        """The iteration's state as plain data (refused inside an iteration)."""
         return {"iteration": self._iteration.__getstate__()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -434,6 +334,41 @@ def make_iteration(config: LossScaleConfig | None, backend: str | None, *, reduc
     step_guard = _guard.check_guard(guard)
     agreement = None if reducer is None else Agreement(reducer)
     return Iteration(config, chosen, agreement=agreement, diagnose=diagnose, step_guard=step_guard)
+
+
+#: verb -> (whether the iteration's checks forbid it now, the error's words)
+_ORDER: dict[str, list[tuple[Callable[[Any], bool], str]]] = {
+    "unscale_()": [
+        (lambda c: c.skipped is not None, "unscale_() was called after step() in the same iteration; step() "
+         f"already unscaled. Fix: call update() after step() (the loop is `{_LOOP}`)."),
+        (lambda c: c.unscaled, "unscale_() was already called in this iteration (since the last update()); a "
+         "second call would divide the gradients by the scale twice. Fix: remove the second "
+         "scaler.unscale_(...) call; step() does not unscale again after unscale_()."),
+    ],
+    "agree_()": [
+        (lambda c: c.skipped is not None or c.found is None or c.agreed is not None, "agree_() was called "
+         "{when} in this iteration (global_norm and clip_grad_norm_ with a distributed scaler= call it). "
+         f"Fix: call it once, after unscale_(grads) and before step() (the loop is `{_LOOP}`)."),
+    ],
+    "step()": [
+        (lambda c: c.skipped is not None, "step() was already called in this iteration. Fix: call update() "
+         f"after step() (the loop is `{_LOOP}`)."),
+    ],
+    "state_dict()": [
+        (lambda c: c.skipped is not None, "state_dict()/save() was called between step() and update(): the "
+         "step is counted but the scale it leads to is not computed yet, so a checkpoint now would resume "
+         f"with the old scale. Fix: call update() first, and save after it (the loop is `{_LOOP}`)."),
+    ],
+}
+
+
+def _check_order(verb: str, checks: Any) -> None:
+    """Refuse ``verb`` where the loop's order forbids it now (ScalerStateError, nothing changed)."""
+    for forbidden, words in _ORDER[verb]:
+        if forbidden(checks):
+            when = ("after step()" if checks.skipped is not None else
+                    "before any unscale_()" if checks.found is None else "twice")
+            raise ScalerStateError(words.replace("{when}", when))
 
 
 def _check_step_loss(iteration: Iteration, loss: Any) -> None:

@@ -16,44 +16,16 @@ read by ``step()``) ride in that same read.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ._skip_log import WINDOW
+from ._skip_log import WINDOW, SkipWindow
 from .overflow import OverflowReport
 
 #: The tensors of the last overflow ``metrics(diagnose=True)`` names, most non-finite values first.
 TOP_TENSORS = 3
 #: The key of the window's count of skipped steps.
 WINDOW_KEY = f"skipped_last_{WINDOW}"
-
-
-class SkipWindow:
-    """The skipped steps among the last ``size`` step decisions, kept on the host (no device read).
-
-    Holds the step numbers of the skips still in the window: at most ``size`` integers.
-    """
-
-    def __init__(self, size: int = WINDOW) -> None:
-        self.size = size
-        self.seen = 0  # decisions recorded
-        self._skips: deque[int] = deque()  # the decision numbers (1-based) of skips in the window
-
-    def record(self, skipped: bool) -> None:
-        """Add one step's decision (a host bool the caller already has)."""
-        self.seen += 1
-        skips = self._skips
-        if skipped:
-            skips.append(self.seen)
-        oldest = self.seen - self.size
-        while skips and skips[0] <= oldest:
-            skips.popleft()
-
-    @property
-    def skips(self) -> int:
-        """Skipped steps among the last ``size`` decisions."""
-        return len(self._skips)
 
 
 def read_scale_and_flags(backend: Any, scale: Any, flags: Sequence[Any]) -> tuple[float, list[bool]]:

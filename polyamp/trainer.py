@@ -268,10 +268,9 @@ class MixedPrecisionTrainer:
         # every rank must clip alike and guard alike: the clip setting, the guard's settings and
         # history are part of what is agreed
         whose = self._iteration.whose(self._clip_id)
-        if not self._aligned_once:
-            self._iteration.check_payload(size, grads.flat, whose=whose)
-            self._aligned_once = True
-        self._iteration.sum_payload(grads.storage, size, whose=whose)
+        like = None if self._aligned_once else grads.flat
+        self._iteration.sum_payload(grads.storage, size, whose=whose, like=like)
+        self._aligned_once = True
 
     def _check_norm(self, norm: Any) -> bool:
         """False when a non-finite norm must keep this step off the weights (loss scaling off).

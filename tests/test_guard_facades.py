@@ -86,7 +86,7 @@ def test_torch_facade_judges_each_optimizer_on_its_own_norm_and_sums_the_losses(
         for opt in opts:
             opt.zero_grad()
         reasons.append(row)
-        verdict = scaler._engine.iteration.last_verdict
+        verdict = scaler._engine.iteration.guarding.last_verdict
         assert verdict.loss == pytest.approx(first.item() + second.item(), rel=1e-6)
     assert reasons[10] == [None, "grad_norm_spike"] and all(r == [None, None] for i, r in enumerate(reasons)
                                                             if i != 10)

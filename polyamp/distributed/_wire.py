@@ -30,6 +30,8 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
+import numpy as np
+
 from ._agree import to_host_array
 from ._fingerprint import BITS, BYTES, HIGH, LANE, LOW, Fields, Fingerprint, Place, Q, describe
 
@@ -57,6 +59,8 @@ class Wire(ABC):
     """
 
     op: ClassVar[str] = "sum"  # how the ranks' messages are reduced: "sum" or "max" (each format says)
+    #: per extra value: True where the ranks' values combine by their max, else by their sum
+    maxed: tuple[bool, ...] = ()
 
     def __init__(self, place: Place, rank: int, size: int, key: int) -> None:
         self.place, self.rank, self.size, self.key = place, rank, size, key
@@ -167,6 +171,9 @@ class TwoValueMax(Wire):
             extra = slots[0, ...]
             for r in range(1, self.size):  # rank order, the same on every rank
                 extra = extra + slots[r, ...]
+            if any(self.maxed):  # the slots whose rule is the ranks' max (e.g. an amax)
+                mask = self.place.constant(("maxed", self.maxed), np.asarray(self.maxed))
+                extra = self.place.xp.where(mask, self.place.xp.max(slots, axis=0), extra)
         return Read(total > 0, extra, total <= 2)
 
 
