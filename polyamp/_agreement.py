@@ -308,12 +308,12 @@ def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
 
 
 def _host_state(state: Any) -> tuple[int, int, int]:
-    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
+    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU, where only
+    :meth:`Agreement.verify`'s explanation reads them)."""
     if isinstance(state, HostState):
         return scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
-    to_host = backend_of(state[0]).to_host  # a plain read of CPU scalars, one sync each on a GPU
-    scale, growth, backoff = (to_host(a) for a in state)
-    return scale_bits(float(scale)), int(growth), int(backoff)
+    scale, growth, backoff = map(float, state)  # 0-d arrays' __float__: a plain read in host memory
+    return scale_bits(scale), int(growth), int(backoff)
 
 
 

@@ -17,6 +17,7 @@ scale's bit pattern is rebuilt by comparisons with the powers of two).
 from __future__ import annotations
 
 import hashlib
+from operator import mul
 from typing import Any, NamedTuple
 
 import array_api_compat.numpy as np_xp
@@ -97,15 +98,16 @@ class Hash(NamedTuple):
     weights: np.ndarray  # (fields, 2): the weights of each field's low and high half
 
     @property
-    def pairs(self) -> list[tuple[int, int]]:
-        """The weights as Python ints, per field (low, high): the host's share needs no array."""
+    def pairs(self) -> list[int]:
+        """The weights as Python ints, field by field (low half, high half): the host's share needs
+        no array."""
         pairs = _PAIRS.get(self.prime)
         if pairs is None:
-            pairs = _PAIRS[self.prime] = [(int(lo), int(hi)) for lo, hi in self.weights]
+            pairs = _PAIRS[self.prime] = [int(w) for w in self.weights.reshape(-1)]
         return pairs
 
 
-_PAIRS: dict[int, list[tuple[int, int]]] = {}  # prime -> Hash.pairs, made once
+_PAIRS: dict[int, list[int]] = {}  # prime -> Hash.pairs, made once
 
 
 #: The one-value message's digest (``D``) and the two halves of the two-value message's (``d1``, ``d2``).
@@ -181,11 +183,11 @@ class Place:
 
     def share(self, fields: Fields, digest: Hash) -> Any:
         """``digest`` of every field: the host fields' share on the host, the state's added here (a
-        Python int, or a 0-d int64 array here). The host's share is :func:`share`'s sum in Python
-        ints (the same products, reduced the same way: no array for ten numbers)."""
+        Python int, or a 0-d int64 array here). The host's share is :func:`share`'s in Python ints
+        (the same sum mod ``prime``: no array for ten numbers)."""
         n, prime = len(fields.host), digest.prime
-        base = sum(lo * (v & 0xFFFF) % prime + hi * (v >> 16) % prime
-                   for v, (lo, hi) in zip(fields.host, digest.pairs)) % prime
+        halves = [h for v in fields.host for h in (v & 0xFFFF, v >> 16)]
+        base = sum(map(mul, digest.pairs, halves)) % prime  # Python ints: exact, reduced once
         if fields.state is None:
             return base
         weights = self.constant(digest.prime, digest.weights[n:])

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from .._errors import ConfigError
 from ..config import short_repr
@@ -152,23 +152,31 @@ class Reducer(abc.ABC):
         self._guarded(self._barrier, "barrier")
 
     def _issue(self, array: Any, op: Op) -> Any:
-        self._usable()
+        if self._retired is not None:
+            self._usable()
         buffer = self._prepare(array)
         self._collectives += 1
-        self._guarded(lambda: self._allreduce(buffer, op), f"all-reduce ({op})")
+        try:  # the per-step path: no wrapper call around the engine's collective
+            self._allreduce(buffer, op)
+        except ReducerError as exc:
+            self._failed(exc, f"all-reduce ({op})")
         return array
 
     def _guarded(self, call: Callable[[], None], what: str) -> None:
         try:
             call()
         except ReducerError as exc:
-            self._retired = (
-                f"an earlier {what} failed ({type(exc).__name__}), so the ranks' collectives no longer "
-                "match. Restart the ranks (e.g. from the last checkpoint)."
-            )
-            if self.on_fault == "abort":
-                self._report_and_abort(exc)
-            raise
+            self._failed(exc, what)
+
+    def _failed(self, exc: ReducerError, what: str) -> NoReturn:
+        """A collective failed: retire the reducer (and with ``on_fault="abort"`` end the job), raise."""
+        self._retired = (
+            f"an earlier {what} failed ({type(exc).__name__}), so the ranks' collectives no longer "
+            "match. Restart the ranks (e.g. from the last checkpoint)."
+        )
+        if self.on_fault == "abort":
+            self._report_and_abort(exc)
+        raise exc
 
     def _report_and_abort(self, error: ReducerError) -> None:
         """Say why on the polyamp logger (stderr when logging is not configured), then end the job."""

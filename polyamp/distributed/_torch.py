@@ -171,13 +171,17 @@ class TorchReducer(Reducer):
         return tensor
 
     def _allreduce(self, tensor: Any, op: Op) -> None:
-        self._run(
-            lambda: self._dist.all_reduce(
-                tensor, op=self._ops[op], group=self.group, async_op=self._explicit is not None
-            ),
-            f"all-reduce ({op})",
-            tensor,
-        )
+        if self._explicit is None:  # the per-step path: the process group's own timeout, no wrapper
+            try:
+                self._dist.all_reduce(tensor, op=self._ops[op], group=self.group)
+            except RuntimeError as exc:
+                error = self._translate(exc, f"all-reduce ({op})")
+                if error is None:
+                    raise
+                raise error from exc
+            return
+        self._run(lambda: self._dist.all_reduce(tensor, op=self._ops[op], group=self.group, async_op=True),
+                  f"all-reduce ({op})", tensor)
 
     def _barrier(self) -> None:
         self._run(

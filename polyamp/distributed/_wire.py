@@ -108,12 +108,10 @@ def _mix(x: int) -> int:
 
 
 def coefficient(rank: int, ranks: int, key: int) -> int:
-    """``c = g(rank) - g(rank + 1) mod Q``, the ranks in a circle and ``g`` drawn anew for each
-    collective ``key``: the ``c`` of all ranks sum to 0 mod Q."""
-    def g(r: int) -> int:
-        return _mix(((key & 0xFFFFFFFFFFF) << 20) | r) % Q
-
-    return (g(rank) - g((rank + 1) % ranks)) % Q
+    """``c = g(rank) - g(rank + 1) mod Q``, the ranks in a circle and ``g(r) = _mix(key, r) mod Q``
+    drawn anew for each collective ``key``: the ``c`` of all ranks sum to 0 mod Q."""
+    base = (key & 0xFFFFFFFFFFF) << 20
+    return (_mix(base | rank) % Q - _mix(base | (rank + 1) % ranks) % Q) % Q
 
 
 def mulmod(k: int, x: Any) -> Any:
