@@ -6,11 +6,12 @@ Read-only and called only by ``explain`` and after a skipped step with ``diagnos
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from polyamp.adapters import iter_params
-from polyamp.overflow import named_arrays
+from polyamp.overflow import OverflowReport, named_arrays
 
 
 def _readable(grad: Any) -> Any:
@@ -52,3 +53,27 @@ def paddle_named_grads(obj: Any) -> list[tuple[str, Any]]:
         if grad is not None:
             pairs.append((getattr(param, "name", None) or f"params[{i}]", grad))
     return pairs
+
+
+def writes_zeros(backend: Any, keep: bool) -> bool:
+    """Whether ``backend``'s unscale kernel writes ``grad * 0`` on an overflow (paddle's fused kernel:
+    inf becomes NaN, finite values 0), unless ``keep`` (``diagnose=True``) chose the one that keeps them."""
+    if keep or backend is None:
+        return False
+    return backend.unscale_and_check_keep is not backend.unscale_and_check
+
+
+def zeroed_note(report: OverflowReport, obj: Any, zeroing: set[int]) -> OverflowReport:
+    """``report`` saying so where its non-finite gradients are what an unscale kernel left (``grad * 0``:
+    each inf or nan reads as NaN, every finite value as 0), not the values the backward wrote."""
+    if not report.tensors or not zeroing:
+        return report
+    params = list(iter_params(obj)) if not isinstance(obj, Mapping) else []
+    if not any(id(p) in zeroing for p in params):
+        return report
+    note = ("these gradients were already unscaled (unscale_ or step) by paddle's kernel, which on an "
+            "overflow writes grad * 0: each inf or nan now reads as NaN and every finite value as 0, so the "
+            "counts above are of what it left, not of the values the backward wrote. Fix: build the "
+            "scaler with diagnose=True to keep them (the report on a skipped step then sees them too), or "
+            "call explain(optimizer) before unscale_. ")
+    return dataclasses.replace(report, diagnosis=note + report.diagnosis)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import sys
 import weakref
-import zlib
 from typing import Any
 
+from polyamp._digest import content_digest
 from polyamp._errors import ConfigError
 from polyamp.adapters import iter_params
 from polyamp.config import short_repr
@@ -119,7 +119,7 @@ class Places:
         place = self._count if known is None else known[1]
         kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         shapes = dtensor_shapes(optimizer, lambda mesh: self._mesh_holds(mesh, red))
-        identity = zlib.crc32(repr((place, kind, shapes)).encode()) or 1
+        identity = content_digest(repr((place, kind, shapes)).encode())
         try:
             ref = weakref.ref(optimizer)
         except TypeError:  # not weakly referenceable: known by its id

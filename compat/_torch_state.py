@@ -16,6 +16,7 @@ from typing import Any
 
 from polyamp import checkpoint
 from polyamp._errors import ConfigError, StateDictError
+from polyamp._foreign_state import layout
 from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
 from polyamp.guard import GuardHistory
@@ -80,7 +81,7 @@ def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[int, 
             f"GradScaler.load_state_dict: state_dict must be a dict as written by "
             f"GradScaler.state_dict(), got {short_repr(state)} ({type(state).__name__})"
         )
-    if state.get("format") == checkpoint.FORMAT:
+    if state.get("format") == checkpoint.FORMAT or layout(state) is not None:  # or Megatron/DeepSpeed
         engine.load_state_dict(dict(state))
         return None
     histories = _guard_histories(state)

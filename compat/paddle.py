@@ -50,7 +50,7 @@ from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 from polyamp.policy import HostState
 
-from ._explain import paddle_named_grads
+from ._explain import paddle_named_grads, writes_zeros, zeroed_note
 from ._paddle_copy import facade_state, restore, restore_facade
 from ._paddle_state import (
     TORCH_NAMES,
@@ -121,6 +121,7 @@ class AmpScaler:
         self._stages: dict[int, OptimizerState] = {}
         self._decided: dict[int, tuple[bool, Any]] = {}  # this iteration's decisions, by id(optimizer)
         self._found_inf: Any = None  # the last unscale's device flag, whichever optimizer
+        self._zeroing: set[int] = set()  # ids of the parameters this iteration's kernel may have zeroed
         self._cache_found_inf: bool | None = None  # the last step's decision
         self.skipped_steps = 0
         self.last_step_skipped: bool | None = None
@@ -161,10 +162,13 @@ class AmpScaler:
         check_unscale(self._stage(optimizer))
         self._iteration.require_loss(None, f"{type(self).__name__} step/minimize",
                                      "scale the loss (one value) with scaler.scale(loss) first")
-        grads = [grad for _, grad in param_grad_pairs(optimizer)]
+        pairs = param_grad_pairs(optimizer)
+        grads = [grad for _, grad in pairs]
         engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
         self._found_inf = self._iteration.unscale(grads) if grads or engine.state is not None else None
         self._stages[id(optimizer)] = OptimizerState.UNSCALED
+        if grads and writes_zeros(self._iteration.scaling.backend, self._diagnose):
+            self._zeroing.update(id(param) for param, _ in pairs)
 
     def _run(self, optimizer: Any, call: Callable[[], Any]) -> tuple[bool, Any]:
         """``(ran, call())``, not calling it if the last unscale saw inf/nan; paddle optimizers
@@ -228,7 +232,8 @@ class AmpScaler:
         scale = self._engine.get_scale() if self._enable else 1.0
         if names is not None:
             return explain_overflow(obj, names=names, loss=loss, scale=scale)
-        return build_report(paddle_named_grads(obj), loss=loss, scale=scale)
+        report = build_report(paddle_named_grads(obj), loss=loss, scale=scale)
+        return zeroed_note(report, obj, self._zeroing)
 
     def _agreed(self, flag: Any) -> Any:
         """The flag agreed over the ranks (one collective). A rank without gradients sends 0 and
@@ -251,6 +256,7 @@ class AmpScaler:
         finally:
             self._stages.clear()
             self._decided.clear()
+            self._zeroing.clear()
 
     def _describe_change(self, found: bool, before: Any, after: Any) -> str | None:
         """The log line of one update, in paddle's words (None: the scale did not move)."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import math
 import weakref
-import zlib
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import array_api_compat
 import numpy as np
 
+from ._digest import content_digest, to_bytes
 from ._errors import ConfigError
 from ._guard_values import MOST
 from ._registry import backend_of
@@ -255,7 +255,7 @@ class Agreement:
         if self._config is None or self._config[0] is not config:
             self._config = (config, self._crc(config))
         self.collective += 1
-        owner = self.owner if not whose else zlib.crc32(whose.to_bytes(8, "little"), self.owner)
+        owner = self.owner if not whose else content_digest(to_bytes(whose), to_bytes(self.owner))
         crc = self._config[1]
         return [crc, self.iteration, self.collective, self.reducer.collectives, payload, extras, owner]
 

@@ -9,11 +9,11 @@ for the torch facade.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _guard_values, guard
+from ._digest import content_digest, to_bytes
 from ._guard_values import GuardValues
 from .backend import Backend
 
@@ -54,8 +54,8 @@ class GuardSteps:
     def whose(self, whose: int, group: int, given_loss: bool) -> int:
         """``whose`` with the guard's settings, whether this rank gave a loss and the group's history
         folded in (a rank where one differs is a misaligned rank)."""
-        mine = whose.to_bytes(8, "little") + self.guard.digest().to_bytes(4, "little") + bytes([given_loss])
-        return zlib.crc32(mine, self.history_of(group).digest())
+        return content_digest(to_bytes(whose), to_bytes(self.guard.digest()), bytes([given_loss]),
+                              to_bytes(self.history_of(group).digest()))
 
     def advance(self, verdicts: Iterable[tuple[int, guard.Verdict]]) -> list[guard.GuardReport]:
         """Each group's history and streak after its verdict; the streaks' reports that are due."""

@@ -15,6 +15,7 @@ import stat
 import zlib
 from typing import IO, Any
 
+from . import _foreign_state
 from ._atomic_file import atomic_write
 from ._errors import StateDictError
 from .config import LossScaleConfig, check_scale, short_repr
@@ -62,9 +63,13 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
     if not isinstance(sd, dict):
         raise StateDictError(f"state_dict must be a dict, got {type(sd).__name__}")
     if sd.get("format") != FORMAT:
+        foreign = _foreign_state.layout(sd)
+        fix = "" if foreign is None else (
+            f". It is {foreign}'s own scaler state: load it with LossScaler.load_state_dict(sd) on a scaler "
+            f"built with that run's settings (it is read with rule={foreign!r}; docs/checkpoints.md)")
         raise StateDictError(
             f"state_dict has format={short_repr(sd.get('format'))}, expected {FORMAT!r}: it was not "
-            "written by polyamp.LossScaler.state_dict() (facades load their own formats)"
+            f"written by polyamp.LossScaler.state_dict() (facades load their own formats){fix}"
         )
     version = sd.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version > VERSION or version < 1:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 import math
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ._digest import content_digest
 from ._errors import ConfigError, StateDictError, StepGuardError
 from .config import _plain, fits_float, short_repr
 
@@ -101,11 +101,11 @@ class StepGuard:
         return self.loss_zscore is not None
 
     def digest(self) -> int:
-        """A 32-bit digest of the settings that decide a step (what must be equal on every rank; a
+        """A 128-bit digest of the settings that decide a step (what must be equal on every rank; a
         callable ``on_streak`` counts as "a callable": ranks hold their own function objects)."""
         action = self.on_streak if isinstance(self.on_streak, str) else "callable"
-        return zlib.crc32(repr((self.loss_zscore, self.grad_norm_zscore, self.max_grad_norm, self.window,
-                                self.history_needed, self.max_consecutive_skips, action)).encode())
+        return content_digest(repr((self.loss_zscore, self.grad_norm_zscore, self.max_grad_norm, self.window,
+                                    self.history_needed, self.max_consecutive_skips, action)).encode())
 
     def thresholds(self) -> dict[str, float]:
         """quantity -> its z threshold, for the quantities with a z rule (those keep a history)."""
@@ -138,10 +138,10 @@ class GuardHistory(NamedTuple):
     reasons: tuple[str, ...] = ()  # the reasons of the streak's skips, oldest first
 
     def digest(self) -> int:
-        """A non-zero 32-bit digest of every value (what must be equal on every rank)."""
+        """A non-zero 128-bit digest of every value (what must be equal on every rank)."""
         packed = struct.pack(f"<{len(self.loss) + len(self.grad_norm)}d", *self.loss, *self.grad_norm)
         head = f"{len(self.loss)},{self.streak},{','.join(self.reasons)}".encode()
-        return zlib.crc32(packed, zlib.crc32(head)) | 1
+        return content_digest(head, packed)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (floats round-trip exactly through JSON)."""

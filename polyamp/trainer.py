@@ -21,7 +21,6 @@ collective.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,6 +29,7 @@ import numpy as np
 
 from . import _dtypes, _step_inputs
 from ._agreement import Agreement
+from ._digest import content_digest
 from ._errors import ConfigError
 from ._guard_values import loss_check
 from ._iteration import Iteration
@@ -134,7 +134,7 @@ class MixedPrecisionTrainer:
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
-        self._clip_id = 0 if max_grad_norm is None else zlib.crc32(repr(float(max_grad_norm)).encode()) or 1
+        self._clip_id = 0 if max_grad_norm is None else content_digest(repr(float(max_grad_norm)).encode())
         if loss_scaling or guard is not None:  # with a guard and no scaling: guard-only, the scale fixed at 1
             config = config if loss_scaling else FIXED_ONE
             # the one iteration: gradients summed, decided, updated

@@ -97,6 +97,32 @@ def test_the_paddle_facade_reports_inf_before_paddles_kernel_zeroes_the_gradient
         np.testing.assert_array_equal(p.numpy(), old)
 
 
+def test_the_paddle_facades_explain_after_unscale_says_the_kernel_zeroed_the_gradients():
+    """Issue 32 item 16: after unscale_ (diagnose off) paddle's kernel left grad * 0 (inf read as NaN):
+    explain(optimizer) says so and how to see the values; with diagnose=True it sees the inf itself."""
+    paddle = pytest.importorskip("paddle")
+    reports = {}
+    for diagnose in (False, True):
+        layer = paddle.nn.Linear(2, 1)
+        optimizer = paddle.optimizer.SGD(learning_rate=0.1, parameters=layer.parameters())
+        scaler = PaddleScaler(init_loss_scaling=8.0, diagnose=diagnose)
+        loss = layer(paddle.to_tensor([[1.0, 2.0]])).sum()
+        scaler.scale(loss * float("inf")).backward()
+        before = scaler.explain(optimizer)
+        scaler.unscale_(optimizer)
+        reports[diagnose] = scaler.explain(optimizer)
+        assert "writes grad * 0" not in before.diagnosis  # not unscaled yet: the values as written
+        scaler.step(optimizer)
+        scaler.update()
+        after = scaler.explain(optimizer)  # a new iteration: nothing unscaled in it yet
+        assert "writes grad * 0" not in after.diagnosis
+    zeroed, kept = reports[False], reports[True]
+    assert zeroed.found and sum(t.posinf + t.neginf for t in zeroed.tensors) == 0  # the kernel's NaN
+    assert "paddle's kernel, which on an overflow writes grad * 0" in zeroed.diagnosis
+    assert "Fix: build the scaler with diagnose=True" in zeroed.diagnosis
+    assert sum(t.posinf + t.neginf for t in kept.tensors) > 0 and "grad * 0" not in kept.diagnosis
+
+
 def test_two_optimizers_that_both_skip_share_one_report():
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
     opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)

@@ -1,13 +1,16 @@
 """What every rank must hold equal (the :class:`Fingerprint`), digested and encoded where a message lives.
 
-The digests are universal hashes (:class:`Hash`): each 32-bit field split into 16-bit halves ``h``,
-``sum(w * h) mod p`` with weights in ``[1, p)`` fixed by :data:`SEED`; two fingerprints that differ
-collide for at most one value of a differing half's weight. :data:`LANE` (mod ``Q``, below 2**43)
-digests the one-value message, :data:`HIGH` and :data:`LOW` (mod ``P1``, ``P2``, below 2**25) the
-two-value MAX message (see :mod:`polyamp.distributed._wire`). The encodings (:class:`Encoding`) carry
-the fields digit by digit in a SUM: :data:`BITS` after the trainer's gradients, :data:`BYTES` and
-their squares in the second collective that names what differs (:func:`describe`): a digit summed
-over ``n`` ranks has ``sum**2 == n * sum_of_squares`` exactly when every rank sent the same digit.
+The digests are universal hashes (:class:`Hash`): each field's 32-bit words (:data:`WORDS`: the
+config and whose flag it is are 128-bit content digests, :mod:`polyamp._digest`, four words; the
+others one word) split into 16-bit halves ``h``, ``sum(w * h) mod p`` with weights in ``[1, p)``
+fixed by :data:`SEED`; two fingerprints that differ collide for at most one value of a differing
+half's weight (and two different contents share a content digest with probability 2**-128).
+:data:`LANE` (mod ``Q``, below 2**43) digests the one-value message, :data:`HIGH` and :data:`LOW`
+(mod ``P1``, ``P2``, below 2**25) the two-value MAX message (see :mod:`polyamp.distributed._wire`).
+The encodings (:class:`Encoding`) carry the fields digit by digit in a SUM: :data:`BITS` after the
+trainer's gradients, :data:`BYTES` and their squares in the second collective that names what
+differs (:func:`describe`): a digit summed over ``n`` ranks has ``sum**2 == n * sum_of_squares``
+exactly when every rank sent the same digit.
 
 :class:`Place` computes both ONCE for host and device: NumPy in host memory (:data:`HOST`), or the
 state's array library on its device with no host read (the host fields enter as scalars, the
@@ -25,7 +28,7 @@ import numpy as np
 
 from .._skip_log import scale_text
 
-#: The fields of a fingerprint, in message order (32 bits each). ``extras``: how many extra
+#: The fields of a fingerprint, in message order (:data:`WORDS` 32-bit words each). ``extras``: how many extra
 #: values the agreement carries (a clip's sum of squares pair), so that ranks must agree on it too.
 #: ``whose``: whose flag this is: the scaler (its place among the agreements this process made) and
 #: what the caller names (the sharded facade: the optimizer's shape), so that swapped optimizers or
@@ -36,6 +39,26 @@ FIELDS = ("config", "iteration", "collective", "sequence", "payload", "extras", 
 HOST_FIELDS = 7
 WIDTH = 32
 _MASK = 2**WIDTH - 1
+#: 32-bit words per field: the content digests (config; whose flag, with a guard's settings and
+#: histories folded in) whole, so that every bit of them is weighed as the scale's bits are.
+WORDS = tuple(4 if name in ("config", "whose") else 1 for name in FIELDS)
+#: Words in a whole fingerprint, and in its host fields.
+N_WORDS, HOST_WORDS = sum(WORDS), sum(WORDS[:HOST_FIELDS])
+
+
+def words(values: Any) -> list[int]:
+    """Field values (the first ``len(values)`` fields, in order) as their 32-bit words, lowest first."""
+    return [(v >> (WIDTH * k)) & _MASK for v, n in zip(values, WORDS) for k in range(n)]
+
+
+def _joined(field_words: Any) -> list[Any]:
+    """Per-word values back into field values (None where a word is None)."""
+    out, i = [], 0
+    for n in WORDS:
+        part = list(field_words[i:i + n])
+        i += n
+        out.append(None if None in part else sum(int(w) << (WIDTH * k) for k, w in enumerate(part)))
+    return out
 
 #: The two-value digest's primes (the largest two below 2**25), the one-value digest's (the largest
 #: below 2**43), and the label their weights are drawn from.
@@ -52,7 +75,7 @@ class Encoding(NamedTuple):
     @property
     def digits(self) -> int:
         """Digits per message (all fields)."""
-        return len(FIELDS) * WIDTH // self.digit_bits
+        return N_WORDS * WIDTH // self.digit_bits
 
     @property
     def size(self) -> int:
@@ -82,24 +105,24 @@ class Fingerprint(NamedTuple):
 
 
 def _weights(prime: int, label: str) -> np.ndarray:
-    """One weight in [1, prime) per 16-bit half of every field, from SHA-256 (the same everywhere):
-    int64 of shape (fields, 2), the low half's weight first."""
+    """One weight in [1, prime) per 16-bit half of every word, from SHA-256 (the same everywhere):
+    int64 of shape (words, 2), the low half's weight first."""
     def draw(i: int) -> int:
         word = hashlib.sha256(f"{SEED}/{label}/{i}".encode()).digest()
         return 1 + int.from_bytes(word[:8], "little") % (prime - 1)
 
-    return np.array([(draw(2 * i), draw(2 * i + 1)) for i in range(len(FIELDS))], np.int64)
+    return np.array([(draw(2 * i), draw(2 * i + 1)) for i in range(N_WORDS)], np.int64)
 
 
 class Hash(NamedTuple):
     """A digest of the fields: ``sum(w * h) mod prime`` over their 16-bit halves ``h``."""
 
     prime: int
-    weights: np.ndarray  # (fields, 2): the weights of each field's low and high half
+    weights: np.ndarray  # (words, 2): the weights of each word's low and high half
 
     @property
     def pairs(self) -> list[int]:
-        """The weights as Python ints, field by field (low half, high half): the host's share needs
+        """The weights as Python ints, word by word (low half, high half): the host's share needs
         no array."""
         pairs = _PAIRS.get(self.prime)
         if pairs is None:
@@ -133,15 +156,17 @@ def _halves(xp: Any, words: Any) -> Any:
 
 class Fields(NamedTuple):
     """A fingerprint where its message is built: ``host`` the fields known on the host (all ten, or
-    the first HOST_FIELDS), ``state`` the halves of the state's three (on its device) or None."""
+    the first HOST_FIELDS), ``state`` the halves of the state's three (on its device) or None,
+    ``words`` the host fields' 32-bit words (:func:`words`)."""
 
     host: list[int]
     state: Any
+    words: list[int]
 
     @property
     def halves(self) -> np.ndarray:
-        """The host fields' 16-bit halves, (n, 2) int64 in host memory (the low half first)."""
-        return np.array([(v & 0xFFFF, v >> 16) for v in self.host], np.int64).reshape(-1, 2)
+        """The host words' 16-bit halves, (n, 2) int64 in host memory (the low half first)."""
+        return np.array([(v & 0xFFFF, v >> 16) for v in self.words], np.int64).reshape(-1, 2)
 
 
 def _pattern(xp: Any, powers: Any, scale: Any) -> Any:
@@ -177,16 +202,17 @@ class Place:
             xp, i64 = self.xp, self.xp.int64
             powers = self.constant("powers", np.ldexp(1.0, np.arange(-126, 128)))
             scale, growth, backoff = state
-            words = [_pattern(xp, powers, scale), growth, backoff]
-            halves = _halves(xp, xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in words]) & _MASK)
-        return Fields([v & _MASK for v in host], halves)
+            state_words = [_pattern(xp, powers, scale), growth, backoff]
+            halves = _halves(xp, xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in state_words]) & _MASK)
+        host = [v & (2**(WIDTH * n) - 1) for v, n in zip(host, WORDS)]
+        return Fields(host, halves, words(host))
 
     def share(self, fields: Fields, digest: Hash) -> Any:
         """``digest`` of every field: the host fields' share on the host, the state's added here (a
         Python int, or a 0-d int64 array here). The host's share is :func:`share`'s in Python ints
-        (the same sum mod ``prime``: no array for ten numbers)."""
-        n, prime = len(fields.host), digest.prime
-        halves = [h for v in fields.host for h in (v & 0xFFFF, v >> 16)]
+        (the same sum mod ``prime``: no array for sixteen numbers)."""
+        n, prime = len(fields.words), digest.prime
+        halves = [h for v in fields.words for h in (v & 0xFFFF, v >> 16)]
         base = sum(map(mul, digest.pairs, halves)) % prime  # Python ints: exact, reduced once
         if fields.state is None:
             return base
@@ -196,7 +222,7 @@ class Place:
     def encode(self, fields: Fields, encoding: Encoding) -> Any:
         """The fields as ``encoding.size`` float64 values here (field by field, lowest digit first)."""
         xp, bits = self.xp, encoding.digit_bits
-        halves = fields.halves if self.host else _halves(xp, self.vector(fields.host, "int64"))
+        halves = fields.halves if self.host else _halves(xp, self.vector(fields.words, "int64"))
         if fields.state is not None:
             halves = xp.concat([halves, fields.state])
         shifts = self.constant(("shifts", bits), np.arange(0, 16, bits, dtype=np.int64))
@@ -254,16 +280,19 @@ def describe(sums: np.ndarray, ranks: int, mine: Fingerprint, encoding: Encoding
     the other ranks"; fields are named in the order they explain a misalignment best."""
     digits, squares = _split(sums, encoding)
     own, _ = _split(encode(mine, encoding), encoding)
-    per_field = WIDTH // encoding.digit_bits
-    shape = (len(FIELDS), per_field)
+    per_word = WIDTH // encoding.digit_bits
+    shape = (N_WORDS, per_word)
     digits, squares, own = digits.reshape(shape), squares.reshape(shape), own.reshape(shape)
-    differs = np.any(digits * digits != ranks * squares, axis=1)
+    word_differs = np.any(digits * digits != ranks * squares, axis=1)
     others, others_sq = digits - own, squares - own * own  # each digit summed over the other ranks
-    weights = 2 ** (encoding.digit_bits * np.arange(per_field, dtype=np.int64))
-    value: dict[str, int | None] = {}
-    for i, name in enumerate(FIELDS):
+    weights = 2 ** (encoding.digit_bits * np.arange(per_word, dtype=np.int64))
+    word_values = []
+    for i in range(N_WORDS):
         agree = np.all(others[i] * others[i] == (ranks - 1) * others_sq[i])
-        value[name] = int(np.dot(others[i] // max(ranks - 1, 1), weights)) if agree else None
+        word_values.append(int(np.dot(others[i] // max(ranks - 1, 1), weights)) if agree else None)
+    value = dict(zip(FIELDS, _joined(word_values)))
+    starts = np.cumsum((0, *WORDS))
+    differs = [bool(np.any(word_differs[a:b])) for a, b in zip(starts[:-1], starts[1:])]
     parts = []
     if any(differs[FIELDS.index(f)] for f in ("iteration", "collective", "sequence")):
         parts.append(_position(mine, value))
@@ -290,8 +319,10 @@ def _field(name: str, mine: int, other: int | None) -> str:
         if name == "extras":
             return f"{v} extra values agreed (e.g. a global-norm clip's sum of squares)"
         if name == "whose":
-            return f"the flag of scaler/optimizer {v:#010x}"
-        label = "config fingerprint" if name == "config" else name
+            return f"the flag of scaler/optimizer {v:#x}"
+        if name == "config":
+            return f"config fingerprint {v:#x}"
+        label = name
         return f"{v} values summed" if name == "payload" else f"{label} {v}"
 
     # the others disagree among themselves: at least one differs from this rank, maybe not all

@@ -9,9 +9,13 @@ Writes through ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboar
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any
 
 import numpy as np
+
+from .._errors import ConfigError
+from ..config import short_repr
 
 
 def summary_writer_class() -> type:
@@ -53,7 +57,7 @@ class ScalerMetricsWriter:
                             "log_dir= to open one.")
         self.scaler, self.every, self.prefix, self.diagnose = scaler, int(every), prefix, diagnose
         self._owned = writer is None
-        self.writer = summary_writer_class()(log_dir) if writer is None else writer
+        self.writer = _open(log_dir) if writer is None else writer
         self.steps = 0
 
     def step(self) -> bool:
@@ -85,3 +89,19 @@ class ScalerMetricsWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _open(log_dir: Any) -> Any:
+    """A new SummaryWriter in ``log_dir``; ConfigError naming it where it cannot be made there."""
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise ConfigError(f"ScalerMetricsWriter(log_dir=...) must be a path or None, got "
+                          f"log_dir={short_repr(log_dir)}. Fix: pass a folder, e.g. log_dir='runs/amp'.")
+    writer_class = summary_writer_class()  # its ImportError as it is
+    try:
+        return writer_class(log_dir)
+    except (OSError, ValueError) as exc:  # a folder that cannot be made or written, a NUL in the name
+        raise ConfigError(
+            f"ScalerMetricsWriter(log_dir=...) cannot open an event file in log_dir={short_repr(log_dir)}: "
+            f"{exc}. Fix: pass a folder this process can create and write, e.g. log_dir='runs/amp', or "
+            "writer= a SummaryWriter of your own."
+        ) from exc

@@ -393,6 +393,51 @@ def test_state_machine_errors_match_paddles(real, sequence):
     assert errors[1][1] == errors[0][1]
 
 
+@pytest.mark.parametrize("verb", ["step", "minimize"])
+@pytest.mark.parametrize("scaled_before", [False, True])
+def test_a_step_on_unscaled_gradients_matches_paddle(real, verb, scaled_before):
+    """Issue 32 item 15, decided: paddle's own behaviour. paddle's scaler divides gradients that
+    scale() never scaled by the scale and applies them (it holds no record of scale() calls); the
+    facade does exactly that, bit for bit, first thing or after a scaled iteration
+    (docs/coming-from-paddle.md)."""
+    systems = [PaddleSystem(scaler, 0.5) for scaler in (real(), GradScaler())]
+    for system in systems:
+        if scaled_before:
+            run_step(system, "step", true_grads(3))
+        before = system.weights()
+        grads = true_grads(4)
+        loss = sum((p * paddle.to_tensor(g)).sum() for p, g in zip(system.params, grads))
+        loss.backward()  # no scale()
+        scaler, (opt,) = system.scaler, system.opts
+        if verb == "minimize":
+            scaler.minimize(opt, loss)
+        else:
+            scaler.step(opt)
+            scaler.update()
+        scale = np.float32(2.0**16)
+        for w, old, g in zip(system.weights(), before, grads):  # applied, divided by the scale
+            np.testing.assert_allclose(w, old - 0.5 * g / scale, rtol=0, atol=1e-6)
+            assert not np.array_equal(w, old)
+        system.clear()
+    theirs, ours = systems
+    for mine, paddles in zip(ours.weights(), theirs.weights()):
+        np.testing.assert_array_equal(mine, paddles)
+    assert_same_state(ours.scaler, theirs.scaler, "after a step on unscaled gradients")
+
+
+def test_a_loss_guard_refuses_a_step_without_a_scaled_loss():
+    from polyamp import StepGuard
+
+    system = PaddleSystem(GradScaler(guard=StepGuard(loss_zscore=6.0)), 0.5)
+    before = system.weights()
+    loss = sum((p * paddle.to_tensor(g)).sum() for p, g in zip(system.params, true_grads(4)))
+    loss.backward()
+    with pytest.raises(TypeError, match="got no loss"):
+        system.scaler.step(system.opts[0])
+    for w, old in zip(system.weights(), before):
+        np.testing.assert_array_equal(w, old)
+
+
 def test_fixed_scale_allows_step_twice_as_paddle_does(real):
     for scaler in (real(use_dynamic_loss_scaling=False), GradScaler(use_dynamic_loss_scaling=False)):
         system = PaddleSystem(scaler, 0.1)

@@ -26,9 +26,11 @@ def _is_prime(n: int) -> bool:
 
 
 def _reference(values, digest: fp.Hash) -> int:
-    """The documented digest in plain Python: ``sum(w * h) mod p`` over the fields' 16-bit halves."""
+    """The documented digest in plain Python: ``sum(w * h) mod p`` over the 16-bit halves of the
+    fields' 32-bit words (the config and whose flag four words each)."""
     return sum(int(w) * (v >> (16 * half) & 0xFFFF)
-               for v, pair in zip(values, digest.weights) for half, w in enumerate(pair)) % digest.prime
+               for v, pair in zip(fp.words(values), digest.weights)
+               for half, w in enumerate(pair)) % digest.prime
 
 
 def _d(values) -> int:
@@ -50,7 +52,7 @@ def test_the_digest_primes_and_weights():
     assert fp.P1 * fp.P2 > 2**49  # a mismatch goes unseen with a chance below 2**-49
     for digest in (fp.HIGH, fp.LOW, fp.LANE):
         weights = digest.weights.reshape(-1).tolist()
-        assert len(weights) == 2 * len(fp.FIELDS) and all(0 < w < digest.prime for w in weights)
+        assert len(weights) == 2 * fp.N_WORDS and all(0 < w < digest.prime for w in weights)
         assert len(set(weights)) == len(weights)
 
 

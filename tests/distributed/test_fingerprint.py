@@ -23,8 +23,9 @@ ENCODINGS = [fp.BYTES, fp.BITS]
 
 
 def _layout(values, encoding: fp.Encoding) -> np.ndarray:
-    """The documented layout: field by field, lowest digit first (bytes and then their squares, or bits)."""
-    octets = np.array(values, "<u4").view(np.uint8)
+    """The documented layout: field by field (the config and whose flag four 32-bit words each, the
+    others one), lowest digit first (bytes and then their squares, or bits)."""
+    octets = np.array(fp.words(values), "<u4").view(np.uint8)
     if encoding.digit_bits == 1:
         return np.unpackbits(octets, bitorder="little").astype(np.float64)
     return np.concatenate([octets, octets.astype(np.float64) ** 2]).astype(np.float64)
@@ -52,7 +53,8 @@ def test_the_device_encoding_equals_the_host_encoding(scale, encoding):
 
 
 def test_bytes_and_squares_fit_the_message():
-    assert fp.BYTES.size == 2 * 4 * len(fp.FIELDS) == 80 and wire.HEAD == 2 and fp.BITS.size == 320
+    assert fp.BYTES.size == 2 * 4 * fp.N_WORDS == 128 and wire.HEAD == 2
+    assert fp.BITS.size == 32 * fp.N_WORDS == 512
 
 
 def _sums(*prints: fp.Fingerprint, encoding=fp.BYTES) -> np.ndarray:

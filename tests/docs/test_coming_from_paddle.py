@@ -35,3 +35,14 @@ def test_numpy_loop_converges():
     exec(compile(code, str(PAGE), "exec"), namespace)
     w, target = namespace["w"], namespace["target"]
     assert abs(w.data - target).max() < 1e-4
+
+
+def test_the_page_says_what_a_step_on_unscaled_gradients_does():
+    """Issue 32 item 15: the facade follows paddle there (divides and applies); the page says so and
+    names the differential test that holds it against paddle."""
+    text = " ".join(PAGE.read_text().split())
+    assert "on gradients that `scale()` never scaled" in text and "as paddle does" in text
+    test = "test_a_step_on_unscaled_gradients_matches_paddle"
+    assert test in text
+    tests = PAGE.parents[1] / "tests" / "compat" / "test_paddle_differential.py"
+    assert f"def {test}(" in tests.read_text()

@@ -187,6 +187,23 @@ def test_writer_takes_numpy_ints_and_refuses_bad_arguments_early():
     assert polyamp.make_scaler(enabled=False).metrics() == {}
 
 
+def test_writer_names_an_unusable_log_dir_and_the_fix(tmp_path):
+    """Issue 32 item 16: a log_dir where no event file can be made raises a polyamp ConfigError naming
+    log_dir and the fix, not the OS error (FileNotFoundError, NotADirectoryError, ValueError)."""
+    pytest.importorskip("tensorboard", reason="tensorboard not installed: pip install 'polyamp[tensorboard]'")
+    import polyamp
+    from polyamp.loggers.tensorboard import ScalerMetricsWriter
+
+    scaler = polyamp.LossScaler(backend="numpy")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for bad in (str(a_file / "runs"), "a\0b", 3.5):
+        with pytest.raises(polyamp.ConfigError, match=r"ScalerMetricsWriter\(log_dir=\.\.\.\).*Fix: pass a"):
+            ScalerMetricsWriter(scaler, log_dir=bad)
+    good = ScalerMetricsWriter(scaler, log_dir=str(tmp_path / "runs"))
+    good.close()
+
+
 def test_callback_attach_refuses_what_is_not_a_trainer():
     pytest.importorskip("transformers")
     from polyamp.loggers.transformers import ScalerMetricsCallback

@@ -1,0 +1,149 @@
+"""Megatron-Core's and DeepSpeed's own loss-scaler state, read as polyamp's (issue 32, item 6).
+
+Two layouts, told apart by their keys; each implies its rule (docs/rule.md):
+
+- Megatron-Core's ``DynamicGradScaler.state_dict()``: ``scale`` (a float32 tensor of shape [1]),
+  ``growth_tracker`` and ``hysteresis_tracker`` (ints), read as ``rule="megatron"``:
+  ``backoff_tracker = min(hysteresis - hysteresis_tracker, hysteresis - 1)``.
+- DeepSpeed's ``DynamicLossScaler`` (which has no ``state_dict()``: ZeRO checkpoints hold the
+  object, whose ``vars()`` are this layout): ``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
+  ``cur_hysteresis`` and its settings, read as ``rule="deepspeed"``: the finite steps since the
+  last overflow ``k = cur_iter - last_overflow_iter - 1`` give ``growth_tracker = 0`` for ``k = 0``,
+  else ``(k - 1) % scale_window + 1``; ``backoff_tracker = delayed_shift - cur_hysteresis``.
+
+Neither holds polyamp's config: the scaler's own gives what the layout lacks (the layout's rule
+set), and a setting the layout does hold must equal the scaler's, else StateDictError with a Fix.
+Neither holds step counters or a guard's history: those stay as they were.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import ConfigError, StateDictError
+from .config import LossScaleConfig, short_repr
+
+MEGATRON = frozenset({"scale", "growth_tracker", "hysteresis_tracker"})
+DEEPSPEED = frozenset({"cur_scale", "cur_iter", "last_overflow_iter"})
+#: DeepSpeed's settings beside its state, and how each reads from a config.
+_DEEPSPEED_SETTINGS = {
+    "scale_window": lambda c: c.growth_interval,
+    "delayed_shift": lambda c: c.backoff_interval,
+    "consecutive_hysteresis": lambda c: c.consecutive_hysteresis,
+    "raise_error_at_min_scale": lambda c: c.raise_error_at_min_scale,
+    "scale_factor": lambda c: c.growth_factor if c.growth_factor * c.backoff_factor == 1.0 else None,
+    "min_scale": lambda c: c.min_scale,
+}
+
+
+def layout(state: Any) -> str | None:
+    """ "megatron" or "deepspeed" when ``state`` is that library's scaler state, else None."""
+    if not isinstance(state, Mapping) or "format" in state:
+        return None
+    keys = set(state)
+    if MEGATRON <= keys and not keys & {"growth_factor", "_growth_tracker"}:  # not torch's
+        return "megatron"
+    if DEEPSPEED <= keys:
+        return "deepspeed"
+    return None
+
+
+def to_polyamp(state: Mapping[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a :func:`layout`) as a polyamp state dict, from ``current`` (the scaler's own
+    ``state_now()``: its config, counters and guard history); StateDictError naming the key."""
+    which = layout(state)
+    where = f"{'Megatron-Core' if which == 'megatron' else 'DeepSpeed'} scaler state"
+    config = _config(LossScaleConfig.from_dict(dict(current["config"])), which, where)
+    if which == "megatron":
+        scale, growth, backoff = _megatron(state, config, where)
+    else:
+        scale, growth, backoff = _deepspeed(state, config, where)
+    return {**current, "config": config.to_dict(), "scale": scale, "growth_tracker": growth,
+            "backoff_tracker": backoff}
+
+
+def _config(config: LossScaleConfig, rule: str, where: str) -> LossScaleConfig:
+    """The scaler's config with the layout's rule (DeepSpeed's options only with its own)."""
+    if rule == config.rule:
+        return config
+    deepspeed_only = config.consecutive_hysteresis or config.raise_error_at_min_scale
+    try:
+        if rule == "megatron" and deepspeed_only:
+            raise ConfigError("the scaler's config sets DeepSpeed's consecutive_hysteresis/"
+                              "raise_error_at_min_scale, which Megatron's rule has not")
+        return config.replace(rule=rule)
+    except ConfigError as exc:
+        raise StateDictError(
+            f"a {where} is read with rule={rule!r}, which this scaler's config cannot take ({exc}). Fix: "
+            f"build the scaler with LossScaleConfig(rule={rule!r}, ...) and that run's settings "
+            "(docs/rule.md), then load it; the scaler is unchanged."
+        ) from None
+
+
+def _number(state: Mapping[str, Any], key: str, where: str) -> float | int:
+    """``state[key]`` as a Python number (a 1-element tensor or NumPy value by ``.item()``)."""
+    value = state[key]
+    if not isinstance(value, (bool, int, float)) and callable(getattr(value, "item", None)):
+        try:  # Megatron's scale: a float32 tensor of shape [1]
+            value = value.item()
+        except (ValueError, RuntimeError):
+            pass  # more than one value: refused below
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise StateDictError(f"{where}[{key!r}] must be a number, got {key}={short_repr(value)}. Fix: "
+                             "load the dict that library's scaler wrote, unchanged.")
+    return value
+
+
+def _int(state: Mapping[str, Any], key: str, where: str, low: int, high: int, why: str) -> int:
+    value = _number(state, key, where)
+    if isinstance(value, float) or not low <= value <= high:
+        raise StateDictError(f"{where}[{key!r}] must be an int in [{low}, {high}] ({why}), got "
+                             f"{key}={short_repr(value)}. Fix: load the dict that library's scaler wrote "
+                             "with the settings this scaler was built with.")
+    return value
+
+
+def _scale(state: Mapping[str, Any], key: str, where: str) -> float:
+    value = float(_number(state, key, where))
+    if not (math.isfinite(value) and value > 0):
+        raise StateDictError(f"{where}[{key!r}] must be a finite scale > 0, got {key}={short_repr(value)}. "
+                             "Fix: resume from an earlier checkpoint.")
+    return value
+
+
+def _megatron(state: Mapping[str, Any], config: LossScaleConfig, where: str) -> tuple[float, int, int]:
+    hysteresis = config.backoff_interval
+    growth = _int(state, "growth_tracker", where, 0, config.growth_interval - 1,
+                  f"below the scaler's growth_interval={config.growth_interval}")
+    tracker = _int(state, "hysteresis_tracker", where, -2**31, hysteresis,
+                   f"at most the scaler's backoff_interval={hysteresis} (Megatron's hysteresis)")
+    return _scale(state, "scale", where), growth, min(hysteresis - tracker, hysteresis - 1)
+
+
+def _deepspeed(state: Mapping[str, Any], config: LossScaleConfig, where: str) -> tuple[float, int, int]:
+    if state.get("dynamic_loss_scale", True) is not True or state.get("dynamic", True) is not True:
+        raise StateDictError(f"{where} is a static scale (dynamic_loss_scale False). Fix: build "
+                             "LossScaler(init_scale=cur_scale, dynamic=False) instead of loading it.")
+    for key, read in _DEEPSPEED_SETTINGS.items():
+        if key in state and state[key] != read(config):
+            raise StateDictError(
+                f"{where}[{key!r}] is {short_repr(state[key])}, but this scaler's config has "
+                f"{short_repr(read(config))} there. Fix: build the scaler with that run's settings "
+                "(docs/rule.md, 'Coming from DeepSpeed'), then load it; the scaler is unchanged.")
+    shift = config.backoff_interval
+    if "cur_hysteresis" in state:
+        hysteresis = _int(state, "cur_hysteresis", where, 1, shift,
+                          f"at most the scaler's backoff_interval={shift} (DeepSpeed's delayed_shift)")
+    elif shift == 1:
+        hysteresis = 1  # FP16_Optimizer's state (no hysteresis) with a rule of none
+    else:
+        raise StateDictError(f"{where} has no 'cur_hysteresis' (FP16_Optimizer's state, whose update has "
+                             f"no hysteresis), but the scaler's backoff_interval is {shift}. Fix: build "
+                             "the scaler with backoff_interval=1 to resume it.")
+    cur_iter = _int(state, "cur_iter", where, 0, 2**62, "updates so far")
+    last = _int(state, "last_overflow_iter", where, -1, cur_iter - 1, "an update before cur_iter, or -1")
+    finite = cur_iter - last - 1  # finite steps since the last overflow (or the start)
+    growth = 0 if finite == 0 else (finite - 1) % config.growth_interval + 1
+    return _scale(state, "cur_scale", where), growth, shift - hysteresis
