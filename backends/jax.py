@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyamp import functional
-from polyamp._errors import ForeignArrayError, install_hint
+from polyamp._errors import ConfigError, ForeignArrayError, install_hint
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState
 
@@ -101,7 +101,15 @@ def to_host(array: Any) -> float | int:
 def axis_max(array: Any, axis_name: Any) -> Any:
     from jax import lax
 
-    return lax.pmax(array, axis_name)
+    try:
+        return lax.pmax(array, axis_name)
+    except NameError:  # jax: "unbound axis name" outside pmap / shard_map of that axis
+        raise ConfigError(
+            f"unscale(..., axis_name={axis_name!r}) names no axis mapped here (no pmap or "
+            f"shard_map binds it). Fix: call unscale inside jax.pmap / shard_map with axis_name="
+            f"{axis_name!r} (the name given to pmap, or a mesh axis of shard_map), or leave "
+            "axis_name out outside them"
+        ) from None
 
 
 @hookimpl

@@ -12,7 +12,9 @@ For immutable arrays (JAX, under ``jax.jit``, ``pmap`` and ``shard_map``), optax
 The arithmetic is the engine's: gradients times ``float32(1 / float64(scale))`` in their own dtype
 (float16/bfloat16 multiplied in float32 and rounded back). Where the library has no float64 (JAX
 without ``jax_enable_x64``) the reciprocal and the scale products are formed in float32: the same
-bits for power-of-two factors and scales, within one float32 ulp otherwise.
+bits for power-of-two factors and scales, within one float32 ulp otherwise. Above 2**126, where
+the reciprocal is subnormal (flushed to 0 by XLA, and by torch under ``set_flush_denormal``), the
+gradients are multiplied by four times it and then by 0.25: no factor is subnormal.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tupl
     """
     xp = _namespace(state.scale)
     has_f64 = _wide_kinds(xp)[0]
-    inv = xp.astype(1.0 / xp.astype(state.scale, xp.float64 if has_f64 else xp.float32), xp.float32)
+    inv, after = _reciprocal(xp, has_f64, state.scale)
     bad = None
     for leaf in _pytree.leaves(grads):  # one reduction per gradient; XLA fuses them under jit
         _check_library(xp, leaf, "gradients")
@@ -79,7 +81,37 @@ def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tupl
     found_inf = xp.zeros_like(state.scale) if bad is None else xp.astype(bad, xp.float32)
     if axis_name is not None:  # one collective over the mapped axis (JAX's pmap / shard_map)
         found_inf = _axis_max(found_inf, axis_name)
-    return _pytree.tree_map(lambda g: _times(xp, has_f64, g, inv, "gradients"), grads), found_inf
+    return _pytree.tree_map(lambda g: _times(xp, has_f64, g, inv, "gradients", after), grads), found_inf
+
+
+#: Above this scale the float32 reciprocal is subnormal, which XLA (JAX on CPU, GPU, TPU) and
+#: torch under ``set_flush_denormal(True)`` read as 0: every gradient would become 0, no flag set.
+_SUBNORMAL_RECIPROCAL = 2.0**126
+
+
+def _reciprocal(xp: Any, has_f64: bool, scale: Any) -> tuple[Any, Any]:
+    """``(inv, after)``: gradients times ``inv`` then ``after`` are gradients times
+    ``float32(1 / float64(scale))``, with no subnormal factor. Up to 2**126 that is
+    ``(reciprocal, 1)``; above it (a subnormal reciprocal) ``(4 * reciprocal, 0.25)``: with float64
+    the reciprocal rounded to float32's subnormal grid (2**-149) as the engine rounds it, times 4
+    (normal, exact), so an unscaled gradient is the engine's bit for bit wherever it is a normal
+    number; without float64, ``float32(4 / scale)`` (exact for powers of two)."""
+    if has_f64:
+        scale_w = xp.astype(scale, xp.float64)
+        inv = xp.astype(1.0 / scale_w, xp.float32)
+        big_w = xp.maximum(scale_w, xp.full_like(scale_w, 2.0**126))  # 4 / big_w: within float32
+        inv4 = xp.astype(xp.round((4.0 / big_w) * 2.0**147) * 2.0**-147, xp.float32)
+    else:  # float32's 2**147 is inf: no grid rounding (docs/functional.md: within one ulp here)
+        inv = 1.0 / scale
+        inv4 = 4.0 / xp.maximum(scale, xp.full_like(scale, 2.0**126))
+    big = scale > _SUBNORMAL_RECIPROCAL
+    inv = xp.where(big, inv4, inv)
+    after = xp.where(big, xp.full_like(scale, 0.25), xp.ones_like(scale))  # (float32, as the scale)
+    if xp.__name__.startswith("jax"):  # XLA folds two constant factors into one (a subnormal: 0)
+        import jax  # noqa: PLC0415 (loaded already: the state is a JAX array)
+
+        inv, after = jax.lax.optimization_barrier((inv, after))
+    return inv, after
 
 
 def _axis_max(flag: Any, axis_name: Any) -> Any:
@@ -210,9 +242,9 @@ def _floating(xp: Any, dtype: Any) -> bool:
         return True
 
 
-def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str) -> Any:
-    """``array * factor`` (a 0-d float32) in ``array``'s dtype, as the NumPy engine computes it:
-    float32 as is, float64 widened, narrower floats in float32 rounded back."""
+def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str, after: Any = None) -> Any:
+    """``array * factor`` (a 0-d float32; then ``* after`` where given) in ``array``'s dtype, as the
+    NumPy engine computes it: float32 as is, float64 widened, narrower floats in float32 rounded back."""
     dtype = getattr(array, "dtype", None)
     if dtype is None:
         raise TypeError(
@@ -222,12 +254,17 @@ def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str) -> Any:
         )
     _check_library(xp, array, what)
     if dtype == xp.float32:
-        return array * factor
+        return _then(array * factor, after)
     if has_f64 and dtype == xp.float64:
-        return array * xp.astype(factor, xp.float64)
+        return _then(array * xp.astype(factor, xp.float64),
+                     None if after is None else xp.astype(after, xp.float64))
     if not _floating(xp, dtype):
         raise TypeError(
             f"polyamp.functional needs floating-point {what}, got an array of dtype={dtype}. "
             f"Fix: pass floating-point {what} (e.g. cast them with astype(float32))"
         )
-    return xp.astype(xp.astype(array, xp.float32) * factor, dtype)
+    return xp.astype(_then(xp.astype(array, xp.float32) * factor, after), dtype)
+
+
+def _then(product: Any, after: Any) -> Any:
+    return product if after is None else product * after

@@ -19,7 +19,7 @@ def _wrapped() -> dict[str, optax.GradientTransformation]:
     return {
         "named_chain": optax.named_chain(("scaled", inner)),
         "multi_transform": optax.multi_transform({"x": inner}, {"w": "x"}),
-        "MultiSteps": optax.MultiSteps(inner, 1),
+        "MultiSteps": poptax.loss_scaled(optax.MultiSteps(optax.sgd(0.1), 1), CONFIG),  # inside: issue 32
         "inject_hyperparams": optax.inject_hyperparams(
             lambda lr: poptax.loss_scaled(optax.sgd(lr), CONFIG))(lr=0.1),
     }
