@@ -432,7 +432,12 @@ def _skip_report(iteration: Iteration, named: Named | None = None, local: Any = 
         scale = iteration.scaling.host_state().scale
         last = checks.decisions[-1] if checks.decisions else None
         if last is None or not last.verdicts or last.reason == "overflow":
-            return overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed, local_flag=local)
+            report = overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed, local_flag=local)
+            if last is None or not last.verdicts:
+                return report
+            verdict = last.verdicts[-1][1]  # an overflow: the guard's values, and was the loss a spike?
+            note = guard.overflow_note(verdict, iteration.guarding.guard)
+            return replace(report, verdict=verdict, diagnosis=report.diagnosis + note)
         group, verdict = last.verdicts[-1]  # the guard's skip
         return replace(overflow.build_report(grads, scale=scale), verdict=verdict,
                        diagnosis=iteration.guarding.diagnosis(group, verdict))

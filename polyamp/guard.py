@@ -186,6 +186,7 @@ class Verdict(NamedTuple):
     loss: float | None
     grad_norm: float | None
     zscores: dict[str, float] | None
+    loss_spike: bool | None = None  # loss_zscore's rule on the loss, judged on an overflow step too
 
 
 class VerdictFields:
@@ -207,6 +208,13 @@ class VerdictFields:
         """Quantity -> z-score judged (None before ``min_history``)."""
         return None if self.verdict is None else self.verdict.zscores  # type: ignore[attr-defined]
 
+    @property
+    def loss_spike(self) -> bool | None:
+        """Whether the loss was a spike by ``loss_zscore``'s rule (or not finite), also on a step
+        skipped for another reason (an overflow: True says a bad batch, False a scale grown too far);
+        None when not judged (no loss rule or loss, fewer than ``min_history`` values, std 0)."""
+        return None if self.verdict is None else self.verdict.loss_spike  # type: ignore[attr-defined]
+
 
 def why(verdict: Verdict | None, skipped: bool | None) -> str | None:
     """A step's reason: the guard's verdict's, else ``"overflow"`` when it was skipped."""
@@ -226,7 +234,8 @@ class GuardReport(VerdictFields):
     def __str__(self) -> str:
         counts = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))
         stats = "; ".join(f"{q} mean {self.mean[q]:.6g} std {self.std[q]:.6g}" for q in self.mean)
-        return (f"{self.streak} steps skipped in a row ({counts}); last loss {_text(self.loss)}, last "
+        spike = {None: "", True: " (a spike)", False: " (not a spike)"}[self.loss_spike]
+        return (f"{self.streak} steps skipped in a row ({counts}); last loss {_text(self.loss)}{spike}, last "
                 f"grad norm {_text(self.grad_norm)}" + (f"; history: {stats}" if stats else ""))
 
 
@@ -269,6 +278,7 @@ def judge(guard: StepGuard, history: GuardHistory, *, overflow: bool, loss: floa
             if std > 0 and not math.isnan(value):  # an inf (squares past float32's range) is a spike
                 zscores[name] = (value - mean) / std
     z = zscores or {}
+    spike = loss_spike(guard, loss, zscores)
     if overflow:
         reason = "overflow"
     elif guard.max_grad_norm is not None and grad_norm is not None and not grad_norm <= guard.max_grad_norm:
@@ -276,12 +286,37 @@ def judge(guard: StepGuard, history: GuardHistory, *, overflow: bool, loss: floa
     elif guard.grad_norm_zscore is not None and grad_norm is not None and (
             not math.isfinite(grad_norm) or z.get("grad_norm", -math.inf) > guard.grad_norm_zscore):
         reason = "grad_norm_spike"  # an inf norm never enters a history, judged or not
-    elif guard.loss_zscore is not None and loss is not None and (
-            not math.isfinite(loss) or z.get("loss", -math.inf) > guard.loss_zscore):
+    elif spike:
         reason = "loss_spike"
     else:
         reason = None
-    return Verdict(reason, loss, grad_norm, zscores)
+    return Verdict(reason, loss, grad_norm, zscores, spike)
+
+
+def loss_spike(guard: StepGuard, loss: float | None, zscores: dict[str, float] | None) -> bool | None:
+    """Whether ``loss`` is a spike by ``loss_zscore``'s rule (its z-score above it, or not finite),
+    whatever else the step's reason is; None when it cannot be judged (no rule, no loss, no z-score)."""
+    if guard.loss_zscore is None or loss is None:
+        return None
+    if not math.isfinite(loss):
+        return True
+    z = (zscores or {}).get("loss")
+    return None if z is None else z > guard.loss_zscore
+
+
+def overflow_note(verdict: Verdict, guard: StepGuard) -> str:
+    """The sentence an overflow report adds about the step's loss: a spike (a bad batch) or not (the
+    scale grew too far); "" when the loss was not judged."""
+    if verdict.reason != "overflow" or verdict.loss_spike is None:
+        return ""
+    if not math.isfinite(verdict.loss):  # type: ignore[arg-type]  # judged: a loss was given
+        return f" The loss itself is not finite ({verdict.loss}): the forward pass overflowed, not the scale."
+    z = verdict.zscores["loss"]  # type: ignore[index]  # judged and finite: its z-score
+    if verdict.loss_spike:
+        return (f" The loss itself was a spike (z = {z:.1f} > loss_zscore={guard.loss_zscore:g}): a bad "
+                "batch, more likely than a scale grown too far.")
+    return (f" The loss was not a spike (z = {z:.1f} <= loss_zscore={guard.loss_zscore:g}): the scale grew "
+            "too far for these gradients, and backs off.")
 
 
 def advance(guard: StepGuard, history: GuardHistory, verdict: Verdict

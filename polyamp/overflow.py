@@ -48,9 +48,10 @@ class OverflowReport(VerdictFields):
     """What :func:`explain_overflow` found; truthy exactly when something was not finite.
 
     ``tensors``: only those holding a non-finite value, most non-finite values first (ties:
-    the order given). ``diagnosis``: one line naming the likely cause and the fix. A step a
-    :class:`polyamp.StepGuard` skipped also carries ``reason``, the agreed ``loss`` and
-    ``grad_norm`` and the ``zscores`` judged (None otherwise).
+    the order given). ``diagnosis``: one line naming the likely cause and the fix. A step skipped
+    under a :class:`polyamp.StepGuard` (an overflow too) also carries ``reason``, the agreed
+    ``loss`` and ``grad_norm``, the ``zscores`` judged and ``loss_spike`` (None otherwise): on an
+    overflow, whether the loss itself was a spike (a bad batch) or not (a scale grown too far).
     """
 
     found: bool
@@ -59,14 +60,14 @@ class OverflowReport(VerdictFields):
     loss_finite: bool | None
     tensors: tuple[TensorOverflow, ...]
     diagnosis: str
-    verdict: Verdict | None = None  # the guard's, on a step it skipped
+    verdict: Verdict | None = None  # the guard's, on a step skipped under a guard
 
     def __bool__(self) -> bool:
         return self.found
 
     @property
     def reason(self) -> str | None:
-        """The guard's reason for the skip (None: not a guard's skip)."""
+        """The guard's reason for the skip (None: skipped without a guard)."""
         return None if self.verdict is None else self.verdict.reason
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,7 +76,7 @@ class OverflowReport(VerdictFields):
         del data["verdict"]
         data["tensors"] = [dict(t, shape=list(t["shape"])) for t in data["tensors"]]
         return {**data, "reason": self.reason, "loss": self.loss, "grad_norm": self.grad_norm,
-                "zscores": self.zscores}
+                "zscores": self.zscores, "loss_spike": self.loss_spike}
 
     def __str__(self) -> str:
         loss = {None: "loss not checked", True: "loss finite", False: "loss NOT finite"}[self.loss_finite]

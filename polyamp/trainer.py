@@ -92,6 +92,11 @@ class StepMetrics:
         """None when applied, else why (``"overflow"``, or polyamp.StepGuard's reasons)."""
         return why(self.verdict, self.skipped)
 
+    @property
+    def loss_spike(self) -> bool | None:
+        """Whether the guard found the loss a spike, also on an overflow step (None: not judged)."""
+        return None if self.verdict is None else self.verdict.loss_spike
+
 
 class MixedPrecisionTrainer:
     """Train ``model`` with float32 master weights, ``compute_dtype`` compute, dynamic loss scaling.

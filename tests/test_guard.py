@@ -415,7 +415,74 @@ def test_diagnose_reports_the_guards_values_on_a_guard_skip():
     assert report.diagnosis == f"loss spike: z = {result.zscores['loss']:.1f} over the last 20 applied steps"
     assert "another rank" not in str(report)
     bad = scaler.step({"w": np.array([np.inf], np.float32)}, lambda: None, loss=1.0)
-    assert bad.reason == "overflow" and scaler.last_overflow.reason is None and scaler.last_overflow.found
+    report = scaler.last_overflow  # an overflow under a guard carries the guard's verdict too
+    assert bad.reason == "overflow" and report.reason == "overflow" and report.found and report.loss == 1.0
+
+
+# -- issue 34, item 5: an overflow step still says whether its loss was a spike -------------------
+def _overflow_after_warm_up(loss, *, warm=20, guard=None, diagnose=True):
+    """A scaler whose loss history holds ``warm`` applied losses near 1, then one step whose
+    gradients overflow with ``loss``: (its StepResult, the scaler)."""
+    guard = guard or StepGuard(loss_zscore=6.0, window=20)
+    scaler = LossScaler(LossScaleConfig(init_scale=2.0**4), guard=guard, diagnose=diagnose)
+    rng = np.random.default_rng(0)
+    for _ in range(warm):
+        scaler.step({"w": np.full(3, 2.0, np.float32)}, lambda: None, loss=1.0 + 0.01 * rng.normal())
+        scaler.update()
+    before = scaler.state_dict()["guard"]
+    result = scaler.step({"w": np.array([1.0, np.inf, 2.0], np.float32)}, lambda: None, loss=loss)
+    scaler.update()
+    assert scaler.state_dict()["guard"]["loss"] == before["loss"]  # an overflow's loss joins no history
+    return result, scaler
+
+
+def test_an_overflow_step_says_whether_its_loss_was_a_spike():
+    spike, scaler = _overflow_after_warm_up(50.0)
+    report = scaler.last_overflow
+    assert spike.reason == "overflow" and spike.loss_spike is True and spike.zscores["loss"] > 6.0
+    assert report.reason == "overflow" and report.loss_spike is True and report.loss == 50.0
+    z = spike.zscores["loss"]
+    assert f"The loss itself was a spike (z = {z:.1f} > loss_zscore=6)" in report.diagnosis
+    assert report.to_dict()["loss_spike"] is True and "param" not in report.diagnosis
+    assert scaler.get_scale() == 2.0**3  # an overflow: backed off, whatever the loss
+
+    ordinary, scaler = _overflow_after_warm_up(1.0)
+    assert ordinary.reason == "overflow" and ordinary.loss_spike is False
+    report = scaler.last_overflow
+    assert "The loss was not a spike" in report.diagnosis and report.loss_spike is False
+
+    infinite, scaler = _overflow_after_warm_up(math.inf)
+    assert infinite.loss_spike is True
+    assert "The loss itself is not finite (inf)" in scaler.last_overflow.diagnosis
+
+
+def test_loss_spike_is_none_where_the_loss_is_not_judged():
+    early, scaler = _overflow_after_warm_up(50.0, warm=5)  # fewer than min_history (20) values
+    assert early.reason == "overflow" and early.loss_spike is None and early.zscores is None
+    assert "spike" not in scaler.last_overflow.diagnosis and scaler.last_overflow.loss_spike is None
+    norm_only, _ = _overflow_after_warm_up(50.0, guard=StepGuard(grad_norm_zscore=6.0, window=20))
+    assert norm_only.reason == "overflow" and norm_only.loss_spike is None  # no loss rule
+    plain = LossScaler(LossScaleConfig(init_scale=2.0), diagnose=True)
+    assert plain.step([np.array([np.inf], np.float32)], lambda: None).loss_spike is None  # no guard
+    plain.update()
+    assert plain.last_overflow.loss_spike is None and plain.last_overflow.reason is None
+    spiked = StepGuard(loss_zscore=6.0, window=20)
+    assert polyamp.guard.judge(spiked, GuardHistory(loss=(1.0, 1.1) * 10), overflow=False, loss=9.0,
+                               grad_norm=None).loss_spike is True  # the same rule as loss_spike's reason
+
+
+def test_a_streak_of_overflows_reports_whether_the_last_loss_was_a_spike():
+    reports = []
+    guard = StepGuard(loss_zscore=6.0, window=20, max_consecutive_skips=2, on_streak=reports.append)
+    scaler = LossScaler(LossScaleConfig(init_scale=2.0**4), guard=guard)
+    for step in range(22):
+        bad = step >= 20
+        grad = np.array([np.inf if bad else 2.0], np.float32)
+        scaler.step([grad], lambda: None, loss=50.0 if bad else 1.0 + 0.01 * (step % 3))
+        scaler.update()
+    (report,) = reports
+    assert report.reasons == ("overflow", "overflow") and report.loss_spike is True
+    assert "last loss 50 (a spike)" in str(report)
 
 
 # -- issue 32, items 9 and 14: losses and settings taken wrongly -------------------------------------

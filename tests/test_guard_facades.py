@@ -410,3 +410,41 @@ def test_make_scaler_guard_only_refuses_settings_it_would_not_use():
 
     with pytest.raises(polyamp.ConfigError, match=r"guard-only.*init_scale would not be used.*Fix: "):
         polyamp.make_scaler(enabled=False, guard=StepGuard(max_grad_norm=1.0), init_scale=1024.0)
+
+
+# -- issue 34, item 5: under fp16 an overflow still says whether its loss was a spike -------------
+def test_torch_facade_under_fp16_autocast_tells_a_bad_batch_from_a_scale_too_high():
+    torch = pytest.importorskip("torch")
+    import polyamp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = polyamp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000, diagnose=True,
+                                guard=StepGuard(loss_zscore=5.0, window=20, min_history=10))
+    seen = {}
+    for step, (x, y) in enumerate(_batches()):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if scaler.last_step_skipped:
+            report = scaler.last_overflow
+            words = "The loss itself was a spike" in report.diagnosis
+            seen[step] = (scaler.last_skip_reason, report.loss_spike, words)
+    # the corrupted batch overflows float16 first; its loss (float32) is still judged a spike
+    assert seen == {SPIKE: ("overflow", True, True)}
+
+
+def test_trainer_fp16_overflow_reports_the_loss_spike():
+    model = Linear()
+    trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=0.05), "float16",
+                                    LossScaleConfig(init_scale=2.0**13, growth_interval=1000),
+                                    guard=StepGuard(loss_zscore=5.0, window=20, min_history=10))
+    with np.errstate(over="ignore", invalid="ignore"):  # the overflow the scaler catches
+        metrics = [trainer.train_step(x, y, mse) for x, y in _batches()]
+    skipped = {i: (m.reason, m.loss_spike) for i, m in enumerate(metrics) if m.skipped}
+    assert skipped == {SPIKE: ("overflow", True)}
+    assert [m.loss_spike for m in metrics[SPIKE + 1:]] == [False] * (len(metrics) - SPIKE - 1)

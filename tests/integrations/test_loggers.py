@@ -4,8 +4,10 @@ history and a TensorBoard event file, read back; no host read between logging in
 from __future__ import annotations
 
 import csv
+import io
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +22,7 @@ def _batches(n=6):
     return [(x, x.sum(1, keepdim=True)) for x in (torch.randn(4, 8, generator=g) for _ in range(n))]
 
 
-def _lightning_fit(scaler, logger, tmp_path):
+def _lightning_fit(scaler, logger, tmp_path, *, max_steps=6, every=3, precision_plugin=True, callback=None):
     import lightning as L
     from lightning.pytorch.plugins import MixedPrecision
 
@@ -38,15 +40,25 @@ def _lightning_fit(scaler, logger, tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    plugins = dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]) if precision_plugin else \
+        dict(precision="16-mixed")  # on CPU Lightning turns this into bf16: no scaler
+    every = {} if every is None else dict(log_every_n_steps=every)  # None: Lightning's default, 50
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=logger, log_every_n_steps=3,
+        warnings.filterwarnings("ignore", module="lightning")
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=logger, **every,
                             enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, default_root_dir=tmp_path,
-                            callbacks=[ScalerMetrics()],  # finds the precision plugin's scaler
-                            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
-        trainer.fit(Net(), torch.utils.data.DataLoader(_batches(), batch_size=None))
+                            callbacks=[callback or ScalerMetrics()],  # finds the precision plugin's scaler
+                            **plugins)
+        trainer.fit(Net(), torch.utils.data.DataLoader(_batches(max_steps), batch_size=None))
     return trainer
+
+
+def _csv_rows(logger):
+    """The rows of the CSV logger's file that hold the scaler's metrics ([] when it wrote no file)."""
+    path = Path(logger.log_dir) / "metrics.csv"
+    with path.open() if path.exists() else io.StringIO() as f:
+        return [r for r in csv.DictReader(f) if r.get("scaler/scale")]
 
 
 def test_lightning_csv_logger_gets_the_metrics_every_log_interval(need, tmp_path):
@@ -57,12 +69,12 @@ def test_lightning_csv_logger_gets_the_metrics_every_log_interval(need, tmp_path
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
     logger = CSVLogger(tmp_path, name="run")
     _lightning_fit(scaler, logger, tmp_path)
-    with open(f"{logger.log_dir}/metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("scaler/scale")]
-    assert [int(r["step"]) for r in rows] == [2, 5]  # Lightning's step column: global_step - 1
-    assert [float(r["scaler/steps"]) for r in rows] == [3.0, 6.0]
-    assert [float(r["scaler/skipped_steps"]) for r in rows] == [1.0, 1.0]
-    assert [float(r["scaler/skipped_last_1000"]) for r in rows] == [1.0, 1.0]
+    rows = _csv_rows(logger)
+    # the first step, then every 3 (the last, step 6, is an interval's); step column: global_step - 1
+    assert [int(r["step"]) for r in rows] == [0, 2, 5]
+    assert [float(r["scaler/steps"]) for r in rows] == [1.0, 3.0, 6.0]
+    assert [float(r["scaler/skipped_steps"]) for r in rows] == [0.0, 1.0, 1.0]
+    assert [float(r["scaler/skipped_last_1000"]) for r in rows] == [0.0, 1.0, 1.0]
     assert float(rows[-1]["scaler/scale"]) == SCALE_AFTER_6 == scaler.get_scale()
 
 
@@ -77,8 +89,62 @@ def test_lightning_tensorboard_logger(need, tmp_path):
     _lightning_fit(GradScaler("cpu", init_scale=2.0**10, growth_interval=100), logger, tmp_path)
     events = EventAccumulator(logger.log_dir)
     events.Reload()
-    assert [e.value for e in events.Scalars("scaler/skipped_steps")] == [1.0, 1.0]
+    skipped = [(e.step, e.value) for e in events.Scalars("scaler/skipped_steps")]
+    assert skipped == [(0, 0.0), (2, 1.0), (5, 1.0)]
     assert events.Scalars("scaler/scale")[-1].value == SCALE_AFTER_6
+
+
+def test_lightning_short_run_logs_its_first_and_last_steps(need, tmp_path):
+    """Issue 34 item 4: 5 steps under Lightning's default interval (50) used to write nothing; now
+    the first and the last step are written (the last after the skip at step 3)."""
+    need("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+    from polyamp.compat.torch import GradScaler
+
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = _lightning_fit(scaler, logger, tmp_path, max_steps=5, every=None)
+    assert trainer.log_every_n_steps == 50
+    rows = _csv_rows(logger)
+    assert [int(r["step"]) for r in rows] == [0, 4]
+    assert [float(r["scaler/steps"]) for r in rows] == [1.0, 5.0]
+    assert [float(r["scaler/skipped_steps"]) for r in rows] == [0.0, 1.0]
+    assert float(rows[-1]["scaler/scale"]) == scaler.get_scale() == 2.0**9
+
+
+def test_lightning_without_a_polyamp_scaler_warns_once(need, tmp_path):
+    """Lightning's "16-mixed" on CPU is bf16 (no scaler): the callback says so once, naming the fix,
+    and logs nothing; with log_every_n_steps=0 (logging off) nothing is written either."""
+    need("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from polyamp.loggers.lightning import ScalerMetrics
+
+    callback = ScalerMetrics()
+    logger = CSVLogger(tmp_path, name="run")
+    says = r"ScalerMetrics will log nothing.*bf16-mixed.*Fix: pass plugins="
+    with pytest.warns(UserWarning, match=says) as got:
+        _lightning_fit(None, logger, tmp_path, max_steps=2, precision_plugin=False, callback=callback)
+        _lightning_fit(None, logger, tmp_path, max_steps=2, precision_plugin=False, callback=callback)
+    assert sum("ScalerMetrics" in str(w.message) for w in got) == 1  # once, over two fits
+    assert _csv_rows(logger) == []
+
+    from polyamp.compat.torch import GradScaler
+
+    off = CSVLogger(tmp_path, name="off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a polyamp scaler: no warning
+        warnings.filterwarnings("ignore", module="lightning")
+        _lightning_fit(GradScaler("cpu"), off, tmp_path, max_steps=2, every=0)
+    assert _csv_rows(off) == []
+
+
+def test_lightning_warns_about_torchs_own_scaler(need, tmp_path):
+    need("lightning")
+    from polyamp.loggers.lightning import ScalerMetrics
+
+    with pytest.warns(UserWarning, match=r"has a GradScaler, which is not polyamp's \(no metrics\(\)\)"):
+        _lightning_fit(torch.amp.GradScaler("cpu"), False, tmp_path, max_steps=1, callback=ScalerMetrics())
 
 
 def test_transformers_trainer_log_history_holds_the_metrics(need, tmp_path):
