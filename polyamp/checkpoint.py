@@ -117,6 +117,15 @@ def of_iteration(iteration: Any) -> dict[str, Any]:
                          iteration.skipped_steps, history)
 
 
+def load_into(iteration: Any, sd: Any) -> None:
+    """Load a state dict into ``iteration``: polyamp's, or Megatron-Core's or DeepSpeed's own scaler
+    state (read with their rule and the iteration's other settings: ``polyamp._foreign_state``);
+    validated whole before anything changes."""
+    if _foreign_state.layout(sd) is not None:
+        sd = _foreign_state.to_polyamp(sd, of_iteration(iteration))
+    apply(iteration, (*from_state_dict(sd), guard_history(sd)))
+
+
 def apply(iteration: Any, parts: tuple[LossScaleConfig, HostState, int, int, GuardHistory | None]) -> None:
     """Load validated ``parts`` (config, state, counters, guard history) into ``iteration``; a guard's
     history is fitted to its window (empty from a checkpoint saved without one)."""

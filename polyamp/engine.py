@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from . import _foreign_state, _guard_values, _inputs, _registry, checkpoint, metrics, overflow
+from . import _guard_values, _inputs, _registry, checkpoint, metrics, overflow
 from . import guard as _guard
 from ._agreement import LOOP as _LOOP
 from ._agreement import Agreed, Agreement
@@ -291,13 +291,9 @@ class LossScaler:
         return checkpoint.of_iteration(self._iteration)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load :meth:`state_dict` output, or Megatron-Core's or DeepSpeed's own scaler state (read
-        with their rule and this scaler's other settings: ``polyamp._foreign_state``); validated
-        whole before anything changes."""
-        if _foreign_state.layout(state_dict) is not None:
-            state_dict = _foreign_state.to_polyamp(state_dict, self.state_now())
-        parts = checkpoint.from_state_dict(state_dict)
-        checkpoint.apply(self._iteration, (*parts, checkpoint.guard_history(state_dict)))
+        """Load :meth:`state_dict` output, or Megatron-Core's or DeepSpeed's own scaler state (their
+        rule, this scaler's other settings); validated whole before anything changes."""
+        checkpoint.load_into(self._iteration, state_dict)
 
     def save(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Write :meth:`state_dict` to a path (atomically; gzip when it ends in .gz) or a binary file."""
