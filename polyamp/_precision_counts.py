@@ -3,7 +3,7 @@
 Per gradient ``g`` (computed in float64; a device without float64 is refused), with ``a = |g|``
 over the finite values (0 elsewhere) and, per target, ``v = a * s``::
 
-    numel, zeros = #(g == 0), nonfinite = #(not isfinite(g))
+    numel, nonfinite = #(not isfinite(g)), zeros = #(g == 0) = numel - nonfinite - #(a > 0)
     amax = max(a), amin = min(a over a > 0)
     underflow = #(v <= m/2) - zeros - nonfinite     (0 < |v| <= m/2: the cast gives 0)
     subnormal = #(v < n - m/2) - #(v <= m/2)         (m/2 < |v| < n - m/2)
@@ -123,7 +123,8 @@ def _one(xp: Any, g: Any, scale: Any, bounds: Sequence[Bounds], kinds: Kinds) ->
     wide = xp.astype(xp.reshape(g, (-1,)), kinds.floats)
     finite = xp.isfinite(wide)
     a = xp.where(finite, xp.abs(wide), xp.zeros_like(wide))
-    zeros, nonfinite = number(wide == 0), const(numel, kinds.ints) - number(finite)
+    nonfinite = const(numel, kinds.ints) - number(finite)
+    zeros = const(numel, kinds.ints) - nonfinite - number(a > 0)  # no ==: paddle's float == is approximate
     amax = xp.max(a)
     neg_amin = -xp.min(xp.where(a > 0, a, xp.full_like(a, math.inf)))
     parts = [const(numel, kinds.ints), zeros, nonfinite]
