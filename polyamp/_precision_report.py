@@ -163,7 +163,8 @@ class PrecisionReport:
         zeros = sum(t.zeros for t in self.tensors)
         nonfinite = sum(t.nonfinite for t in self.tensors)
         step = "" if self.step is None else f", step {self.step}"
-        lines = [f"precision report{step}, {scale}: {len(self.tensors)} gradients, "
+        many = "gradient" if len(self.tensors) == 1 else "gradients"
+        lines = [f"precision report{step}, {scale}: {len(self.tensors)} {many}, "
                  f"{self.numel:,} values ({zeros:,} zero, {nonfinite:,} inf/nan)",
                  "per target: underflow / subnormal / overflow, as % of the finite non-zero values"]
         head = ("name", "values", "amax", "amin", *(t.label for t in self.targets))
