@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", metavar="PATH", help="the checkpoint file")
     inspect.add_argument("--json", action="store_true", help="print the same as JSON")
     inspect.set_defaults(func=_inspect)
+    _add_advise(sub)
+    return parser
+
+
+def _add_advise(sub: Any) -> None:
+    """The ``advise`` subcommand's parser."""
     advise = sub.add_parser(
         "advise", help="what saved gradients lose in float16, bfloat16 or float8, and which scale keeps them",
         description="Read unscaled gradients saved as a dict name -> array (np.savez, or torch.save, read "
@@ -125,7 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: float16:loss bfloat16:1)")
     advise.add_argument("--json", action="store_true", help="print the report as JSON")
     advise.set_defaults(func=_advise)
-    return parser
 
 
 def _inspect(args: argparse.Namespace) -> int:
