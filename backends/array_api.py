@@ -165,6 +165,15 @@ def pack(values: Sequence[Any], like: Any) -> Any:
     return xp.concat([xp.reshape(_dtypes.cast(v, wide), (-1,)) for v in values])
 
 
+@hookimpl
+def precision_counts(grads: Sequence[Any], scale: Any, bounds: Sequence[Any]) -> tuple[Any, Any]:
+    from polyamp import _precision_counts as precision
+
+    xp = array_api_compat.array_namespace(*grads)
+    kinds = precision.array_api_kinds(xp, array_api_compat.device(grads[0]))
+    return precision.count(xp, grads, scale, bounds, kinds)
+
+
 def group_by_device(arrays: Sequence[Any], device: Any) -> dict[str, list[int]]:
     """``{device: [index, ...]}`` of ``arrays`` in their order; ``device(array)`` names one."""
     groups: dict[str, list[int]] = {}

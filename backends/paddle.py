@@ -147,13 +147,16 @@ def cast(array: Any, dtype: str) -> Any:
 
 
 class PaddleNamespace:
-    """The array-API names :func:`polyamp.policy.next_state` uses, for 0-d paddle tensors.
+    """The array-API names :func:`polyamp.policy.next_state` (on 0-d paddle tensors) and
+    :func:`polyamp._precision_counts.count` use.
 
     New constants are made on the place of ``like``, so the update never leaves the device.
     """
 
     float32 = "float32"
     float64 = "float64"
+    int32 = "int32"
+    int64 = "int64"
 
     def __init__(self, like: Any) -> None:
         self._paddle = _paddle()
@@ -177,14 +180,47 @@ class PaddleNamespace:
     def minimum(self, a: Any, b: Any) -> Any:
         return self._paddle.minimum(a, b)
 
-    def asarray(self, value: Any, dtype: str) -> Any:
+    def asarray(self, value: Any, dtype: str, device: Any = None) -> Any:
+        if device is not None:  # a 0-d constant on that place (the counts)
+            return self._paddle.to_tensor(value, dtype=dtype, place=device)
         return self._paddle.full_like(self._like, value, dtype=dtype)
+
+    def full_like(self, x: Any, value: float) -> Any:
+        return self._paddle.full_like(x, value)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return x.reshape(list(shape))
+
+    def abs(self, x: Any) -> Any:
+        return self._paddle.abs(x)
+
+    def count_nonzero(self, x: Any) -> Any:
+        return self._paddle.count_nonzero(x)
+
+    def max(self, x: Any) -> Any:
+        return self._paddle.max(x)
+
+    def min(self, x: Any) -> Any:
+        return self._paddle.min(x)
+
+    def stack(self, arrays: Sequence[Any]) -> Any:
+        return self._paddle.stack(list(arrays))
 
 
 @hookimpl
 def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
     state = LossScaleState(*state)
     return next_state(state, found_inf, config, PaddleNamespace(state.scale))
+
+
+@hookimpl
+def precision_counts(grads: Sequence[Any], scale: Any, bounds: Sequence[Any]) -> tuple[Any, Any]:
+    """The counts' one algorithm over :class:`PaddleNamespace`, in float64."""
+    from polyamp._precision_counts import Kinds, count
+
+    place = grads[0].place
+    kinds = Kinds("float64", "int64", place)
+    return count(PaddleNamespace(grads[0]), grads, scale, bounds, kinds)
 
 
 @hookimpl

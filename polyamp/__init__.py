@@ -1,7 +1,8 @@
 """polyamp: dynamic loss scaling and mixed precision over NumPy, CuPy and PyTorch arrays.
 
 Importing polyamp imports neither torch nor cupy; backends are found when a scaler is built.
-The gradient helpers, the trainer and ``Parameter`` load on first use (``benchmarks/import_time.py``).
+The gradient helpers, the trainer, ``Parameter`` and the precision meter load on first use
+(``benchmarks/import_time.py``).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from .policy import HostState, LossScaleState, next_host_state, next_state
 if TYPE_CHECKING:  # loaded on first use by __getattr__ below; listed here for readers and tools
     from .grads import GradBuffer, ScaledGradientsError, clip_grad_norm_, global_norm
     from .parameter import Parameter
+    from .precision import PrecisionMeter, PrecisionReport
     from .trainer import ArrayLossFn, ArrayModel, MixedPrecisionTrainer, StepMetrics
 
 __version__ = "0.1.0"
@@ -57,6 +59,8 @@ __all__ = [
     "OverflowReport",
     "Parameter",
     "PolyampError",
+    "PrecisionMeter",
+    "PrecisionReport",
     "ScaledGradientsError",
     "ScalerStateError",
     "StateDictError",
@@ -104,7 +108,8 @@ def make_scaler(
 _LAZY = {
     "GradBuffer": "grads", "ScaledGradientsError": "grads", "clip_grad_norm_": "grads",
     "global_norm": "grads", "Parameter": "parameter", "ArrayLossFn": "trainer", "ArrayModel": "trainer",
-    "MixedPrecisionTrainer": "trainer", "StepMetrics": "trainer",
+    "MixedPrecisionTrainer": "trainer", "StepMetrics": "trainer", "PrecisionMeter": "precision",
+    "PrecisionReport": "precision",
 }
 
 

@@ -35,7 +35,7 @@ OPTIONAL_HOOKS = ("scale_array", "all_finite", "cast", "to_host")
 # Optional too: what the core needs from an array library beside the kernels (host views and
 # reads, small arrays made like another, overflow counts); bound on the Backend like the above.
 ARRAY_HOOKS = ("is_host", "host_view", "to_numpy", "from_host", "finite_flags", "overflow_counts",
-               "sum_of_squares", "pack")
+               "sum_of_squares", "pack", "precision_counts")
 # Optional kernels without a generic default: None on the Backend where the plugin lacks them (the
 # core then calls the unfused hooks).
 FUSED_HOOKS = ("unscale_and_squares", "axis_max")
@@ -193,6 +193,19 @@ def sum_of_squares(arrays: Sequence[Any]) -> Any:
     No host read, no change to ``arrays``. Accurate to about 2**-24 relative (a backend may square
     and sum chunks in float32 before adding them in float64); a sum beyond float32's range may
     read inf. Default: the array-API passes of ``polyamp.grads`` (float64 copies in chunks).
+    """
+
+
+@hookspec
+def precision_counts(grads: Sequence[Any], scale: Any, bounds: Sequence[Any]) -> tuple[Any, Any]:
+    """``(counts, extremes)``: a :class:`polyamp.PrecisionMeter`'s exact counts of ``grads`` (the
+    unscaled gradients, non-empty, on one device) for each target's ``bounds``
+    (``polyamp._precision_targets.Bounds``), as :mod:`polyamp._precision_counts` defines them
+    (optional). ``scale`` is the loss scale (a 0-d array or a number).
+
+    Two flat arrays on the gradients' device, no host read, ``grads`` unchanged: ``counts`` int64
+    and ``extremes`` float64 (a device without them is refused with ConfigError). Default: that
+    module's vectorised array-API passes.
     """
 
 

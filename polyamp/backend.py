@@ -44,6 +44,7 @@ class Backend:
     overflow_counts: Callable[[Any], tuple[int, int, int, float]]
     sum_of_squares: Callable[[Sequence[Any]], Any]
     pack: Callable[[Sequence[Any], Any], Any]
+    precision_counts: Callable[[Sequence[Any], Any, Sequence[Any]], tuple[Any, Any]]
     unscale_and_squares: Callable[[Sequence[Any], Any, Any], Any] | None = None  # None: not fused here
     axis_max: Callable[[Any, Any], Any] | None = None  # None: no named mapped axes (only JAX has them)
 

@@ -20,7 +20,8 @@ from ._registry import ENV_VAR, available_backends
 DESCRIPTION = ("Dynamic loss scaling over NumPy, CuPy and PyTorch arrays. 'polyamp info' lists the "
                "backends and the POLYAMP_BACKEND in effect; 'polyamp demo' trains one MLP in float32 "
                "and in float16 without and with loss scaling, and plots the result; 'polyamp inspect "
-               "PATH' shows what a checkpoint holds.")
+               "PATH' shows what a checkpoint holds; 'polyamp advise FILE' what saved gradients lose in "
+               "float16, bfloat16 or float8.")
 
 STDOUT_CLOSED = ("polyamp: error: standard output is closed (started with '>&-'), and every polyamp "
                  "command prints its result there. Fix: redirect it instead of closing it "
@@ -110,7 +111,26 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", metavar="PATH", help="the checkpoint file")
     inspect.add_argument("--json", action="store_true", help="print the same as JSON")
     inspect.set_defaults(func=_inspect)
+    _add_advise(sub)
     return parser
+
+
+def _add_advise(sub: Any) -> None:
+    """The ``advise`` subcommand's parser."""
+    advise = sub.add_parser(
+        "advise", help="what saved gradients lose in float16, bfloat16 or float8, and which scale keeps them",
+        description="Read unscaled gradients saved as a dict name -> array (np.savez, or torch.save, read "
+        "with torch.load(weights_only=True)) and print, per gradient and target format, how many values "
+        "underflow, turn subnormal or overflow at the given loss scale, and advice. Nothing in the file is "
+        "executed. Exits 2 with a one-line error for anything else.",
+    )
+    advise.add_argument("path", metavar="FILE", help="the gradients file")
+    advise.add_argument("--scale", default="1", help="the loss scale of 'loss' targets (default 1: none)")
+    advise.add_argument("--targets", nargs="+", metavar="DTYPE[:SCALE]",
+                        help="formats to judge, SCALE 'loss' (default), 'amax' or a number "
+                        "(default: float16:loss bfloat16:1)")
+    advise.add_argument("--json", action="store_true", help="print the report as JSON")
+    advise.set_defaults(func=_advise)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -127,6 +147,22 @@ def _inspect(args: argparse.Namespace) -> int:
         print(inspect.as_json(found[0] if "where" not in found[0] else found))
     else:
         print("\n\n".join(inspect.format_text(info) for info in found))
+    return 0
+
+
+def _advise(args: argparse.Namespace) -> int:
+    import json
+
+    from . import _advise as advise
+    from ._errors import ConfigError, StateDictError
+
+    try:
+        targets = None if args.targets is None else advise.parse_targets(args.targets)
+        found = advise.report(args.path, advise.parse_scale(args.scale), targets)
+    except (ConfigError, StateDictError) as exc:
+        print(f"polyamp advise: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    print(json.dumps({"file": os.fspath(args.path), **found.to_dict()}, indent=2) if args.json else found)
     return 0
 
 

@@ -29,7 +29,7 @@ from ._errors import ConfigError, ForeignArrayError
 from .config import LossScaleConfig
 from .policy import LossScaleState, next_state
 
-__all__ = ["init", "scale", "unscale", "update", "where_finite"]
+__all__ = ["init", "measure", "scale", "unscale", "update", "where_finite"]
 
 #: The int32 trackers are compared with the intervals; a library without int64 compares in int32.
 _INT32_MAX = 2**31 - 1
@@ -156,6 +156,33 @@ def where_finite(found_inf: Any, new: Any, old: Any) -> Any:
         return xp.where(skip, o, n)
 
     return _pytree.tree_map(pick, new, old)
+
+
+def measure(grads: Any, scale: Any, targets: Any = None) -> Any:
+    """Exact precision counts of the unscaled ``grads`` (a pytree): what casting them, times each
+    target's scale, to its format would lose (:class:`polyamp.PrecisionMeter`'s definitions).
+
+    ``scale``: the loss scale for "loss" targets (the state, its 0-d scale, or a number);
+    ``targets``: a PrecisionMeter or its ``targets`` (None: the meter's default). Returns
+    ``Measured(counts, extremes)``, two flat arrays on the gradients' device, no host read (under
+    ``jax.jit``: traced once; JAX needs ``jax_enable_x64``, as the counts are in float64);
+    ``meter.report(step, scale, names, counts, extremes)`` reads them into a report.
+    """
+    from .precision import PrecisionMeter
+
+    meter = targets if isinstance(targets, PrecisionMeter) else (
+        PrecisionMeter() if targets is None else PrecisionMeter(targets=targets))
+    if isinstance(scale, LossScaleState):
+        scale = scale.scale
+    leaves = [leaf for leaf in _pytree.leaves(grads) if leaf is not None]
+    odd = next((leaf for leaf in leaves if not hasattr(leaf, "shape")), None)
+    if odd is not None:
+        raise TypeError(f"measure needs arrays as gradients, got a {type(odd).__name__} leaf ({odd!r:.40}). "
+                        "Fix: pass the gradients' arrays (a number is no gradient).")
+    if not leaves:
+        raise ValueError(f"measure needs at least one gradient array, got grads={grads!r:.60}. "
+                         "Fix: pass the gradients' pytree (a dict, list or tuple of arrays).")
+    return meter.count(_registry.backend_of(leaves[0]), leaves, scale)
 
 
 # -- helpers ------------------------------------------------------------------------------------
