@@ -106,6 +106,7 @@ class Agreement:
         self._host = _fingerprint.Place(_fingerprint.HOST.xp, "cpu", host=True)  # its buffers are ours
         self._places: dict[Any, Any] = {}  # (xp, device) -> its Place
         self._config: tuple[LossScaleConfig, int] | None = None  # the last config and its crc
+        self._length = 0  # the extra values of the last message (a new count is announced first)
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -150,6 +151,13 @@ class Agreement:
         """
         extras = 0 if extra is None else _size(extra)
         check_extra(extra, MAX_EXTRA)
+        if extras != self._length:  # a message of another length than the last: announced first
+            self._announce(found_inf if extra is None else extra, config, state, payload, extras, whose)
+        return self._agree(found_inf, extra, config, state, payload, extras, whose, maxed)
+
+    def _agree(self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, payload: int,
+               extras: int, whose: int, maxed: tuple[bool, ...] = ()) -> Agreed:
+        """:meth:`flag_and_extra`'s one collective; ``extras`` is the count its fingerprint names."""
         host = self._next(config, payload, extras, whose)
         like = found_inf if extra is None else extra
         on_host = _on_host(found_inf, extra, state)
@@ -158,11 +166,24 @@ class Agreement:
             values = None if extra is None else _host(extra)
         else:
             values = extra
-        wire = self._wire_for(None if on_host else like, host, extras)
+        wire = self._wire_for(None if on_host else like, host, 0 if extra is None else extras)
         wire.maxed = maxed
         fields = self._fields(wire.place, host, state)
         message = self._reduce(wire, wire.send(fields, found_inf, values))
         return self._judge(wire, message, fields, state, like, extra)
+
+    def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
+                  whose: int) -> None:
+        """Before the first message of a new length (``extras`` values: a guard's, a clip's), one
+        message of the fixed length that names it in its fingerprint, checked at once (one read on a
+        GPU): ranks whose lengths differ (a guard or a clip on some ranks only, guards of other
+        shapes) raise RankMismatchError on every rank, instead of meeting in collectives of
+        different sizes, which abort the transport."""
+        self._length = extras
+        mark = len(self._sent)
+        self._agree(_new_flag(like, 0.0), None, config, state, payload, extras, whose)
+        self.verify()
+        del self._sent[mark:]
 
     def sum_payload_(self, storage: Any, payload: int, config: LossScaleConfig, state: Any, *,
                      whose: int = 0) -> Any:
