@@ -20,7 +20,7 @@ scale's bit pattern is rebuilt by comparisons with the powers of two).
 from __future__ import annotations
 
 import hashlib
-from operator import mul
+from operator import itemgetter, mul
 from typing import Any, NamedTuple
 
 import array_api_compat.numpy as np_xp
@@ -49,6 +49,49 @@ N_WORDS, HOST_WORDS = sum(WORDS), sum(WORDS[:HOST_FIELDS])
 def words(values: Any) -> list[int]:
     """Field values (the first ``len(values)`` fields, in order) as their 32-bit words, lowest first."""
     return [(v >> (WIDTH * k)) & _MASK for v, n in zip(values, WORDS) for k in range(n)]
+
+
+#: Each field's mask (its words' bits).
+_MASKS = tuple(2**(WIDTH * n) - 1 for n in WORDS)
+#: The fields that stay the same from one step to the next (their share is kept per value), and the
+#: others (one word each), of a whole fingerprint and of its host fields.
+_STATIC = tuple(FIELDS.index(name) for name in ("config", "payload", "extras", "whose"))
+_DYNAMIC = tuple(i for i in range(len(FIELDS)) if i not in _STATIC)
+_STATIC_OF = itemgetter(*_STATIC)
+_DYNAMIC_ALL = itemgetter(*_DYNAMIC)
+_DYNAMIC_HOST = itemgetter(*(i for i in _DYNAMIC if i < HOST_FIELDS))
+#: How many static shares a place keeps (a few scalers and optimizers; cleared when full).
+_SHARES_KEPT = 256
+assert all(WORDS[i] == 1 for i in _DYNAMIC)
+
+
+def _offset(field: int) -> int:
+    """The index of ``field``'s first word among a fingerprint's words."""
+    return sum(WORDS[:field])
+
+
+def _words_share(host: list[int], fields: tuple[int, ...], digest: Any) -> int:
+    """``sum(w * h)`` (not reduced) over the halves of ``fields``' words."""
+    pairs = digest.pairs
+    total = 0
+    for i in fields:
+        for k in range(WORDS[i]):
+            word, at = (host[i] >> (WIDTH * k)) & _MASK, 2 * (_offset(i) + k)
+            total += pairs[at] * (word & 0xFFFF) + pairs[at + 1] * (word >> 16)
+    return total
+
+
+_DYNAMIC_PAIRS: dict[tuple[int, bool], list[int]] = {}
+
+
+def _dynamic_pairs(digest: Any, full: bool) -> list[int]:
+    """The weights of the dynamic fields' halves, in the order :meth:`Place.share` lists them."""
+    pairs = _DYNAMIC_PAIRS.get((digest.prime, full))
+    if pairs is None:
+        fields = _DYNAMIC if full else tuple(i for i in _DYNAMIC if i < HOST_FIELDS)
+        pairs = _DYNAMIC_PAIRS[(digest.prime, full)] = [
+            digest.pairs[2 * _offset(i) + h] for i in fields for h in (0, 1)]
+    return pairs
 
 
 def _joined(field_words: Any) -> list[Any]:
@@ -156,12 +199,16 @@ def _halves(xp: Any, words: Any) -> Any:
 
 class Fields(NamedTuple):
     """A fingerprint where its message is built: ``host`` the fields known on the host (all ten, or
-    the first HOST_FIELDS), ``state`` the halves of the state's three (on its device) or None,
-    ``words`` the host fields' 32-bit words (:func:`words`)."""
+    the first HOST_FIELDS), each masked to its words, and ``state`` the halves of the state's three
+    (on its device) or None."""
 
     host: list[int]
     state: Any
-    words: list[int]
+
+    @property
+    def words(self) -> list[int]:
+        """The host fields' 32-bit words (:func:`words`)."""
+        return words(self.host)
 
     @property
     def halves(self) -> np.ndarray:
@@ -187,6 +234,7 @@ class Place:
     def __init__(self, xp: Any, device: Any, host: bool = False) -> None:
         self.xp, self.device, self.host = xp, device, host
         self._made: dict[Any, Any] = {}
+        self._shares: dict[Any, int] = {}  # (prime, the static fields' values) -> their share
 
     def constant(self, key: Any, values: np.ndarray) -> Any:
         """``values`` as an array here (made on first use)."""
@@ -204,16 +252,25 @@ class Place:
             scale, growth, backoff = state
             state_words = [_pattern(xp, powers, scale), growth, backoff]
             halves = _halves(xp, xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in state_words]) & _MASK)
-        host = [v & (2**(WIDTH * n) - 1) for v, n in zip(host, WORDS)]
-        return Fields(host, halves, words(host))
+        return Fields([v & mask for v, mask in zip(host, _MASKS)], halves)
 
     def share(self, fields: Fields, digest: Hash) -> Any:
         """``digest`` of every field: the host fields' share on the host, the state's added here (a
         Python int, or a 0-d int64 array here). The host's share is :func:`share`'s in Python ints
         (the same sum mod ``prime``: no array for sixteen numbers)."""
-        n, prime = len(fields.words), digest.prime
-        halves = [h for v in fields.words for h in (v & 0xFFFF, v >> 16)]
-        base = sum(map(mul, digest.pairs, halves)) % prime  # Python ints: exact, reduced once
+        host, prime = fields.host, digest.prime
+        key = (prime, _STATIC_OF(host))  # config, payload, extras, whose: their share kept per value
+        static = self._shares.get(key)
+        if static is None:
+            if len(self._shares) >= _SHARES_KEPT:
+                self._shares.clear()
+            static = self._shares[key] = _words_share(host, _STATIC, digest)
+        full = len(host) == len(FIELDS)
+        dynamic = (_DYNAMIC_ALL if full else _DYNAMIC_HOST)(host)  # one word each
+        halves = [h for v in dynamic for h in (v & 0xFFFF, v >> 16)]
+        pairs = _dynamic_pairs(digest, full)
+        base = (static + sum(map(mul, pairs, halves))) % prime  # Python ints: exact, reduced once
+        n = HOST_WORDS
         if fields.state is None:
             return base
         weights = self.constant(digest.prime, digest.weights[n:])

@@ -284,7 +284,9 @@ class Ranks(Reducer):
         return array
 
     def _allreduce(self, buffer, op):
-        assert op == "max"
+        if op == "sum":  # the one-value message announcing the extras' length: aligned peers, no flag
+            buffer[...] = 0  # the ranks' coefficients sum to 0 mod Q, and no rank found inf
+            return
         fields = fp.HOST.fields([0] * len(fp.FIELDS))
         for r in range(self.size):
             if r != self.rank:  # the peer's message, built as polyamp builds it
