@@ -415,8 +415,8 @@ def _short_vector(a: list[int], q: int) -> list[int]:
 def _one_value_sum(prints: list[fp.Fingerprint], key: int) -> int:
     """The ranks' one-value messages, each built by the wire's own code (a buffer it reuses: copied),
     summed as int64."""
-    messages = [np.array(wire.OneValue(fp.HOST, r, len(prints), key).send(fp.HOST.fields(list(p)), False, None))
-                for r, p in enumerate(prints)]
+    messages = [np.array(wire.OneValue(fp.HOST, r, len(prints), key).send(fp.HOST.fields(list(p)), False,
+                                                                        None)) for r, p in enumerate(prints)]
     return int(np.sum(np.concatenate(messages)))
 
 

@@ -372,7 +372,8 @@ MINE = dict(scale=1024.0, growth_tracker=3, backoff_tracker=1)
 #: what the explanation says for each field
 NAMED = {"config": "config fingerprint", "payload": "0 values summed on this rank",
          "extras": "extra values agreed", "whose": "the flag of scaler/optimizer",
-         "scale": "scale 2**10 on this rank, scale 2**9 on the other", "growth_tracker": "growth_tracker 3 on this rank",
+         "scale": "scale 2**10 on this rank, scale 2**9 on the other",
+         "growth_tracker": "growth_tracker 3 on this rank",
          "backoff_tracker": "backoff_tracker 1 on this rank, backoff_tracker 2 on the other"}
 
 
@@ -382,7 +383,8 @@ def _state(path: str, values: dict):
     scale, growth, backoff = values["scale"], values["growth_tracker"], values["backoff_tracker"]
     if path == "host":
         return HostState(scale, growth, backoff)
-    return LossScaleState(np.array(scale, np.float32), np.array(growth, np.int32), np.array(backoff, np.int32))
+    return LossScaleState(np.array(scale, np.float32), np.array(growth, np.int32),
+                          np.array(backoff, np.int32))
 
 
 def _agree(agreement, path: str, values: dict, extra: bool, field: str | None = None,
