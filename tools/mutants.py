@@ -56,9 +56,8 @@ def _edit(old: str, new: str) -> tuple[tuple[str, str], ...]:
 MUTANTS: tuple[Mutant, ...] = (
     # -- this round (issue 35) -------------------------------------------------------------
     Mutant("trainer-guard-norm-as-sharded", "polyamp._iteration", "Iteration._decision",
-           _edit("else self._sent(self.checks.sumsq)",
-                 "else self._sent(self.checks.sumsq * (1 if self.agreement is None else "
-                 "self.agreement.reducer.size))"),
+           _edit("else self._sent(",  # the rank's values summed over the ranks, as if sharded
+                 "else (1 if self.agreement is None else self.agreement.reducer.size) * self._sent("),
            ("tests/distributed/test_trainer_data_parallel.py", "-k", "gloo"),
            "the data-parallel trainer's guard norm sums its replicated squares over the ranks"),
     Mutant("digest-without-backoff-host", "polyamp._agreement", "_host_state",
@@ -70,7 +69,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/distributed/test_fingerprint.py",),
            "the fingerprint built on the device leaves out the backoff tracker"),
     Mutant("one-coefficient-per-rank", "polyamp.distributed._wire", "coefficient",
-           _edit("((key & 0xFFFFFFFFFFF) << 20) | r", "r"),
+           _edit("(key & 0xFFFFFFFFFFF) << 20", "0"),
            ("tests/distributed/test_digest.py",),
            "the one-int64 message draws one coefficient per rank for every collective"),
     Mutant("lightning-logs-at-batch", "polyamp.loggers.lightning", "ScalerMetrics.on_train_batch_end",
