@@ -6,6 +6,11 @@ The counter (``host_reads``, tests/conftest.py) sees every way a tensor's value 
 path (the fingerprint built and checked on the device) for device arrays; it is forced here on
 CPU tensors, as in tests/distributed/test_fingerprint.py. On CPU tensors the host path reads
 CPU scalars freely (no device to wait for), so counts are asserted on the device-side path.
+
+Where this counter stops: a ``.to("cpu")``/``.cpu()`` of a CPU tensor is no copy and is counted as
+nothing (rightly: on a CPU it costs nothing), so an extra device-to-host copy of the scale in a
+step decision passes here. tests/gpu/test_host_reads_cuda.py counts the same steps on CUDA tensors,
+where that copy is a sync.
 """
 
 from __future__ import annotations

@@ -160,3 +160,28 @@ def test_finite_forward_records_nothing_and_hooks_go_on_exception():
 def test_watch_forward_needs_a_module():
     with pytest.raises(TypeError, match="watch_forward needs a torch.nn.Module"):
         watch_forward([1, 2])
+
+
+def test_an_inf_in_the_last_param_group_only_skips_as_torch_does():
+    """Two param groups (weights decayed, biases not): an inf in a bias of the second group alone
+    skips the step and backs the scale off, as torch.amp.GradScaler does; the first group is checked
+    as well (an inf there alone skips too)."""
+    for group, name in ((1, "4.bias"), (0, "0.weight")):
+        outcomes = []
+        for make in (lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10),
+                     lambda: GradScaler("cpu", init_scale=2.0**10)):
+            model = make_model()
+            named = dict(model.named_parameters())
+            weights = [p for n, p in named.items() if n.endswith("weight")]
+            biases = [p for n, p in named.items() if n.endswith("bias")]
+            opt = torch.optim.SGD([{"params": weights, "weight_decay": 0.01}, {"params": biases}], lr=0.1)
+            scaler = make()
+            backward(model, scaler)
+            named[name].grad.view(-1)[0] = math.inf
+            assert any(p is named[name] for p in opt.param_groups[group]["params"])
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            outcomes.append((unchanged, scaler.get_scale()))
+        assert outcomes[0] == outcomes[1] == (True, 2.0**9), (name, outcomes)

@@ -376,3 +376,69 @@ def test_a_host_state_is_checked_and_explained_on_either_path(monkeypatch, devic
         assert float(agreed.found_inf) == 1.0 and red.collectives == 1  # the device path: skip, then verify
         agreement_.verify()
     assert red.collectives == 2
+
+
+
+def _short_vector(a: list[int], q: int) -> list[int]:
+    """A short non-zero integer ``x`` with ``sum(a * x) = 0 mod q`` (``q`` prime, ``a[0]`` not 0):
+    the first vector of an LLL-reduced basis of the lattice of all such ``x``."""
+    from fractions import Fraction
+
+    n, inv = len(a), pow(a[0], -1, q)
+    basis = [[q] + [0] * (n - 1)] + [[-inv * a[i] % q] + [int(j == i) for j in range(1, n)]
+                                     for i in range(1, n)]
+
+    def dot(u, v):
+        return sum(x * y for x, y in zip(u, v, strict=True))
+
+    def gram_schmidt():
+        ortho, mu = [], [[Fraction(0)] * n for _ in range(n)]
+        for i in range(n):
+            v = [Fraction(x) for x in basis[i]]
+            for j, o in enumerate(ortho):
+                mu[i][j] = dot(basis[i], o) / dot(o, o)
+                v = [x - mu[i][j] * y for x, y in zip(v, o, strict=True)]
+            ortho.append(v)
+        return ortho, mu
+
+    k = 1
+    while k < n:
+        for j in range(k - 1, -1, -1):
+            mu = gram_schmidt()[1]
+            if abs(mu[k][j]) > Fraction(1, 2):
+                basis[k] = [x - round(mu[k][j]) * y for x, y in zip(basis[k], basis[j], strict=True)]
+        ortho, mu = gram_schmidt()
+        if dot(ortho[k], ortho[k]) >= (Fraction(3, 4) - mu[k][k - 1] ** 2) * dot(ortho[k - 1], ortho[k - 1]):
+            k += 1
+        else:
+            basis[k], basis[k - 1] = basis[k - 1], basis[k]
+            k = max(k - 1, 1)
+    return basis[0]
+
+
+def _one_value_sum(prints: list[fp.Fingerprint], key: int) -> int:
+    """The ranks' one-value messages, each built by the wire's own code (a buffer it reuses: copied),
+    summed as int64."""
+    messages = [np.array(wire.OneValue(fp.HOST, r, len(prints), key).send(fp.HOST.fields(list(p)), False,
+                                                                        None)) for r, p in enumerate(prints)]
+    return int(np.sum(np.concatenate(messages)))
+
+
+def test_a_misalignment_that_cancels_in_one_collective_is_found_in_the_next():
+    """Rank 0 ahead and rank 1 behind (in iteration and sequence) by amounts chosen so that their
+    differences cancel in collective 7's linear sum (rank 2 aligned): that one collective is fooled
+    (the 1/Q chance, forced), but every other collective draws fresh coefficients and finds them.
+    Coefficients drawn once per rank for every collective would be fooled every time."""
+    base = _print(iteration=2**15 + 2**31, sequence=2**15)
+    w = fp.LANE.pairs
+    it, seq = w[fp.FIELDS.index("iteration")][0], w[fp.FIELDS.index("sequence")][0]  # low halves
+    key = 7
+    c0, c1 = (wire.coefficient(r, 3, key) for r in (0, 1))
+    x = _short_vector([c0 * it % fp.Q, c0 * seq % fp.Q, c1 * it % fp.Q, c1 * seq % fp.Q], fp.Q)
+    assert max(map(abs, x)) < 2**15 and any(x[:2]) and any(x[2:]), x
+    prints = [base._replace(iteration=base.iteration + x[0], sequence=base.sequence + x[1]),
+              base._replace(iteration=base.iteration + x[2], sequence=base.sequence + x[3]), base]
+    assert len(set(prints)) == 3
+    assert _one_value_read(_one_value_sum(prints, key), 3) == (True, False)  # fooled, by construction
+    for other in [*range(key), *range(key + 1, key + 40), 2**40 + 5]:
+        assert _one_value_read(_one_value_sum(prints, other), 3) == (False, False), other

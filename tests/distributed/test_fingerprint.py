@@ -363,3 +363,73 @@ def test_extra_values_of_cpu_tensors_without_a_numpy_view_are_agreed(path, kind)
     agreed = scaler.agree_(extra=extra)
     assert agreed.extra.dtype == extra.dtype and agreed.extra.tolist() == [3.0, 4.0]
     assert float(agreed.found_inf) == 0.0
+
+
+# -- every field misaligned alone, on the one-int64 path and the two-value path ------------------
+#: field -> the peer's value: the state's three through the state, the agreement's seven host
+#: fields altered as it builds them
+ALONE = {"config": 12345, "iteration": 1, "collective": 2, "sequence": 5, "payload": 9, "extras": 3,
+         "whose": 77, "scale": 512.0, "growth_tracker": 4, "backoff_tracker": 2}
+MINE = dict(scale=1024.0, growth_tracker=3, backoff_tracker=1)
+#: what the explanation says for each field
+NAMED = {"config": "config fingerprint", "payload": "0 values summed on this rank",
+         "extras": "extra values agreed", "whose": "the flag of scaler/optimizer",
+         "scale": "scale 2**10 on this rank, scale 2**9 on the other",
+         "growth_tracker": "growth_tracker 3 on this rank",
+         "backoff_tracker": "backoff_tracker 1 on this rank, backoff_tracker 2 on the other"}
+
+
+def _state(path: str, values: dict):
+    from polyamp.policy import HostState
+
+    scale, growth, backoff = values["scale"], values["growth_tracker"], values["backoff_tracker"]
+    if path == "host":
+        return HostState(scale, growth, backoff)
+    return LossScaleState(np.array(scale, np.float32), np.array(growth, np.int32),
+                          np.array(backoff, np.int32))
+
+
+def _agree(agreement, path: str, values: dict, extra: bool, field: str | None = None,
+           sent: list[int] | None = None) -> list[int]:
+    """One real agreement on a paddle-rule state; ``field``: that host field takes the peer's value.
+    The fingerprint sent is put in ``sent`` (and returned)."""
+    from polyamp._agreement import Agreement
+
+    sent = [] if sent is None else sent
+
+    def next_fields(*args):
+        host = Agreement._next(agreement, *args)
+        if field is not None and field in fp.FIELDS[:fp.HOST_FIELDS]:
+            host[fp.FIELDS.index(field)] = ALONE[field]
+        sent[:] = [*host, scale_bits(values["scale"]), values["growth_tracker"], values["backoff_tracker"]]
+        return host
+
+    agreement._next = next_fields
+    config = LossScaleConfig(rule="paddle", init_scale=1024.0, backoff_interval=3, growth_interval=10)
+    agreed = agreement.flag_and_extra(np.zeros((), np.float32), np.ones(2, np.float32) if extra else None,
+                                      config, _state(path, values))
+    if path == "device":  # the difference is added to the flag; verify() names it
+        assert float(agreed.found_inf) == 1.0
+        agreement.verify()
+    return sent
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["one-int64", "two-value"])
+@pytest.mark.parametrize("field", list(ALONE))
+def test_each_field_of_the_fingerprint_misaligned_alone_is_found(path, field, extra):
+    """Two ranks whose fingerprints differ in ``field`` alone (e.g. the paddle rule's backoff
+    tracker: one rank resumed from another checkpoint) are found in the step's own collective, on
+    both wire formats and both paths, and the explanation names that field."""
+    from polyamp._agreement import Agreement
+
+    assert set(ALONE) == set(fp.FIELDS)
+    recorder = Recorder(peer=True)
+    peer_values = {**MINE, field: ALONE[field]} if field in MINE else MINE
+    peer_print = _agree(Agreement(recorder), "host", peer_values, extra, field)
+    red = PairedWith(recorder, explain=fp.Fingerprint(*peer_print))
+    sent: list[int] = []
+    with pytest.raises(RankMismatchError) as raised:
+        _agree(Agreement(red), path, MINE, extra, sent=sent)
+    assert [a != b for a, b in zip(sent, peer_print, strict=True)] == [f == field for f in fp.FIELDS]
+    text = str(raised.value)
+    assert NAMED.get(field, "collectives are not aligned") in text, text

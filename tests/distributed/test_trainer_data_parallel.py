@@ -64,7 +64,7 @@ def half_mse(output, target):
         return np.sum(diff * diff) / (2 * n), diff / n
 
 
-def train(rank: int, size: int, reducer, kind: str = "numpy", max_grad_norm=None) -> dict:
+def train(rank: int, size: int, reducer, kind: str = "numpy", max_grad_norm=None, guard=None) -> dict:
     """STEPS steps on this rank's shard (the whole batch when ``reducer`` is None)."""
     from polyamp import LossScaleConfig, MixedPrecisionTrainer
 
@@ -76,7 +76,7 @@ def train(rank: int, size: int, reducer, kind: str = "numpy", max_grad_norm=None
 
         model = Linear(w0)
         trainer = MixedPrecisionTrainer(model, SGD(model.parameters(), lr=LR), "float32", config,
-                                        max_grad_norm=max_grad_norm, reducer=reducer)
+                                        max_grad_norm=max_grad_norm, reducer=reducer, guard=guard)
         loss_fn, as_input, weights = half_mse, (lambda a: a), (lambda: model.w.data.copy())
     else:
         import torch
@@ -91,7 +91,8 @@ def train(rank: int, size: int, reducer, kind: str = "numpy", max_grad_norm=None
             return ((output - target) ** 2).sum() / (2 * output.shape[0])
 
         as_input, weights = torch.from_numpy, (lambda: model.weight.detach().numpy().T.copy())
-    out: dict = {"skipped": [], "scales": [], "counts": [], "norms": [], "weights": [weights()]}
+    out: dict = {"skipped": [], "scales": [], "counts": [], "norms": [], "weights": [weights()],
+                 "guard_norms": []}
     for step in range(STEPS):
         x, t = batch_at(step)
         before = reducer.collectives if reducer is not None else 0
@@ -100,6 +101,7 @@ def train(rank: int, size: int, reducer, kind: str = "numpy", max_grad_norm=None
         out["skipped"].append(metrics.skipped)
         out["scales"].append(metrics.loss_scale)
         out["norms"].append(metrics.grad_norm)
+        out["guard_norms"].append(metrics.grad_norm if metrics.verdict is None else metrics.verdict.grad_norm)
         out["weights"].append(weights())
     return out
 
@@ -110,7 +112,15 @@ def data_parallel(rank: int, size: int, group: str, kinds: tuple[str, ...]) -> d
     red = reducer(group)
     runs = {kind: train(rank, size, red, kind) for kind in kinds}
     runs["clipped"] = train(rank, size, red, "numpy", max_grad_norm=0.5)
+    runs["guarded"] = train(rank, size, red, "numpy", guard=norm_guard())
     return runs
+
+
+def norm_guard():
+    """A guard that judges every step's gradient norm but never skips for it."""
+    from polyamp import StepGuard
+
+    return StepGuard(grad_norm_zscore=1e9, window=4, min_history=2)
 
 
 def sgd_bound(weights: list[np.ndarray], skipped: list[bool]) -> list[float]:
@@ -159,6 +169,23 @@ def check_runs(results: list[dict], kinds: tuple[str, ...]) -> None:
         for step in range(STEPS + 1):
             np.testing.assert_array_equal(out["weights"][step], clipped[0]["weights"][step])
     assert max(clipped[0]["norms"][i] for i in range(STEPS) if i != BAD_STEP) > 0.5  # it did clip
+    check_guard_norms([r["guarded"] for r in results])
+
+
+def check_guard_norms(guarded: list[dict]) -> None:
+    """The guard judges the norm of the summed (replicated) gradients: the trainer's own norm on
+    every rank, and one process's norm on the whole batch, whatever the number of ranks (squares
+    summed over the ranks as if the gradients were sharded would grow it by sqrt(ranks))."""
+    single = train(0, 1, None, guard=norm_guard())
+    assert single["skipped"] == [s == BAD_STEP for s in range(STEPS)]
+    for out in guarded:
+        assert out["skipped"] == single["skipped"]
+        for step in range(STEPS):
+            if step == BAD_STEP:
+                continue
+            got, ref = out["guard_norms"][step], single["guard_norms"][step]
+            assert got == out["norms"][step] or abs(got - out["norms"][step]) <= 1e-5 * ref, (step, got)
+            assert abs(got - ref) <= 1e-4 * ref, (step, got, ref)
 
 
 def test_data_parallel_on_two_gloo_ranks_numpy_and_torch(run_gloo):

@@ -22,7 +22,9 @@ def _batches(n=6):
     return [(x, x.sum(1, keepdim=True)) for x in (torch.randn(4, 8, generator=g) for _ in range(n))]
 
 
-def _lightning_fit(scaler, logger, tmp_path, *, max_steps=6, every=3, precision_plugin=True, callback=None):
+def _lightning_fit(scaler, logger, tmp_path, *, max_steps=6, every=3, precision_plugin=True, callback=None,
+                   accumulate=1, logged=None):
+    """``logged``: a list that gets (global_step, name, value) of every ``log`` call."""
     import lightning as L
     from lightning.pytorch.plugins import MixedPrecision
 
@@ -40,17 +42,23 @@ def _lightning_fit(scaler, logger, tmp_path, *, max_steps=6, every=3, precision_
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+        def log(self, name, value, *args, **kwargs):
+            if logged is not None:
+                logged.append((self.trainer.global_step, name, value))
+            super().log(name, value, *args, **kwargs)
+
     plugins = dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]) if precision_plugin else \
         dict(precision="16-mixed")  # on CPU Lightning turns this into bf16: no scaler
     every = {} if every is None else dict(log_every_n_steps=every)  # None: Lightning's default, 50
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module="lightning")
         trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=logger, **every,
+                            accumulate_grad_batches=accumulate,
                             enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, default_root_dir=tmp_path,
                             callbacks=[callback or ScalerMetrics()],  # finds the precision plugin's scaler
                             **plugins)
-        trainer.fit(Net(), torch.utils.data.DataLoader(_batches(max_steps), batch_size=None))
+        trainer.fit(Net(), torch.utils.data.DataLoader(_batches(max_steps * accumulate), batch_size=None))
     return trainer
 
 
@@ -75,6 +83,30 @@ def test_lightning_csv_logger_gets_the_metrics_every_log_interval(need, tmp_path
     assert [float(r["scaler/steps"]) for r in rows] == [1.0, 3.0, 6.0]
     assert [float(r["scaler/skipped_steps"]) for r in rows] == [0.0, 1.0, 1.0]
     assert [float(r["scaler/skipped_last_1000"]) for r in rows] == [0.0, 1.0, 1.0]
+    assert float(rows[-1]["scaler/scale"]) == SCALE_AFTER_6 == scaler.get_scale()
+
+
+def test_lightning_logs_at_optimizer_steps_under_gradient_accumulation(need, tmp_path):
+    """accumulate_grad_batches=2: 12 batches, 6 optimizer steps; the metrics are logged at optimizer
+    steps 3 and 6 (global_step), not at batches 3, 6, 9 and 12, and count optimizer steps."""
+    need("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+    from polyamp.compat.torch import GradScaler
+
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
+    logger, logged = CSVLogger(tmp_path, name="run"), []
+    trainer = _lightning_fit(scaler, logger, tmp_path, accumulate=2, logged=logged)
+    assert trainer.global_step == 6 and scaler.metrics()["steps"] == 6
+    steps = [(step, value) for step, name, value in logged if name == "scaler/steps"]
+    assert {step for step, _ in steps} == {3, 6}, steps  # optimizer steps, not batches
+    assert all(value == step for step, value in steps), steps
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("scaler/scale")]
+    # the first optimizer step's row (written to the loggers directly), then steps 3 and 6; Lightning's
+    # step column: global_step - 1
+    assert [int(r["step"]) for r in rows] == [0, 2, 5]
+    assert [float(r["scaler/steps"]) for r in rows] == [1.0, 3.0, 6.0]
+    assert [float(r["scaler/skipped_steps"]) for r in rows] == [0.0, 1.0, 1.0]  # batch 2: optimizer step 2
     assert float(rows[-1]["scaler/scale"]) == SCALE_AFTER_6 == scaler.get_scale()
 
 
