@@ -27,6 +27,10 @@ class GuardSteps:
         self.histories: dict[int, guard.GuardHistory] = {}
         self.replicated = False  # the shell's gradients are already summed over the ranks (the norm's)
         self.last_verdict: guard.Verdict | None = None
+        self.fields = GuardValues.fields(step_guard)  # the slots it sends, in order
+        self.maxed = GuardValues.maxed(step_guard)  # per slot: combined over the ranks by their max
+        self._settings = to_bytes(step_guard.digest())
+        self._history_bytes: dict[int, tuple[guard.GuardHistory, bytes]] = {}  # group -> its digest
 
     def history_of(self, group: int) -> guard.GuardHistory:
         """The history of ``group`` (empty before its first applied step)."""
@@ -45,7 +49,7 @@ class GuardSteps:
               ) -> guard.Verdict:
         """The flag and the values (combined over ``ranks`` ranks) in the ONE host read, then the rule."""
         overflowed, host = _guard_values.read(backend, flag, sent)
-        loss, norm = GuardValues.unpack(self.guard, host).measured(given_loss, ranks, self.replicated)
+        loss, norm = GuardValues.unpack(self.fields, host).measured(given_loss, ranks, self.replicated)
         verdict = guard.judge(self.guard, self.history_of(group), overflow=overflowed, loss=loss,
                               grad_norm=norm)
         self.last_verdict = verdict
@@ -54,8 +58,11 @@ class GuardSteps:
     def whose(self, whose: int, group: int, given_loss: bool) -> int:
         """``whose`` with the guard's settings, whether this rank gave a loss and the group's history
         folded in (a rank where one differs is a misaligned rank)."""
-        return content_digest(to_bytes(whose), to_bytes(self.guard.digest()), bytes([given_loss]),
-                              to_bytes(self.history_of(group).digest()))
+        history = self.history_of(group)
+        known = self._history_bytes.get(group)
+        if known is None or known[0] is not history:  # a history is immutable: its digest read once
+            known = self._history_bytes[group] = (history, to_bytes(history.digest()))
+        return content_digest(to_bytes(whose), self._settings, bytes([given_loss]), known[1])
 
     def advance(self, verdicts: Iterable[tuple[int, guard.Verdict]]) -> list[guard.GuardReport]:
         """Each group's history and streak after its verdict; the streaks' reports that are due."""

@@ -102,16 +102,17 @@ class GuardValues(NamedTuple):
         """These values added to the fields named (device values, no sync)."""
         return self._replace(**{k: plus(getattr(self, k), v) for k, v in values.items()})
 
-    def pack(self, guard: StepGuard, backend: Backend, like: Any) -> Any:
-        """The slots ``guard`` sends as one 1-d array on ``like``'s device (0 for a value not seen)."""
-        parts = [getattr(self, name) for name in self.fields(guard)]
+    def pack(self, fields: tuple[str, ...], backend: Backend, like: Any) -> Any:
+        """The slots ``fields`` (a guard's :meth:`fields`) as one 1-d array on ``like``'s device (0 for a
+        value not seen)."""
+        parts = [getattr(self, name) for name in fields]
         zero = backend.full(0.0, "float32", like) if any(p is None for p in parts) else None
         return backend.pack([zero if p is None else p for p in parts], like)
 
     @classmethod
-    def unpack(cls, guard: StepGuard, host: list[float]) -> GuardValues:
-        """The host floats read back, by field (the fields ``guard`` does not send stay None)."""
-        return cls(**dict(zip(cls.fields(guard), host)))
+    def unpack(cls, fields: tuple[str, ...], host: list[float]) -> GuardValues:
+        """The host floats read back, by field (the fields not sent stay None)."""
+        return cls(**dict(zip(fields, host)))
 
     def measured(self, given_loss: bool, ranks: int, replicated: bool) -> tuple[float | None, float | None]:
         """(loss, gradient norm) from the values combined over ``ranks`` ranks: the loss the ranks'

@@ -279,7 +279,7 @@ class Iteration:
         if self.guarding is None:
             return None
         backend, state = self.scaling.ready()
-        return measured.pack(self.guarding.guard, backend, state.scale)
+        return measured.pack(self.guarding.fields, backend, state.scale)
 
     # -- the decision -----------------------------------------------------------------------
     def decide(
@@ -466,7 +466,7 @@ _IN_ITERATION = ("a LossScaler can be copied or pickled only between update() an
 def _maxed(guarding: GuardSteps | None, users: int) -> tuple[bool, ...]:
     """Per extra value agreed: whether the ranks' values combine by their max (the guard's rule per
     slot; the user's ``users`` values are summed)."""
-    return () if guarding is None else (False,) * users + GuardValues.maxed(guarding.guard)
+    return () if guarding is None else (False,) * users + guarding.maxed
 
 
 def _first_reason(reasons: set[str | None]) -> str | None:

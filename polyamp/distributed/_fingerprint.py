@@ -55,8 +55,9 @@ def words(values: Any) -> list[int]:
 _MASKS = tuple(2**(WIDTH * n) - 1 for n in WORDS)
 #: The fields that stay the same from one step to the next (their share is kept per value), and the
 #: others (one word each), of a whole fingerprint and of its host fields.
-_STATIC = tuple(FIELDS.index(name) for name in ("config", "payload", "extras", "whose"))
-_DYNAMIC = tuple(i for i in range(len(FIELDS)) if i not in _STATIC)
+_STATIC = tuple(FIELDS.index(name) for name in ("config", "payload", "extras"))
+_WHOSE = FIELDS.index("whose")  # the same from step to step, unless a guard's history moves it
+_DYNAMIC = tuple(i for i in range(len(FIELDS)) if i not in (*_STATIC, _WHOSE))
 _STATIC_OF = itemgetter(*_STATIC)
 _DYNAMIC_ALL = itemgetter(*_DYNAMIC)
 _DYNAMIC_HOST = itemgetter(*(i for i in _DYNAMIC if i < HOST_FIELDS))
@@ -65,9 +66,8 @@ _SHARES_KEPT = 256
 assert all(WORDS[i] == 1 for i in _DYNAMIC)
 
 
-def _offset(field: int) -> int:
-    """The index of ``field``'s first word among a fingerprint's words."""
-    return sum(WORDS[:field])
+#: The index of each field's first word among a fingerprint's words.
+_OFFSETS = tuple(sum(WORDS[:i]) for i in range(len(WORDS)))
 
 
 def _words_share(host: list[int], fields: tuple[int, ...], digest: Any) -> int:
@@ -76,7 +76,7 @@ def _words_share(host: list[int], fields: tuple[int, ...], digest: Any) -> int:
     total = 0
     for i in fields:
         for k in range(WORDS[i]):
-            word, at = (host[i] >> (WIDTH * k)) & _MASK, 2 * (_offset(i) + k)
+            word, at = (host[i] >> (WIDTH * k)) & _MASK, 2 * (_OFFSETS[i] + k)
             total += pairs[at] * (word & 0xFFFF) + pairs[at + 1] * (word >> 16)
     return total
 
@@ -90,7 +90,7 @@ def _dynamic_pairs(digest: Any, full: bool) -> list[int]:
     if pairs is None:
         fields = _DYNAMIC if full else tuple(i for i in _DYNAMIC if i < HOST_FIELDS)
         pairs = _DYNAMIC_PAIRS[(digest.prime, full)] = [
-            digest.pairs[2 * _offset(i) + h] for i in fields for h in (0, 1)]
+            digest.pairs[2 * _OFFSETS[i] + h] for i in fields for h in (0, 1)]
     return pairs
 
 
@@ -259,12 +259,9 @@ class Place:
         Python int, or a 0-d int64 array here). The host's share is :func:`share`'s in Python ints
         (the same sum mod ``prime``: no array for sixteen numbers)."""
         host, prime = fields.host, digest.prime
-        key = (prime, _STATIC_OF(host))  # config, payload, extras, whose: their share kept per value
-        static = self._shares.get(key)
-        if static is None:
-            if len(self._shares) >= _SHARES_KEPT:
-                self._shares.clear()
-            static = self._shares[key] = _words_share(host, _STATIC, digest)
+        # config, payload, extras; whose (it changes with a guard's history): each share kept per value
+        static = self._static_share(digest, (prime, _STATIC_OF(host)), host, _STATIC)
+        static += self._static_share(digest, (prime, host[_WHOSE]), host, (_WHOSE,))
         full = len(host) == len(FIELDS)
         dynamic = (_DYNAMIC_ALL if full else _DYNAMIC_HOST)(host)  # one word each
         halves = [h for v in dynamic for h in (v & 0xFFFF, v >> 16)]
@@ -275,6 +272,15 @@ class Place:
             return base
         weights = self.constant(digest.prime, digest.weights[n:])
         return share(self.xp, fields.state, weights, digest.prime, base)
+
+    def _static_share(self, digest: Hash, key: Any, host: list[int], fields: tuple[int, ...]) -> int:
+        """The share of ``fields`` (fields that stay the same from step to step), kept per ``key``."""
+        known = self._shares.get(key)
+        if known is None:
+            if len(self._shares) >= _SHARES_KEPT:
+                self._shares.clear()
+            known = self._shares[key] = _words_share(host, fields, digest)
+        return known
 
     def encode(self, fields: Fields, encoding: Encoding) -> Any:
         """The fields as ``encoding.size`` float64 values here (field by field, lowest digit first)."""

@@ -430,8 +430,12 @@ def test_a_misalignment_that_cancels_in_one_collective_is_found_in_the_next():
     (the 1/Q chance, forced), but every other collective draws fresh coefficients and finds them.
     Coefficients drawn once per rank for every collective would be fooled every time."""
     base = _print(iteration=2**15 + 2**31, sequence=2**15)
-    w = fp.LANE.pairs
-    it, seq = w[fp.FIELDS.index("iteration")][0], w[fp.FIELDS.index("sequence")][0]  # low halves
+    w = fp.LANE.pairs  # per 32-bit word: the low half's weight, then the high half's
+
+    def low(name):
+        return w[2 * sum(fp.WORDS[:fp.FIELDS.index(name)])]
+
+    it, seq = low("iteration"), low("sequence")  # the low halves' weights
     key = 7
     c0, c1 = (wire.coefficient(r, 3, key) for r in (0, 1))
     x = _short_vector([c0 * it % fp.Q, c0 * seq % fp.Q, c1 * it % fp.Q, c1 * seq % fp.Q], fp.Q)
