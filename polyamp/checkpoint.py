@@ -63,14 +63,7 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
     if not isinstance(sd, dict):
         raise StateDictError(f"state_dict must be a dict, got {type(sd).__name__}")
     if sd.get("format") != FORMAT:
-        foreign = _foreign_state.layout(sd)
-        fix = "" if foreign is None else (
-            f". It is {foreign}'s own scaler state: load it with LossScaler.load_state_dict(sd) on a scaler "
-            f"built with that run's settings (it is read with rule={foreign!r}; docs/checkpoints.md)")
-        raise StateDictError(
-            f"state_dict has format={short_repr(sd.get('format'))}, expected {FORMAT!r}: it was not "
-            f"written by polyamp.LossScaler.state_dict() (facades load their own formats){fix}"
-        )
+        raise _not_ours(sd)
     version = sd.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version > VERSION or version < 1:
         raise StateDictError(
@@ -102,6 +95,18 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
             "written by LossScaler.state_dict(), or correct those counters."
         )
     return config, HostState(scale, growth, backoff), steps, skipped
+
+
+def _not_ours(sd: dict[str, Any]) -> StateDictError:
+    """The error for a dict of another format (naming a foreign scaler's layout and how to load it)."""
+    foreign = _foreign_state.layout(sd)
+    fix = "" if foreign is None else (
+        f". It is {foreign}'s own scaler state: load it with LossScaler.load_state_dict(sd) on a scaler "
+        f"built with that run's settings (it is read with rule={foreign!r}; docs/checkpoints.md)")
+    return StateDictError(
+        f"state_dict has format={short_repr(sd.get('format'))}, expected {FORMAT!r}: it was not "
+        f"written by polyamp.LossScaler.state_dict() (facades load their own formats){fix}"
+    )
 
 
 def guard_history(sd: dict[str, Any]) -> GuardHistory | None:

@@ -45,10 +45,9 @@ def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | N
     :func:`current_scale`; on an overflow the updates are zeros and the inner state is kept.
     Extra keyword arguments (``value=`` for ``reduce_on_plateau``, line searches) go to ``inner``
     as given: pass the unscaled loss as ``value``, since the scale moves.
-    ``config`` is a :class:`polyamp.LossScaleConfig` (torch's defaults when None).
-    Gradient accumulation goes inside: ``loss_scaled(optax.MultiSteps(inner, k))`` (an overflowing
-    micro-batch is dropped, the accumulated ones kept); ``optax.MultiSteps(loss_scaled(inner), k)``
-    keeps NaN in its accumulator after one overflow, so :func:`current_scale` refuses its state.
+    ``config``: a :class:`polyamp.LossScaleConfig` (torch's defaults when None). Accumulate inside:
+    ``loss_scaled(optax.MultiSteps(inner, k))``; the other order keeps NaN in MultiSteps' accumulator
+    after one overflow, so :func:`current_scale` refuses its state.
     """
     config = functional.config_or_default(config)
     if not (hasattr(inner, "init") and hasattr(inner, "update")):

@@ -182,3 +182,23 @@ def test_largest_class_and_the_printed_table(tool, tree, modules, capsys):
     with pytest.raises(SystemExit):
         tool.main([str(tree / "missing")])
     assert "'" + str(tree / "missing") + "' does not exist" in capsys.readouterr().err
+
+
+def test_the_tree_holds_the_redesigns_targets(tool):
+    """polyamp's own tree (issue 31's targets): no host attributes declared by mixins, no reads of
+    another module's private names, no function over 40 lines, no module pairs importing each
+    other, ``Iteration`` at most 300 lines and ``LossScaler`` at most 250."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    modules = [m for d in ("polyamp", "compat", "backends") for m in tool.load(str(root / d))]
+    assert tool.declared_host_attributes(modules)[0] == []
+    assert tool.foreign_self_reads(modules) == []
+    assert tool.long_functions(modules) == []
+    assert tool.mutual_imports(modules) == []
+    sizes = {}
+    for name, cls in (("_iteration.py", "Iteration"), ("engine.py", "LossScaler")):
+        tree = ast.parse((root / "polyamp" / name).read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        sizes[cls] = node.end_lineno - node.lineno + 1
+    assert sizes["Iteration"] <= 300 and sizes["LossScaler"] <= 250, sizes
