@@ -1,8 +1,10 @@
-"""Shared fixtures: a backend fixture over every backend that can run here, and array makers."""
+"""Shared fixtures: a backend fixture over every backend that can run here, and array makers;
+the suite's parallel layout (pytest-xdist) and its hypothesis profiles."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -39,6 +41,63 @@ def _to_numpy(a):
     if hasattr(a, "numpy"):
         return a.detach().cpu().numpy()
     return np.asarray(a)
+
+
+# -- running in parallel (README's `python -m pytest -n auto`) ----------------------------------------
+#: Fixtures that start several processes (gloo ranks, a job under mpirun).
+RANK_FIXTURES = frozenset({"run_gloo", "run_mpi"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``-n N`` without ``--dist`` distributes as ``--dist loadgroup`` (xdist's own default is
+    ``load``, which ignores the groups below). Without pytest-xdist nothing changes."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "no":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(xdist's controller) A worker parses the command line again, where ``--dist`` may be absent:
+    it is told the mode chosen above."""
+    node.workerinput["polyamp_dist"] = node.config.option.dist
+
+
+def pytest_configure(config):
+    if getattr(config, "workerinput", {}).get("polyamp_dist") == "loadgroup":
+        config.option.loadgroup = True  # the worker names each test's group, as xdist does for --dist
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Tests that start several processes (a ``run_gloo``/``run_mpi`` job, or marked ``ranks``) run
+    one at a time on one xdist worker (``xdist_group("ranks")``): jobs never share the 2 cores
+    with each other, and a free port is never raced for by two jobs. The others spread over the
+    workers."""
+    for item in items:
+        if RANK_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.get_closest_marker("ranks"):
+            item.add_marker(pytest.mark.ranks)  # -m "not ranks" leaves every one out
+            item.add_marker(pytest.mark.xdist_group("ranks"))
+
+
+# -- hypothesis: "quick" by default, "slow" (nightly, before a release) with every test's full count ---
+#: A costly property test asks for ``n * settings.default.max_examples // 100`` examples: its full
+#: ``n`` under "slow", a quarter under "quick" (the default). Choose with ``--hypothesis-profile slow``
+#: (hypothesis's own option) or POLYAMP_HYPOTHESIS_PROFILE=slow.
+PROFILE_ENV_VAR = "POLYAMP_HYPOTHESIS_PROFILE"
+
+
+def _register_profiles() -> None:
+    try:
+        from hypothesis import settings
+    except ImportError:  # the suite's property tests skip without it
+        return
+    settings.register_profile("slow", max_examples=100)  # hypothesis's own default: the full counts
+    settings.register_profile("quick", max_examples=25)
+    settings.load_profile(os.environ.get(PROFILE_ENV_VAR, "quick"))
+
+
+_register_profiles()
 
 
 BACKENDS = ["numpy", "torch", "array_api", "cupy", "paddle"]

@@ -74,8 +74,13 @@ def test_paddle_facade_state_dict_as_json(tmp_path, capsys):
 
 
 class Boom:
+    """Unpickling it writes ``marker``: the file exists only if a pickle's code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
     def __reduce__(self):
-        return (Path.write_text, (Path("/tmp/polyamp-inspect-executed"), "x"))
+        return (Path.write_text, (self.marker, "x"))
 
 
 @pytest.mark.parametrize(("content", "words"), [
@@ -91,18 +96,18 @@ class Boom:
     ("pickle", "torch.load(weights_only=True)"),  # read as a torch.save file, never fully unpickled
 ])
 def test_anything_else_exits_2_with_one_line(tmp_path, content, words):
-    path = tmp_path / "x"
+    path, marker = tmp_path / "x", tmp_path / "executed"  # this test's own: no run leaves it for another
     if content == "dir":
         path.mkdir()
     elif content == "pickle":
-        path.write_bytes(pickle.dumps(Boom()))
+        path.write_bytes(pickle.dumps(Boom(marker)))
     elif content is not None:
         path.write_bytes(content)
     out = _run(str(path))
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("polyamp inspect: error: ") and words in lines[0]
-    assert not Path("/tmp/polyamp-inspect-executed").exists()  # nothing in the file ran
+    assert not marker.exists()  # nothing in the file ran
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")

@@ -97,7 +97,7 @@ def test_ci_reruns_the_plugin_tests_with_the_newest_pluggy():
     """The constraints pin one pluggy; CI also runs the plugin tests with the newest (issue 15)."""
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
     upgrade = lines.index('python -m pip install -q -U "$pluggy_req"')
-    assert lines.index("python -m pytest") < upgrade  # the whole suite first, with the pinned one
+    assert lines.index("python -m pytest -n auto") < upgrade  # the whole suite first, with the pinned one
     rerun = " ".join(lines[upgrade + 1:])
     assert "python -m pytest" in rerun and "tests/test_hookspecs.py" in rerun
     assert 'startswith("pluggy")' in lines[upgrade - 1] and "pluggy_req=" in lines[upgrade - 1]

@@ -78,7 +78,7 @@ long_runs = st.builds(
 overflow_seqs = st.one_of(short_seqs, long_runs)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300 * settings.default.max_examples // 100, deadline=None)
 @given(config=configs(), overflows=overflow_seqs)
 def test_host_rule_matches_model(config, overflows):
     state = HostState(float(np.float32(config.init_scale)))
@@ -89,7 +89,7 @@ def test_host_rule_matches_model(config, overflows):
     assert got == model_run(config, overflows)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100 * settings.default.max_examples // 100, deadline=None)
 @given(config=configs(), overflows=overflow_seqs)
 def test_array_rule_matches_model_numpy_and_strict(config, overflows):
     import array_api_compat.numpy as xnp
@@ -127,7 +127,7 @@ def _kernel_runs(config, overflows):
         yield info.name, got
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40 * settings.default.max_examples // 100, deadline=None)
 @given(config=configs(), overflows=overflow_seqs)
 def test_every_backend_kernel_matches_model(config, overflows):
     for name, got in _kernel_runs(config, overflows):
@@ -146,7 +146,7 @@ every_rule = st.builds(_with_rule, configs(), st.sampled_from(["torch", "paddle"
                        st.booleans())
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40 * settings.default.max_examples // 100, deadline=None)
 @given(config=every_rule, overflows=overflow_seqs)
 def test_every_backend_kernel_matches_the_readable_rule_for_every_rule(config, overflows):
     """Every backend's update kernel against next_host_state, for each LossScaleConfig.rule (the
@@ -293,7 +293,7 @@ def rule_configs(draw):
                            backoff_interval=draw(st.integers(1, 4)), **extra)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300 * settings.default.max_examples // 100, deadline=None)
 @given(config=rule_configs(), growth=st.integers(0, 40), backoff=st.integers(0, 40),
        overflows=st.lists(st.booleans(), min_size=1, max_size=30))
 def test_a_fitted_state_moves_the_scale_as_the_unfitted_one(config, growth, backoff, overflows):

@@ -55,7 +55,7 @@ def test_readme_test_command_is_what_ci_runs():
     """The test command README shows (after ``&&``) is a line of .ci/run, after the same install."""
     ci = (README.parent / ".ci" / "run").read_text()
     (shown,) = re.findall(r'^pip install -e "\.\[test\]" && (.+)$', README.read_text(), re.M)
-    assert shown == "python -m pytest"
+    assert shown == "python -m pytest -n auto"  # on every core (pytest-xdist)
     assert 'pip install -q -c .ci/constraints.txt -e ".[test]"' in ci and f"\n{shown}\n" in ci
     assert ci.index('-e ".[test]"') < ci.index(f"\n{shown}\n")
 
@@ -194,7 +194,7 @@ def test_readme_says_how_to_keep_a_cpu_install_small():
 
     text = README.read_text()
     cpu = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
-    test = 'pip install -e ".[test]" && python -m pytest'
+    test = 'pip install -e ".[test]" && python -m pytest -n auto'
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if cpu in b]
     assert block.index(cpu) < block.index(test)
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11

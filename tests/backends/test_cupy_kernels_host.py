@@ -229,7 +229,7 @@ configs_every_rule = st.builds(_with_rule, configs,
                                st.booleans())
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300 * settings.default.max_examples // 100, deadline=None)
 @given(config=configs_every_rule, flags=update_flags)
 def test_update_kernel_agrees_with_the_policy(cupy_host_update, config, flags):
     state = HostState(float(np.float32(config.init_scale)), 0, 0)
@@ -279,7 +279,7 @@ torch_rule_configs = st.builds(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200 * settings.default.max_examples // 100, deadline=None)
 @given(config=torch_rule_configs, flags=update_flags)
 def test_update_kernel_agrees_with_torchs_own_update(cupy_host_update, torch_amp_update, config, flags):
     """The kernel against ``torch._amp_update_scale_`` itself, not only the policy's reference."""

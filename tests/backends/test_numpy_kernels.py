@@ -123,7 +123,7 @@ def random_f32(rng: np.random.Generator, n: int, spread: int = 40, scale: float 
 
 
 # ----------------------------------------------------------------------------- against torch
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60 * settings.default.max_examples // 100, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
     sizes=st.lists(st.integers(0, 300), min_size=1, max_size=4),

@@ -140,7 +140,7 @@ def paddle_configs(draw):
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60 * settings.default.max_examples // 100, deadline=None)
 @given(config=paddle_configs(), overflows=st.lists(st.booleans(), min_size=1, max_size=25))
 def test_update_matches_next_host_state(backend, config, overflows):
     like = paddle.zeros([])

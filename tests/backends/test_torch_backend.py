@@ -58,7 +58,7 @@ scales = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150 * settings.default.max_examples // 100, deadline=None)
 @given(
     specs=st.lists(grad_spec, min_size=1, max_size=6),
     scale=scales,
@@ -141,7 +141,7 @@ def configs(draw):
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200 * settings.default.max_examples // 100, deadline=None)
 @given(config=configs(), flags=st.lists(st.sampled_from([0.0, 0.0, 1.0, 2.0]), max_size=25))
 def test_update_scale_equals_next_host_state(backend, config, flags):
     host = HostState(float(np.float32(config.init_scale)), 0, 0)
@@ -206,7 +206,7 @@ def test_cast_to_an_unknown_dtype_names_it(backend):
         backend.cast(torch.ones(1), "int8")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300 * settings.default.max_examples // 100, deadline=None)
 @given(scale=st.floats(2.0**-149, 3.4028234663852886e38, allow_infinity=False, width=32))
 def test_inverse_scale_is_float32_of_the_float64_reciprocal(scale):
     got = torch_backend.inverse_scale(torch.tensor(scale, dtype=torch.float32))
@@ -216,7 +216,7 @@ def test_inverse_scale_is_float32_of_the_float64_reciprocal(scale):
     assert got.numpy().view(np.int32) == expected.view(np.int32)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150 * settings.default.max_examples // 100, deadline=None)
 @given(
     init=st.one_of(st.floats(1e-30, 3e38), st.sampled_from([2.0**-126, 3 * 2.0**-126, 2.0**16])),
     factors=st.sampled_from([(2.0, 0.5), (1.5, 0.3), (3.0, 0.7), (1.0001, 0.999), (10.0, 0.1)]),

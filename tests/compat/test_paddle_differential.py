@@ -461,7 +461,8 @@ def test_update_without_step_and_repeated_update_match_paddle(real):
     assert ours.scaler.state_dict()["scale"][0] == 2.0**7
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25 * settings.default.max_examples // 100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     overflows=st.lists(st.booleans(), min_size=1, max_size=30),
     incr=st.integers(1, 4), decr=st.integers(1, 3),

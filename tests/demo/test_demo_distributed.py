@@ -29,6 +29,8 @@ import pytest
 from polyamp import ConfigError
 from polyamp.demo.world import World, join
 
+pytestmark = pytest.mark.ranks  # mpirun and torchrun jobs: one at a time under xdist (tests/conftest.py)
+
 ARGS = ["demo", "--steps", "12", "--batch", "512", "--no-plot", "--no-progress"]
 PRINTED_UNIT = 1e-4  # the final loss is printed with 4 decimals
 TIMEOUT = 180

@@ -31,6 +31,38 @@ def _load(target: str):
     return getattr(module, name)
 
 
+_loaded: dict[str, object] = {}
+
+
+def run_cases(rank: int, size: int, cases: list[tuple[str, str, tuple]]) -> dict[str, dict]:
+    """Each ``(name, FILE::NAME, args)`` of ``cases`` in turn on this rank's one process group (or
+    MPI job): name -> the record a job of its own would leave (a raising case does not stop the
+    next). conftest.run_shared launches it, for cases that need no fresh group."""
+    records = {}
+    for name, target, args in cases:
+        if target not in _loaded:
+            _loaded[target] = _load(target)
+        records[name] = _call(_loaded[target], rank, size, args)
+    return records
+
+
+def _call(fn, rank: int, size: int, args: tuple) -> dict:
+    """``fn(rank, size, *args)``: its value, or the exception it raised, and the seconds it ran."""
+    record = {"value": None, "error": None, "error_type": "", "error_message": "", "traceback": ""}
+    start = time.monotonic()
+    try:
+        record["value"] = fn(rank, size, *args)
+    except BaseException as exc:  # the host reports it
+        record.update(
+            error=exc,
+            error_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            error_message=str(exc),
+            traceback=traceback.format_exc(),
+        )
+    record["elapsed"] = time.monotonic() - start
+    return record
+
+
 def _init_gloo(rank: int, size: int, port: int, pg_timeout: float) -> None:
     from datetime import timedelta
 
@@ -70,19 +102,7 @@ def main() -> None:
         (out / f"rank{rank}.pid").write_text(str(os.getpid()))
     fn = _load(target)
     args = pickle.loads(Path(args_path).read_bytes())
-    record = {"value": None, "error": None, "error_type": "", "error_message": "", "traceback": ""}
-    start = time.monotonic()
-    try:
-        record["value"] = fn(rank, size, *args)
-    except BaseException as exc:  # the host reports it
-        record.update(
-            error=exc,
-            error_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-            error_message=str(exc),
-            traceback=traceback.format_exc(),
-        )
-    record["elapsed"] = time.monotonic() - start
-    _write(out, rank, record)
+    _write(out, rank, _call(fn, rank, size, args))
     sys.stdout.flush()
     sys.stderr.flush()
     if mode == "gloo":

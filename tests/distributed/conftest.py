@@ -222,6 +222,57 @@ def run_mpi_job(
     return Job(_read(out, size), proc.returncode, timed_out, time.monotonic() - start, output)
 
 
+def _worker_module():
+    """_worker.py as a module (its run_cases is what a shared job runs on every rank)."""
+    name = "polyamp_tests_dist_worker"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, WORKER)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_shared_job(
+    launch: Callable[..., Job], size: int, cases: dict[str, tuple], **kwargs: Any
+) -> dict[str, Job]:
+    """One job (``launch`` is ``run_gloo`` or ``run_mpi``) of ``size`` ranks running every case of
+    ``cases`` (name -> ``(fn, *args)``) in turn on one process group; name -> that case's Job, as a
+    job of its own would have returned it. For cases whose ranks all finish their collectives (no
+    fault, no mismatch left pending): a fresh group for each would prove nothing more. A test of
+    such a case takes the ``run_shared`` fixture."""
+    calls = [(name, _target(fn), tuple(args)) for name, (fn, *args) in cases.items()]
+    kwargs.setdefault("timeout", JOB_TIMEOUT * len(cases))  # each case its own job's time
+    job = launch(_worker_module().run_cases, size, calls, **kwargs)
+    jobs = {}
+    for name in cases:
+        ranks = [RankOutcome(r.rank, log=r.log) if not r.finished or r.error_type else
+                 RankOutcome(r.rank, finished=True, log=r.log, **r.value[name]) for r in job.ranks]
+        for shared, own in zip(job.ranks, ranks):
+            if shared.error_type:  # run_cases itself failed: every case says so
+                own.finished, own.error_type, own.traceback = True, shared.error_type, shared.traceback
+        jobs[name] = Job(ranks, job.returncode, job.timed_out, job.wall, job.output, job.details)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def shared_jobs() -> dict[str, dict[str, Job]]:
+    """A test module's shared jobs (run_shared), launched by its first test that needs them."""
+    return {}
+
+
+@pytest.fixture
+def run_shared(shared_jobs) -> Callable[..., dict[str, Job]]:
+    """``run_shared(key, launch, size, cases, **kwargs)``: the module's shared job ``key``
+    (:func:`run_shared_job`), launched the first time a test asks for it."""
+    def run(key: str, launch: Callable[..., Job], size: int, cases: dict[str, tuple], **kwargs: Any):
+        if key not in shared_jobs:
+            shared_jobs[key] = run_shared_job(launch, size, cases, **kwargs)
+        return shared_jobs[key]
+
+    return run
+
+
 @pytest.fixture
 def run_gloo(tmp_path) -> Callable[..., Job]:
     """``run_gloo(fn, size, *args, pg_timeout=10.0, timeout=JOB_TIMEOUT) -> Job`` (skips without torch)."""

@@ -129,9 +129,20 @@ def check(results: list[dict], size: int) -> None:
         assert "StepGuard history" in out["mismatch"] and out["mismatch_applied"] == []
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo, size):
-    check(run_gloo(guard_run, size, "torch").results(), size)
+def two_ranks(run_gloo, run_shared) -> dict:
+    """The module's 2-rank gloo cases, each run to its end on every rank, in one job (one group)."""
+    return run_shared("gloo2", run_gloo, 2, {
+        "guard": (guard_run, "torch"), "sharded": (sharded_run,), "trainer": (trainer_run, "torch"),
+        "trainer_clean": (trainer_run, "torch", False), "paddle": (paddle_run, "torch"),
+    }, pg_timeout=30.0)
+
+
+def test_a_spike_on_one_rank_is_skipped_by_every_rank_gloo_2_ranks(run_gloo, run_shared):
+    check(two_ranks(run_gloo, run_shared)["guard"].results(), 2)
+
+
+def test_a_spike_on_one_rank_is_skipped_by_every_rank_gloo_3_ranks(run_gloo):
+    check(run_gloo(guard_run, 3, "torch").results(), 3)
 
 
 def test_a_spike_on_one_rank_is_skipped_by_every_rank_mpi(run_mpi):
@@ -173,8 +184,8 @@ def check_sharded(results: list[dict]) -> None:
         assert out["reasons"].count(None) == STEPS - 1, out["reasons"]
 
 
-def test_sharded_scaler_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo):
-    check_sharded(run_gloo(sharded_run, 2).results())
+def test_sharded_scaler_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo, run_shared):
+    check_sharded(two_ranks(run_gloo, run_shared)["sharded"].results())
 
 
 def trainer_run(rank: int, size: int, group: str, guarded: bool = True) -> dict:
@@ -233,11 +244,11 @@ def check_trainer(results: list[dict]) -> None:
         np.testing.assert_array_equal(out["w"], results[0]["w"])  # the masters stay equal
 
 
-def test_trainer_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo):
-    guarded = run_gloo(trainer_run, 2, "torch").results()
+def test_trainer_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo, run_shared):
+    guarded = two_ranks(run_gloo, run_shared)["trainer"].results()
     check_trainer(guarded)
     # the loss curve stays on the course of a run that never saw the corrupted batch, bit for bit
-    clean = run_gloo(trainer_run, 2, "torch", False).results()
+    clean = two_ranks(run_gloo, run_shared)["trainer_clean"].results()
     for mine, theirs in zip(guarded, clean):
         kept = [loss for step, loss in enumerate(mine["losses"]) if step != LOSS_SPIKE[0]]
         assert kept == theirs["losses"]
@@ -283,8 +294,8 @@ def paddle_run(rank: int, size: int, group: str) -> dict:
     return out
 
 
-def test_paddle_facade_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo):
-    results = run_gloo(paddle_run, 2, "torch").results()
+def test_paddle_facade_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo, run_shared):
+    results = two_ranks(run_gloo, run_shared)["paddle"].results()
     for out in results:
         assert out["counts"] == [1] * STEPS
         assert out["reasons"] == results[0]["reasons"]

@@ -237,7 +237,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("page", _pages_with_blocks(), ids=lambda p: str(p.relative_to(ROOT)))
+def _page_params() -> list:
+    """Each page with blocks; one that starts ranks (``processes=``, ``launch=``) marked ``ranks``,
+    so that xdist runs it with the other multi-process tests, one at a time (tests/conftest.py)."""
+    def ranks(page: Path) -> bool:
+        keys = {t.partition("=")[0] for b in blocks_of(page) for t in b.mark.split()}
+        return bool(keys & {"processes", "launch"})
+
+    return [pytest.param(p, marks=[pytest.mark.ranks] if ranks(p) else []) for p in _pages_with_blocks()]
+
+
+@pytest.mark.parametrize("page", _page_params(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run(page: Path, tmp_path, monkeypatch, capsys, registry_restored):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}

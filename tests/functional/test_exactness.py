@@ -51,7 +51,7 @@ def configs(draw, power_of_two: bool) -> polyamp.LossScaleConfig:
 
 
 OVERFLOWS = st.lists(st.booleans(), min_size=1, max_size=24)
-SETTINGS = settings(max_examples=25, deadline=None,
+SETTINGS = settings(max_examples=25 * settings.default.max_examples // 100, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
