@@ -106,7 +106,7 @@ class Agreement:
         self._host = _fingerprint.Place(_fingerprint.HOST.xp, "cpu", host=True)  # its buffers are ours
         self._places: dict[Any, Any] = {}  # (xp, device) -> its Place
         self._config: tuple[LossScaleConfig, int] | None = None  # the last config and its crc
-        self._length = 0  # the extra values of the last message (a new count is announced first)
+        self._lengths = {0}  # the numbers of extra values sent so far (a new one is announced first)
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -151,7 +151,7 @@ class Agreement:
         """
         extras = 0 if extra is None else _size(extra)
         check_extra(extra, MAX_EXTRA)
-        if extras != self._length:  # a message of another length than the last: announced first
+        if extras not in self._lengths:  # the first message of this length: announced first
             self._announce(found_inf if extra is None else extra, config, state, payload, extras, whose)
         return self._agree(found_inf, extra, config, state, payload, extras, whose, maxed)
 
@@ -174,12 +174,12 @@ class Agreement:
 
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
                   whose: int) -> None:
-        """Before the first message of a new length (``extras`` values: a guard's, a clip's), one
-        message of the fixed length that names it in its fingerprint, checked at once (one read on a
-        GPU): ranks whose lengths differ (a guard or a clip on some ranks only, guards of other
+        """Before the first message of a length (``extras`` values: a guard's, a clip's), one message
+        of the fixed length that names it in its fingerprint, checked at once (one read on a GPU):
+        ranks whose lengths differ there (a guard or a clip on some ranks only, guards of other
         shapes) raise RankMismatchError on every rank, instead of meeting in collectives of
         different sizes, which abort the transport."""
-        self._length = extras
+        self._lengths.add(extras)
         mark = len(self._sent)
         self._agree(_new_flag(like, 0.0), None, config, state, payload, extras, whose)
         self.verify()
