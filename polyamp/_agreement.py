@@ -106,6 +106,7 @@ class Agreement:
         self._host = _fingerprint.Place(_fingerprint.HOST.xp, "cpu", host=True)  # its buffers are ours
         self._places: dict[Any, Any] = {}  # (xp, device) -> its Place
         self._config: tuple[LossScaleConfig, int] | None = None  # the last config and its crc
+        self._owners: dict[int, int] = {}  # a caller's whose -> its digest with self.owner
         self._lengths = {0}  # the numbers of extra values sent so far (a new one is announced first)
 
     def __deepcopy__(self, memo: dict) -> Agreement:
@@ -276,7 +277,11 @@ class Agreement:
         if self._config is None or self._config[0] is not config:
             self._config = (config, self._crc(config))
         self.collective += 1
-        owner = self.owner if not whose else content_digest(to_bytes(whose), to_bytes(self.owner))
+        owner = self.owner if not whose else self._owners.get(whose)
+        if owner is None:  # a caller's whose seen first: its digest with this agreement's place, kept
+            if len(self._owners) >= 256:
+                self._owners.clear()
+            owner = self._owners[whose] = content_digest(to_bytes(whose), to_bytes(self.owner))
         crc = self._config[1]
         return [crc, self.iteration, self.collective, self.reducer.collectives, payload, extras, owner]
 
