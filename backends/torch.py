@@ -42,7 +42,7 @@ _TORCH_MODULE: Any = None
 @hookimpl
 def backend_info() -> dict[str, Any]:
     try:
-        torch = _torch()
+        torch = _TORCH_MODULE or _torch()  # a global read after the first call
     except ImportError as exc:
         return {
             "available": False,
@@ -60,7 +60,7 @@ def owns_array(array: Any) -> bool:
 
 @hookimpl
 def full(value: Any, dtype: str, like: Any) -> Any:
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     kind = getattr(torch, dtype)
     if like is None:
         return torch.full((), value, dtype=kind)
@@ -79,7 +79,7 @@ def group_by_device_and_dtype(tensors: list[Any]) -> list[tuple[Any, list[Any]]]
 
     One C++ pass (the grouping torch's foreach optimizers use) instead of a Python loop.
     """
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)
     return [(device, lists[0]) for (device, _), (lists, _) in grouped.items()]
 
@@ -115,7 +115,7 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
     """
     if not grads:
         return
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     inv_scale = inverse_scale(scale)
     home = found_inf.device
     grad_mode = torch.is_grad_enabled()
@@ -142,7 +142,7 @@ def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any
     """Unscale and a StepGuard's sum of squares: float32 CPU gradients in ONE pass over each (the
     NumPy backend's compiled kernel on their memory: the same float32 products as torch's kernel,
     so the gradients end bitwise as :func:`unscale_and_check` leaves them); else the two passes."""
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     views = _numpy_views(torch, grads, found_inf)
     if views is not None:
         from . import _numpy_squares
@@ -186,7 +186,7 @@ def sum_of_squares(arrays: Sequence[Any]) -> Any:
     reused buffer and summed there (torch's cascade sum), the chunks' sums added in float64: about
     2**-24 relative (the squares' rounding), no allocation per step. A chunk whose float32 sum
     passes float32's max gives inf (a norm of ~1.8e19 and more: a spike)."""
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     parts = []
     for g in arrays:
         flat = g.detach().reshape(-1)
@@ -208,7 +208,7 @@ def sum_of_squares(arrays: Sequence[Any]) -> Any:
 
 @hookimpl
 def all_finite(arrays: Sequence[Any]) -> Any:
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     if not arrays:
         return torch.tensor(True)
     home = arrays[0].device
@@ -218,7 +218,7 @@ def all_finite(arrays: Sequence[Any]) -> Any:
 
 @hookimpl
 def cast(array: Any, dtype: str) -> Any:
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     if dtype not in _CASTS:
         raise ValueError(
             f"dtype must be one of {', '.join(map(repr, _CASTS))}, got dtype={dtype!r}"
@@ -248,7 +248,7 @@ def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
     """
     scale, growth, backoff = state
     if _torch_rule(config):
-        _torch()._amp_update_scale_(
+        (_TORCH_MODULE or _torch())._amp_update_scale_(
             scale, growth, found_inf,
             config.growth_factor, config.backoff_factor, config.growth_interval,
         )
@@ -305,7 +305,7 @@ def to_numpy(array: Any) -> Any:
 
 @hookimpl
 def from_host(values: Any, like: Any, dtype: Any) -> Any:
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     if values.ndim == 0:  # a flag: from the Python number, the cheapest way torch makes one
         kind = getattr(torch, values.dtype.name) if dtype is None else dtype
         return torch.tensor(values.item(), dtype=kind, device=like.device)
@@ -315,7 +315,7 @@ def from_host(values: Any, like: Any, dtype: Any) -> Any:
 def _finite_by_extremes(tensors: list[Any]) -> Any:
     """One aminmax pass per tensor (nan propagates; many times faster than isfinite on CPU),
     then one stack of all the extremes (promoted to a common dtype) and one isfinite."""
-    torch = _torch()
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
     extremes = torch.stack([v for t in tensors for v in t.detach().aminmax()])
     return torch.isfinite(extremes).view(-1, 2).all(1)
 

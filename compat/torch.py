@@ -230,7 +230,8 @@ class GradScaler:
     # -- unscaling --------------------------------------------------------------------
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record overflow (no sync)."""
-        self._check_initialized("unscale_")
+        if self._iteration.scaling.state is None:  # raises (a call only then)
+            self._check_initialized("unscale_")
         record = self._record(optimizer)
         if record.stage is not OptState.READY:
             check_unscale(record.stage)
@@ -326,7 +327,8 @@ class GradScaler:
         """
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._check_initialized("step")
+        if self._iteration.scaling.state is None:  # raises (a call only then)
+            self._check_initialized("step")
         record = self._record(optimizer)
         if record.stage is OptState.STEPPED:
             check_step(record.stage)
@@ -445,7 +447,8 @@ class GradScaler:
         No host sync: the rule runs on the scale's device. Either way the iteration ends through
         the engine, which records the guard's verdicts of its steps.
         """
-        self._check_initialized("update")
+        if self._iteration.scaling.state is None:  # raises (a call only then)
+            self._check_initialized("update")
         iteration = self._iteration
         if new_scale is not None:  # refused before anything ends
             if not isinstance(new_scale, float):

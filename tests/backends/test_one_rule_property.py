@@ -7,8 +7,9 @@ mid-run, random reconfigurations (the engine's ``reconfigure``, the torch facade
 (:func:`polyamp.policy.next_host_state`; a reconfigure fits the trackers to the new limits as the
 engine does): the engine on numpy, torch, array-API and paddle arrays; the CuPy update kernel's CUDA
 body built for the host (as test_cupy_kernels_host.py runs it); JAX through
-:mod:`polyamp.functional` (no reconfigure there: a new config passed to ``update``, the trackers as
-they are, so its scales are compared); the torch and paddle facades where the rule is theirs.
+:mod:`polyamp.functional` (no reconfigure there: a new config passed to ``update``, the trackers
+fitted to it by hand as the engine fits them; its scales are compared); the torch and paddle
+facades where the rule is theirs.
 
 A few examples by default (CI time); ``-m slow`` runs many more.
 """
@@ -118,12 +119,15 @@ def jax_run(config: LossScaleConfig, ops) -> list[float]:
         if op[0] == "step":
             state = F.update(state, jnp.asarray(1.0 if op[1] else 0.0, jnp.float32), config)
             out.append(float(state.scale))
-        elif op[0] == "change":
-            config = config.replace(growth_interval=op[1], backoff_interval=op[2])
-        else:  # a checkpoint: the state's values as host numbers, then back
-            host = [np.asarray(a).item() for a in state]
-            state = LossScaleState(jnp.asarray(host[0], jnp.float32), jnp.asarray(host[1], jnp.int32),
-                                   jnp.asarray(host[2], jnp.int32))
+        else:  # a checkpoint, or a new config: the state's values as host numbers (fitted to a new
+            # config's limits by hand, as the engine's reconfigure does: the functional core has none)
+            host = HostState(*[np.asarray(a).item() for a in state])
+            if op[0] == "change":
+                config = config.replace(growth_interval=op[1], backoff_interval=op[2])
+                host = fit_to_config(host, config)
+            state = LossScaleState(jnp.asarray(host.scale, jnp.float32),
+                                   jnp.asarray(host.growth_tracker, jnp.int32),
+                                   jnp.asarray(host.backoff_tracker, jnp.int32))
     return out
 
 
