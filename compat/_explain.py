@@ -40,6 +40,15 @@ def torch_named_grads(obj: Any, names: Mapping[int, str] | None = None) -> list[
     return [(name, _readable(g)) for name, g in pairs if g is not None]
 
 
+def named_for_meter(grads: list[Any], optimizer: Any, names: Mapping[int, str] | None) -> Any:
+    """``grads`` (an optimizer's, in its order) keyed by :func:`torch_named_grads`'s names where
+    those name them one to one, else ``grads`` (the precision meter then names them by index)."""
+    if optimizer is None:
+        return grads
+    keys = [name for name, _ in torch_named_grads(optimizer, names)]
+    return dict(zip(keys, grads)) if len(keys) == len(grads) == len(set(keys)) else grads
+
+
 def paddle_named_grads(obj: Any) -> list[tuple[str, Any]]:
     """``(param.name, grad)`` of a paddle Layer or optimizer (any object with parameters), or of
     gradients as ``explain_overflow`` takes them."""

@@ -38,6 +38,7 @@ from polyamp import metrics, schedule
 from polyamp._agreement import Agreement
 from polyamp._errors import ConfigError
 from polyamp._inputs import scale_value
+from polyamp._metering import check_meter
 from polyamp.config import FIXED_ONE, short_repr
 from polyamp.distributed import Reducer
 from polyamp.engine import LossScaler, make_iteration
@@ -45,7 +46,7 @@ from polyamp.guard import StepGuard
 from polyamp.overflow import OverflowReport, build_report, check_diagnose, explain_overflow
 from polyamp.policy import HostState
 
-from ._explain import torch_named_grads
+from ._explain import named_for_meter, torch_named_grads
 from ._stages import check_step, check_unscale
 from ._torch_disabled import cuda_missing
 from ._torch_forward import ForwardRecord, ForwardWatch, watch_forward
@@ -106,6 +107,11 @@ class UnscaleCall:
 
 
 _UNDECIDED = object()  # _last_skipped while _maybe_opt_step runs: did the default decide?
+_SHARDED_METER = (
+    "ShardedGradScaler(meter=...) is not supported yet: its flags are agreed per optimizer, and the "
+    "meter's counts must ride in one agreement to give every rank the same report. Fix: leave meter "
+    "out, or use polyamp.LossScaler(reducer=..., meter=...), which agrees them in the step's collective."
+)
 _GIVE_LOSS = "scale the loss (a tensor holding one value) with scaler.scale(loss) before backward()"
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_iteration", "_records",
@@ -171,6 +177,7 @@ class GradScaler:
         max_scale: float | None = None,
         diagnose: bool = False,
         guard: StepGuard | None = None,
+        meter: Any = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
         config = FIXED_ONE if self._guard_only else torch_config(
@@ -179,7 +186,7 @@ class GradScaler:
         self._device = device
         self._enabled = True
         self._backend_name = backend
-        self._iteration = make_iteration(config, backend, diagnose=self._diagnose, guard=guard)
+        self._iteration = make_iteration(config, backend, diagnose=self._diagnose, guard=guard, meter=meter)
         self._engine = LossScaler.over(self._iteration)
         self._records: dict[int, OptimizerRecord] = {}  # this iteration's, by id(optimizer)
         self._groups: dict[int, int] = {}  # id(optimizer) -> its guard group, kept across iterations
@@ -265,6 +272,8 @@ class GradScaler:
         if not grads:
             return None
         iteration = self._iteration
+        if iteration.metering.due(iteration.checks.unscaled, iteration.steps, iteration.checks.metered):
+            grads = named_for_meter(grads, optimizer, self._param_names)  # a sample step: named
         if iteration.guarding is None:
             return iteration.unscale(grads, check_only=check_only, owned=True)  # checked by collect_grads
         iteration.require_loss(None, "GradScaler.step()", _GIVE_LOSS)
@@ -495,7 +504,8 @@ class GradScaler:
         flags = iter(read)
         self._count_unread([not isinstance(f, int) and next(flags) for f in self._unread])
         return metrics.scaler_metrics(scale, iteration.steps, self._skipped_host, iteration.window,
-                                      iteration.last_overflow, diagnose=diagnose)
+                                      iteration.last_overflow, diagnose=diagnose,
+                                      precision=iteration.metering.last)
 
     @property
     def skipped_steps(self) -> int:
@@ -526,6 +536,11 @@ class GradScaler:
         before optimizer.step()" warning is not triggered by a skipped first step.
         """
         return schedule.step_if_applied(scheduler, self.last_step_skipped, *args, **kwargs)
+
+    @property
+    def last_precision(self) -> Any:
+        """The :class:`polyamp.PrecisionReport` of the last sample step (``meter=``), else None."""
+        return self._iteration.metering.last
 
     @property
     def last_overflow(self) -> OverflowReport | None:
@@ -674,14 +689,16 @@ class GradScaler:
         return {"device": self._device, "backend": self._backend_name, "extra": extra,
                 "engine": self._engine.state_dict(), "skipped": self.skipped_steps,
                 "guard": self._engine.guard, "last_overflow": iteration.last_overflow,
-                "window": iteration.window, "histories": iteration.histories}
+                "window": iteration.window, "histories": iteration.histories,
+                "meter": iteration.metering.meter, "precision": iteration.metering.last}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state["extra"])  # a subclass's own attributes
         self._device, self._backend_name = state["device"], state["backend"]
         self._enabled = True
         iteration = self._iteration = make_iteration(None, self._backend_name, diagnose=self._diagnose,
-                                                     guard=state["guard"])
+                                                     guard=state["guard"], meter=state.get("meter"))
+        iteration.metering.last = state.get("precision")
         self._engine = LossScaler.over(iteration)
         self._engine.load_state_dict(state["engine"])
         iteration.histories, iteration.last_overflow = state["histories"], state["last_overflow"]
@@ -725,7 +742,10 @@ class ShardedGradScaler(GradScaler):
         max_scale: float | None = None,
         diagnose: bool = False,
         guard: Any = None,
+        meter: Any = None,
     ) -> None:
+        if check_meter(meter) is not None:
+            raise NotImplementedError(_SHARDED_METER)
         super().__init__(  # GradScaler's order: growth_factor first
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
             backend=backend, backoff_interval=backoff_interval, min_scale=min_scale,

@@ -138,7 +138,7 @@ class Agreement:
 
     def flag_and_extra(
         self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0,
-        whose: int = 0, maxed: tuple[bool, ...] = (),
+        whose: int = 0, maxed: tuple[bool, ...] = (), metered: int = 0,
     ) -> Agreed:
         """Whether some rank found an inf/nan, and ``extra`` (at most MAX_EXTRA values) summed over
         ranks, in ONE collective.
@@ -148,10 +148,11 @@ class Agreement:
         values. ``maxed``: per extra value, True where the ranks' values combine by their max. Returns
         new arrays: the agreed flag (0 or 1) as float32 on ``extra``'s (else the flag's) device, 1
         also when the ranks are misaligned where that is found on the device, and ``extra`` summed in
-        rank order, in its dtype and shape.
+        rank order, in its dtype and shape. ``metered``: how many of them are a precision meter's
+        (:mod:`polyamp._metering`), allowed beyond MAX_EXTRA.
         """
         extras = 0 if extra is None else _size(extra)
-        check_extra(extra, MAX_EXTRA)
+        check_extra(extra, MAX_EXTRA + metered)
         if extras not in self._lengths:  # the first message of this length: announced first
             self._announce(found_inf if extra is None else extra, config, state, payload, extras, whose)
         return self._agree(found_inf, extra, config, state, payload, extras, whose, maxed)

@@ -28,6 +28,7 @@ from ._agreement import Agreed, Agreement, check_extra
 from ._errors import ScalerStateError
 from ._guard_steps import GuardSteps
 from ._guard_values import GuardValues, plus
+from ._metering import Metering
 from ._scaling import Scaling
 from ._skip_log import SkipLog, SkipWindow
 from .backend import Backend
@@ -85,7 +86,8 @@ class Checks(NamedTuple):
     (:meth:`Iteration.sum_payload`), so later flags are the same on every rank; ``unscaled``: the
     shell's single unscale ran; ``decisions``: the host decisions of its steps (one per optimizer for
     the torch facade); ``checked``: (name, gradient) pairs for a report (``diagnose=True``);
-    ``measured``: the guard's device values; ``values``: what was agreed with the flag.
+    ``measured``: the guard's device values; ``values``: what was agreed with the flag;
+    ``metered``: a sample step's precision counts (:class:`polyamp._metering.Sample`), else None.
     """
 
     found: Any = None
@@ -96,6 +98,7 @@ class Checks(NamedTuple):
     checked: tuple[tuple[str, Any], ...] = ()
     measured: GuardValues = GuardValues()
     values: Any = None
+    metered: Any = None
 
     @property
     def skipped(self) -> bool | None:
@@ -118,15 +121,16 @@ OWN: Any = object()
 
 
 class Iteration:
-    """A scaler's state and the steps of its iteration (see the module docstring); ``agreement``
-    may be set later (the sharded facade resolves its default group at first use)."""
+    """A scaler's state and its iteration's steps (see the module docstring); ``agreement`` may be
+    set later (the sharded facade resolves its group at first use); ``meter``: a PrecisionMeter."""
 
     def __init__(
         self, config: LossScaleConfig, backend: Backend | None, *, agreement: Agreement | None = None,
-        diagnose: bool = False, step_guard: guard.StepGuard | None = None,
+        diagnose: bool = False, step_guard: guard.StepGuard | None = None, meter: Any = None,
     ) -> None:
         self.scaling = Scaling(config, backend)
         self.guarding = None if step_guard is None else GuardSteps(step_guard)
+        self.metering = Metering(meter)  # the precision meter (a no-op without one)
         self.agreement = agreement
         self.diagnose = diagnose
         self.log = SkipLog()  # the first skips one INFO line each, then a summary per window
@@ -156,24 +160,22 @@ class Iteration:
                 owned: bool = False) -> Any:
         """Unscale one group of gradients in place (``check_only``: check only); its device flag joins
         :attr:`checks`. No sync. ``owned``: arrays the shell already checked (the torch facade's)."""
-        if self.checks.agreed is not None:
-            self._refuse_after_agreement("unscale_()")
+        self._refuse_after_agreement("unscale_()")
         given, names = (list(grads.values()), list(map(str, grads))) if isinstance(grads, Mapping) else (
-            grads, None)
-        if self.diagnose:
-            given = list(given)  # read twice: checked here, named for the report below
+            list(grads) if self.diagnose or self.metering.active else grads, None)  # read twice: named too
         scaling = self.scaling
         arrays = scaling.gradients(given, where, owned)  # refuses bad gradients before any state changes
         squares = self.guarding is not None and self.guarding.guard.watches_norm
         found, sumsq = scaling.unscale(arrays, check_only=check_only, keep=self.diagnose, squares=squares)
         checks = self.checks
         checked, measured = checks.checked, checks.measured
+        metered = self.metering.count(checks, self.steps, scaling, given, names, not check_only and arrays)
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
         if sumsq is not None:
             measured = measured.plus(sumsq=sumsq)
-        total = found if checks.found is None else checks.found + found
-        self.checks = checks._replace(found=total, unscaled=True, checked=checked, measured=measured)
+        self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
+                                      measured=measured, metered=metered)
         return found
 
     def record(self, flag: Any) -> None:
@@ -195,10 +197,10 @@ class Iteration:
             self.checks = self.checks._replace(values=sent)
             return Agreed(found, extra)
         both, users = _guard_values.joined(extra, sent)
-        agreed = self.agreement.flag_and_extra(found, both, self.scaling.config, self.scaling.fingerprinted,
-                                               whose=self.whose(0), maxed=_maxed(self.guarding, users))
+        agreed, metered = self.metering.agree(self.agreement, found, both, _maxed(self.guarding, users),
+                                              self.checks.metered, self.scaling, self.whose(0))
         theirs, values = _guard_values.split(agreed.extra, users, extra, sent)
-        self.checks = self.checks._replace(agreed=agreed.found_inf, values=values)
+        self.checks = self.checks._replace(agreed=agreed.found_inf, values=values, metered=metered)
         return Agreed(agreed.found_inf, theirs)
 
     def agree_found(self) -> None:
@@ -375,6 +377,7 @@ class Iteration:
         streak's action. Reads the scale only when a line is due, not again when ``exact``."""
         reports = self.guarding.advance(decision.verdicts) if self.guarding is not None else ()
         try:
+            self.metering.commit(self.checks.metered, self.scaling.backend)  # after the decision: one read
             if new_scale is not None:
                 self.scaling.set_scale(new_scale)
             elif rule:

@@ -22,6 +22,7 @@ from ._agreement import LOOP as _LOOP
 from ._agreement import Agreed, Agreement
 from ._errors import ScalerStateError
 from ._iteration import Iteration
+from ._metering import check_meter
 from .backend import Backend
 from .config import LossScaleConfig, config_from
 from .policy import HostState, LossScaleState
@@ -90,11 +91,11 @@ class LossScaler:
 
     def __init__(
         self, config: LossScaleConfig | None = None, backend: str | None = None, *, reducer: Any = None,
-        diagnose: bool = False, guard: _guard.StepGuard | None = None,
-        **fields: Any,
+        diagnose: bool = False, guard: _guard.StepGuard | None = None, meter: Any = None, **fields: Any,
     ) -> None:
         config = config_from(config, fields, type(self).__name__)
-        self._iteration = make_iteration(config, backend, reducer=reducer, diagnose=diagnose, guard=guard)
+        self._iteration = make_iteration(config, backend, reducer=reducer, diagnose=diagnose, guard=guard,
+                                         meter=meter)
 
     @classmethod
     def over(cls, iteration: Iteration) -> LossScaler:
@@ -136,8 +137,7 @@ class LossScaler:
     @property
     def guard(self) -> _guard.StepGuard | None:
         """The :class:`polyamp.StepGuard` judging each step, or None."""
-        guarding = self._iteration.guarding
-        return None if guarding is None else guarding.guard
+        return None if self._iteration.guarding is None else self._iteration.guarding.guard
 
     @property
     def guard_history(self) -> _guard.GuardHistory:
@@ -148,8 +148,12 @@ class LossScaler:
     @property
     def reducer(self) -> Any:
         """The ``polyamp.distributed.Reducer`` that agrees each step across ranks, or None."""
-        agreement = self._iteration.agreement
-        return None if agreement is None else agreement.reducer
+        return None if self._iteration.agreement is None else self._iteration.agreement.reducer
+
+    @property
+    def last_precision(self) -> Any:
+        """The :class:`polyamp.PrecisionReport` of the last sample step (``meter=``), else None."""
+        return self._iteration.metering.last
 
     @property
     def last_overflow(self) -> overflow.OverflowReport | None:
@@ -319,7 +323,8 @@ class LossScaler:
 
 
 def make_iteration(config: LossScaleConfig | None, backend: str | None, *, reducer: Any = None,
-                   diagnose: bool = False, guard: _guard.StepGuard | None = None) -> Iteration:
+                   diagnose: bool = False, guard: _guard.StepGuard | None = None, meter: Any = None
+                   ) -> Iteration:
     """A checked :class:`Iteration` (the arguments as :class:`LossScaler` takes them; None: the
     default config); errors about the backend are raised here, before anything exists."""
     config = LossScaleConfig() if config is None else config
@@ -331,9 +336,10 @@ def make_iteration(config: LossScaleConfig | None, backend: str | None, *, reduc
     name, source = _registry.requested_backend(backend)
     chosen = _registry.get_backend(name, source) if name else None
     diagnose = overflow.check_diagnose(diagnose)
-    step_guard = _guard.check_guard(guard)
+    step_guard, meter = _guard.check_guard(guard), check_meter(meter)
     agreement = None if reducer is None else Agreement(reducer)
-    return Iteration(config, chosen, agreement=agreement, diagnose=diagnose, step_guard=step_guard)
+    return Iteration(config, chosen, agreement=agreement, diagnose=diagnose, step_guard=step_guard,
+                     meter=meter)
 
 
 #: verb -> (whether the iteration's checks forbid it now, the error's words)

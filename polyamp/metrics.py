@@ -48,7 +48,7 @@ def measure(iteration: Any, steps: int, skipped_steps: int, *,
     check_diagnose_flag(diagnose)
     scale, _ = read_scale(iteration)
     return scaler_metrics(scale, steps, skipped_steps, iteration.window, iteration.last_overflow,
-                          diagnose=diagnose)
+                          diagnose=diagnose, precision=iteration.metering.last)
 
 
 def read_scale(iteration: Any, pending: Sequence[Any] = ()) -> tuple[float, list[bool]]:
@@ -61,7 +61,7 @@ def read_scale(iteration: Any, pending: Sequence[Any] = ()) -> tuple[float, list
 
 def scaler_metrics(
     scale: float, steps: int, skipped_steps: int, window: SkipWindow,
-    last_overflow: OverflowReport | None = None, *, diagnose: bool = False,
+    last_overflow: OverflowReport | None = None, *, diagnose: bool = False, precision: Any = None,
 ) -> dict[str, float | int]:
     """The dict ``metrics()`` returns, from numbers the shell has read (see the module docstring)."""
     metrics: dict[str, float | int] = {
@@ -70,6 +70,8 @@ def scaler_metrics(
     }
     if diagnose:
         metrics.update(overflow_metrics(last_overflow))
+    if precision is not None:  # a PrecisionReport: the last sample step's fractions
+        metrics.update(precision.fractions())
     return metrics
 
 

@@ -1,0 +1,141 @@
+"""The precision meter inside an iteration: which steps it counts, the counts riding in the step's one
+agreement, and the report after the decision. :class:`Metering` is a component the iteration holds
+and calls with explicit arguments (it reads nothing of its holder); without a meter every call is a
+no-op and the step sends what it sends without one. The counting is
+:meth:`polyamp.PrecisionMeter.count`'s, the report :meth:`polyamp.PrecisionMeter.report`'s.
+
+On a sample step (the first step and every ``every``-th step taken after it) the unscaled gradients
+are counted once unscaled, with no host read; with a reducer their counts (summed), extremes (max)
+and the scale (max: every rank's is the same) ride after the guard's values in the step's ONE
+collective; after the decision one host read builds the :class:`polyamp.PrecisionReport`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import array_api_compat
+import numpy as np
+
+from ._agreement import Agreed
+from ._digest import content_digest, to_bytes
+from .config import short_repr
+from .overflow import name_gradients
+
+if TYPE_CHECKING:  # annotations only: `import polyamp` loads the meter on first use
+    from .precision import PrecisionMeter, PrecisionReport
+
+
+def check_meter(meter: Any) -> PrecisionMeter | None:
+    """``meter`` when it is a :class:`polyamp.PrecisionMeter` or None; TypeError naming it otherwise."""
+    precision = sys.modules.get("polyamp.precision")  # a PrecisionMeter exists only once it is loaded
+    if meter is None or precision is not None and isinstance(meter, precision.PrecisionMeter):
+        return meter
+    raise TypeError(
+        f"meter must be a polyamp.PrecisionMeter or None, got meter={short_repr(meter)} "
+        f"({type(meter).__name__}). Fix: pass e.g. meter=polyamp.PrecisionMeter(every=100), or leave "
+        "meter out."
+    )
+
+
+class Sample(NamedTuple):
+    """One sample step's counts so far (immutable; replaced as gradients are counted and agreed)."""
+
+    step: int  # steps taken before this one
+    scale: Any  # the 0-d scale the gradients were unscaled with
+    names: tuple[str, ...] = ()
+    parts: tuple[Any, ...] = ()  # one polyamp.precision.Measured per unscale call
+    agreed: Any = None  # the vector of :meth:`Metering.vector` agreed over the ranks
+
+
+class Metering:
+    """A :class:`polyamp.PrecisionMeter` (or None: every call a no-op) and its last report."""
+
+    def __init__(self, meter: PrecisionMeter | None) -> None:
+        self.meter = meter
+        self.last: PrecisionReport | None = None
+        self._digest = b"" if meter is None else to_bytes(meter.digest())
+        self._whose: dict[int, int] = {}  # a caller's whose -> it with the meter's digest folded in
+
+    @property
+    def active(self) -> bool:
+        """Whether a meter is set."""
+        return self.meter is not None
+
+    def due(self, unscaled: bool, steps: int, sample: Sample | None) -> bool:
+        """Whether the next unscale's gradients are counted: at the iteration's first unscale (not
+        ``unscaled`` yet) when ``steps`` taken make a sample step, later while it samples."""
+        if self.meter is None:
+            return False
+        return self.meter.samples(steps) if not unscaled else sample is not None
+
+    def count(self, checks: Any, steps: int, scaling: Any, given: Sequence[Any], names: list[str] | None,
+              arrays: list[Any] | bool) -> Sample | None:
+        """``checks.metered`` (an iteration's :class:`~polyamp._iteration.Checks`) with the unscaled
+        ``arrays`` counted when :meth:`due` (``given`` named as the overflow report names them; False:
+        only checked, still scaled, so not counted), else as it is. No host read."""
+        sample = checks.metered
+        if not self.due(checks.unscaled, steps, sample):
+            return sample
+        backend, scale = scaling.backend, scaling.state.scale
+        sample = Sample(steps, scale + 0) if sample is None else sample  # a copy: update() moves it
+        if not arrays:
+            return sample
+        named = tuple(n for n, _ in name_gradients(list(given), names, len(sample.names)))
+        measured = self.meter.count(backend, arrays, scale)
+        return sample._replace(names=sample.names + named, parts=(*sample.parts, measured))
+
+    def vector(self, sample: Sample) -> Any:
+        """``[counts..., amaxes..., -amins..., scale]`` in float64 on the gradients' device (no read)."""
+        xp = array_api_compat.array_namespace(sample.scale)
+        flat = [xp.reshape(xp.astype(a, xp.float64), (-1,)) for a in _ordered(sample.parts)]
+        return xp.concat([*flat, xp.reshape(xp.astype(sample.scale, xp.float64), (1,))])
+
+    def whose(self, whose: int) -> int:
+        """``whose`` with the meter's settings folded in (a rank whose meter differs is misaligned)."""
+        if self.meter is None:
+            return whose
+        folded = self._whose.get(whose)
+        if folded is None:
+            folded = self._whose[whose] = content_digest(to_bytes(whose), self._digest)
+        return folded
+
+    def agree(self, agreement: Any, found: Any, both: Any, maxed: tuple[bool, ...], sample: Sample | None,
+              scaling: Any, whose: int) -> tuple[Agreed, Sample | None]:
+        """``found`` and ``both`` (the user's and the guard's values) agreed in ONE collective, the
+        sample's vector after them on a sample step; ``both`` comes back in its dtype and shape."""
+        config, state, whose = scaling.config, scaling.fingerprinted, self.whose(whose)
+        if sample is None:
+            return agreement.flag_and_extra(found, both, config, state, whose=whose, maxed=maxed), None
+        mine = self.vector(sample)
+        xp = array_api_compat.array_namespace(mine)
+        head = 0 if both is None else math.prod(tuple(both.shape))
+        sent = mine if both is None else xp.concat([xp.reshape(xp.astype(both, xp.float64), (-1,)), mine])
+        counted = sum(math.prod(tuple(p.counts.shape)) for p in sample.parts)
+        rules = (*maxed, *(False,) * (head - len(maxed)), *(False,) * counted,
+                 *(True,) * (mine.shape[0] - counted))
+        agreed = agreement.flag_and_extra(found, sent, config, state, whose=whose, maxed=rules,
+                                          metered=mine.shape[0])
+        rest = None if both is None else xp.reshape(xp.astype(agreed.extra[:head], both.dtype),
+                                                    tuple(both.shape))
+        return Agreed(agreed.found_inf, rest), sample._replace(agreed=agreed.extra[head:])
+
+    def commit(self, sample: Sample | None, backend: Any) -> None:
+        """After the decision: :attr:`last` from ``sample`` (ONE host read), if this step sampled."""
+        if sample is None:
+            return
+        vector = self.vector(sample) if sample.agreed is None else sample.agreed
+        host = np.asarray(backend.to_numpy(vector), np.float64).reshape(-1)
+        counted = sum(math.prod(tuple(p.counts.shape)) for p in sample.parts)
+        counts = host[:counted].astype(np.int64)
+        self.last = self.meter.report(sample.step, float(host[-1]), sample.names, counts, host[counted:-1])
+
+
+def _ordered(parts: tuple[Any, ...]) -> list[Any]:
+    """The parts' arrays in the report's layout: every part's counts, then every amax, then every
+    -amin (each part's extremes hold its amaxes, then its -amins)."""
+    halves = [(p.extremes[: p.extremes.shape[0] // 2], p.extremes[p.extremes.shape[0] // 2:]) for p in parts]
+    return [p.counts for p in parts] + [h[0] for h in halves] + [h[1] for h in halves]
