@@ -135,7 +135,8 @@ def test_the_torch_facade_names_parameters_where_known_else_by_index():
                 got = scaler.last_precision
                 assert [t.name for t in got.tensors] == (
                     list(grads) if named else [f"param_groups[0][{i}]" for i in range(4)])
-                assert got.tensors == tuple(replace(t, name=g.name) for g, t in zip(got.tensors, want.tensors))
+                renamed = tuple(replace(t, name=g.name) for g, t in zip(got.tensors, want.tensors))
+                assert got.tensors == renamed
                 assert scaler.metrics()["underflow_fraction/float16@loss"] == got.fractions()[
                     "underflow_fraction/float16@loss"]
     with pytest.raises(TypeError, match="meter must be"):

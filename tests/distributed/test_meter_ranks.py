@@ -39,7 +39,8 @@ def meter_run(rank: int, size: int, group: str) -> dict:
         counts, reports = [], []
         for step in range(STEPS):
             scale = np.float32(scaler.get_scale())
-            grads = {k: (v[shard_of(rank, size)] * scale).astype(np.float32) for k, v in full_grads(step).items()}
+            grads = {k: (v[shard_of(rank, size)] * scale).astype(np.float32)
+                     for k, v in full_grads(step).items()}
             before = red.collectives
             scaler.step(grads, lambda: None)
             scaler.update()
