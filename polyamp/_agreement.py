@@ -166,7 +166,7 @@ class Agreement:
             values = None if extra is None else _host(extra)
         else:
             values = extra
-        wire = self._wire_for(None if on_host else like, host, 0 if extra is None else extras)
+        wire = self._wire_for(None if on_host else like, host, 0 if extra is None else _size(extra))
         wire.maxed = maxed
         fields = self._fields(wire.place, host, state)
         message = self._reduce(wire, wire.send(fields, found_inf, values))
@@ -175,13 +175,14 @@ class Agreement:
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
                   whose: int) -> None:
         """Before the first message of a new length (``extras`` values: a guard's, a clip's), one
-        message of the fixed length that names it in its fingerprint, checked at once (one read on a
-        GPU): ranks whose lengths differ (a guard or a clip on some ranks only, guards of other
-        shapes) raise RankMismatchError on every rank, instead of meeting in collectives of
-        different sizes, which abort the transport."""
-        self._length = extras
+        message of the LAST length (zeros: the one-value message at first) that names the new one in
+        its fingerprint, checked at once (one read on a GPU): ranks whose lengths differ (a guard or
+        a clip on some ranks only, guards of other shapes, a clip added or dropped on one rank later)
+        raise RankMismatchError on every rank, instead of meeting in collectives of different sizes,
+        which abort the transport."""
+        last, self._length = self._length, extras
         mark = len(self._sent)
-        self._agree(_new_flag(like, 0.0), None, config, state, payload, extras, whose)
+        self._agree(_new_flag(like, 0.0), _zeros(like, last), config, state, payload, extras, whose)
         self.verify()
         del self._sent[mark:]
 
@@ -368,6 +369,16 @@ def _new_flag(like: Any, value: float) -> Any:
     if isinstance(like, (np.ndarray, np.generic, bool)):
         return np.asarray(value, np.float32)
     return backend_of(like).full(value, "float32", like)
+
+
+def _zeros(like: Any, count: int) -> Any:
+    """``count`` float64 zeros in ``like``'s library and device (None for none)."""
+    if not count:
+        return None
+    zeros = np.zeros(count, np.float64)
+    if isinstance(like, (np.ndarray, np.generic, bool)):
+        return zeros
+    return backend_of(like).from_host(zeros, like, None)
 
 
 def _new_like(like: Any, values: Any) -> Any:
