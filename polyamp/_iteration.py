@@ -85,7 +85,8 @@ class Checks(NamedTuple):
     (:meth:`Iteration.sum_payload`), so later flags are the same on every rank; ``unscaled``: the
     shell's single unscale ran; ``decisions``: the host decisions of its steps (one per optimizer for
     the torch facade); ``checked``: (name, gradient) pairs for a report (``diagnose=True``);
-    ``measured``: the guard's device values; ``values``: what was agreed with the flag.
+    ``measured``: the guard's device values; ``values``: what was agreed with the flag;
+    ``loss_from``: the verb that gave the loss.
     """
 
     found: Any = None
@@ -96,6 +97,7 @@ class Checks(NamedTuple):
     checked: tuple[tuple[str, Any], ...] = ()
     measured: GuardValues = GuardValues()
     values: Any = None
+    loss_from: str | None = None  # the verb that took ``measured.loss`` (a retried step() takes none)
 
     @property
     def skipped(self) -> bool | None:
@@ -255,7 +257,7 @@ class Iteration:
         except BaseException:  # e.g. a tensor that cannot be read: the iteration ends, not half open
             self.end()
             raise
-        self.checks = self.checks._replace(measured=self.checks.measured.plus(loss=value))
+        self.checks = self.checks._replace(measured=self.checks.measured.plus(loss=value), loss_from=where)
 
     def require_loss(self, loss: Any, where: str,
                      give: str = "pass loss= (e.g. step(grads, step_fn, loss=loss))") -> None:
