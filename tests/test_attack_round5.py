@@ -36,3 +36,28 @@ def test_engine_step_retried_with_its_loss_after_step_fn_raised():
     scaler.unscale_([np.ones(3, np.float32)], loss=1.0)
     with pytest.raises(Exception, match="not both"):
         scaler.step([grad], lambda: None, loss=1.0)
+
+
+# -- 2: a flag of no real dtype was kept, then every step unscaled the gradients and raised --------
+def _bad_flags():
+    torch = pytest.importorskip("torch")
+    return [("numpy", np.array("a")), ("numpy", np.array(1 + 1j)), ("numpy", np.array(None)),
+            ("torch", torch.tensor(1 + 1j)), ("torch", torch.empty((), device="meta"))]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_flag_of_no_real_dtype_is_refused_and_the_scaler_stays_usable(case):
+    backend, flag = _bad_flags()[case]
+    xp = __import__(backend)
+    scaler = LossScaler(backend=backend, init_scale=8.0)
+    grad = xp.full((3,), 8.0) if backend == "numpy" else xp.full((3,), 8.0)
+    scaler.bind(grad)
+    with pytest.raises(TypeError, match="flag"):
+        scaler.record_found_inf(flag)
+    with pytest.raises(TypeError, match="found_inf"):
+        scaler.update(found_inf=flag)
+    assert not scaler.has_pending_check  # nothing kept
+    applied = []
+    assert scaler.step([grad], lambda: applied.append(1)).applied
+    scaler.update()
+    assert applied == [1] and float(grad[0]) == 1.0  # unscaled once
