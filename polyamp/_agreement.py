@@ -310,7 +310,9 @@ def _fix(what: str) -> str:
                 "of one class over plain tensors, swapped from their first step, cannot be told apart: "
                 "keep their order the same on every rank).")
     if "extra values agreed" in what:
-        return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none.")
+        return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none, and "
+                "build every rank's scaler with the same StepGuard (its values ride in the same message), "
+                "or with none.")
     return ("Fix: load the same checkpoint on every rank (or none), and call set_scale, load_state_dict "
             "or update(new_scale) on every rank alike.")
 

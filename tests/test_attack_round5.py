@@ -61,3 +61,11 @@ def test_a_flag_of_no_real_dtype_is_refused_and_the_scaler_stays_usable(case):
     assert scaler.step([grad], lambda: applied.append(1)).applied
     scaler.update()
     assert applied == [1] and float(grad[0]) == 1.0  # unscaled once
+
+
+# -- 3: a StepGuard on some ranks only was explained as a clip on some ranks only ------------------
+def test_the_fix_of_differing_extra_values_names_the_guard_too():
+    from polyamp._agreement import _fix
+
+    words = _fix("rank states differ: 2 extra values agreed (e.g. a global-norm clip's sum of squares)")
+    assert "clip" in words and "StepGuard" in words
