@@ -107,7 +107,7 @@ class Agreement:
         self._places: dict[Any, Any] = {}  # (xp, device) -> its Place
         self._config: tuple[LossScaleConfig, int] | None = None  # the last config and its crc
         self._owners: dict[int, int] = {}  # a caller's whose -> its digest with self.owner
-        self._lengths = {0}  # the numbers of extra values sent so far (a new one is announced first)
+        self._length = 0  # the extra values of the last message (a change is announced first)
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -153,7 +153,7 @@ class Agreement:
         """
         extras = 0 if extra is None else _size(extra)
         check_extra(extra, MAX_EXTRA + metered)
-        if extras not in self._lengths:  # the first message of this length: announced first
+        if extras != self._length:  # a message of another length than the last: announced first
             self._announce(found_inf if extra is None else extra, config, state, payload, extras, whose)
         return self._agree(found_inf, extra, config, state, payload, extras, whose, maxed)
 
@@ -168,7 +168,7 @@ class Agreement:
             values = None if extra is None else _host(extra)
         else:
             values = extra
-        wire = self._wire_for(None if on_host else like, host, 0 if extra is None else extras)
+        wire = self._wire_for(None if on_host else like, host, 0 if extra is None else _size(extra))
         wire.maxed = maxed
         fields = self._fields(wire.place, host, state)
         message = self._reduce(wire, wire.send(fields, found_inf, values))
@@ -176,14 +176,15 @@ class Agreement:
 
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
                   whose: int) -> None:
-        """Before the first message of a length (``extras`` values: a guard's, a clip's), one message
-        of the fixed length that names it in its fingerprint, checked at once (one read on a GPU):
-        ranks whose lengths differ there (a guard or a clip on some ranks only, guards of other
-        shapes) raise RankMismatchError on every rank, instead of meeting in collectives of
-        different sizes, which abort the transport."""
-        self._lengths.add(extras)
+        """Before the first message of a new length (``extras`` values: a guard's, a clip's), one
+        message of the LAST length (zeros: the one-value message at first) that names the new one in
+        its fingerprint, checked at once (one read on a GPU): ranks whose lengths differ (a guard or
+        a clip on some ranks only, guards of other shapes, a clip added or dropped on one rank later)
+        raise RankMismatchError on every rank, instead of meeting in collectives of different sizes,
+        which abort the transport."""
+        last, self._length = self._length, extras
         mark = len(self._sent)
-        self._agree(_new_flag(like, 0.0), None, config, state, payload, extras, whose)
+        self._agree(_new_flag(like, 0.0), _zeros(like, last), config, state, payload, extras, whose)
         self.verify()
         del self._sent[mark:]
 
@@ -315,7 +316,9 @@ def _fix(what: str) -> str:
                 "of one class over plain tensors, swapped from their first step, cannot be told apart: "
                 "keep their order the same on every rank).")
     if "extra values agreed" in what:
-        return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none.")
+        return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none, and "
+                "build every rank's scaler with the same StepGuard (its values ride in the same message), "
+                "or with none.")
     return ("Fix: load the same checkpoint on every rank (or none), and call set_scale, load_state_dict "
             "or update(new_scale) on every rank alike.")
 
@@ -374,6 +377,16 @@ def _new_flag(like: Any, value: float) -> Any:
     if isinstance(like, (np.ndarray, np.generic, bool)):
         return np.asarray(value, np.float32)
     return backend_of(like).full(value, "float32", like)
+
+
+def _zeros(like: Any, count: int) -> Any:
+    """``count`` float64 zeros in ``like``'s library and device (None for none)."""
+    if not count:
+        return None
+    zeros = np.zeros(count, np.float64)
+    if isinstance(like, (np.ndarray, np.generic, bool)):
+        return zeros
+    return backend_of(like).from_host(zeros, like, None)
 
 
 def _new_like(like: Any, values: Any) -> Any:

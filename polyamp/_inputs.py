@@ -188,6 +188,14 @@ def flag_value(found_inf: Any, backend: Backend | None, where: str = "update()",
             f"of shape {shape}. Fix: pass the flag unscale_() returned, or reduce yours first "
             "(e.g. flags.any())."
         )
+    kind = str(getattr(found_inf, "dtype", "")).rsplit(".", 1)[-1]  # numpy's, torch's, paddle's names alike
+    meta = getattr(found_inf, "is_meta", False)  # a meta tensor holds no value to read
+    if not kind.startswith(("bool", "float", "int", "uint", "bfloat")) or meta:
+        raise TypeError(
+            f"{where} needs {name} to be True/False or a flag array of a real or bool dtype with values, "
+            f"got {name}={short_repr(found_inf)} (dtype {kind}). Fix: pass the flag unscale_() returned "
+            "(non-zero: a bad step), or True/False."
+        )
     if backend is not None and not backend.owns_array(found_inf):
         raise ForeignArrayError(
             f"{where} got {name} of type {type(found_inf).__module__}.{type(found_inf).__name__}, "

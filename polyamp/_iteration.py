@@ -87,7 +87,8 @@ class Checks(NamedTuple):
     shell's single unscale ran; ``decisions``: the host decisions of its steps (one per optimizer for
     the torch facade); ``checked``: (name, gradient) pairs for a report (``diagnose=True``);
     ``measured``: the guard's device values; ``values``: what was agreed with the flag;
-    ``metered``: a sample step's precision counts (:class:`polyamp._metering.Sample`), else None.
+    ``metered``: a sample step's precision counts (:class:`polyamp._metering.Sample`), else None;
+    ``loss_from``: the verb that gave the loss.
     """
 
     found: Any = None
@@ -99,6 +100,7 @@ class Checks(NamedTuple):
     measured: GuardValues = GuardValues()
     values: Any = None
     metered: Any = None
+    loss_from: str | None = None  # the verb that took ``measured.loss`` (a retried step() takes none)
 
     @property
     def skipped(self) -> bool | None:
@@ -257,7 +259,7 @@ class Iteration:
         except BaseException:  # e.g. a tensor that cannot be read: the iteration ends, not half open
             self.end()
             raise
-        self.checks = self.checks._replace(measured=self.checks.measured.plus(loss=value))
+        self.checks = self.checks._replace(measured=self.checks.measured.plus(loss=value), loss_from=where)
 
     def require_loss(self, loss: Any, where: str,
                      give: str = "pass loss= (e.g. step(grads, step_fn, loss=loss))") -> None:

@@ -240,11 +240,13 @@ class LossScaler:
                 f"step() needs step_fn to be a callable that applies the optimizer step, got step_fn="
                 f"{_inputs.short_repr(step_fn)}. Fix: pass e.g. optimizer.step (not optimizer.step())."
             )
+        retried = iteration.checks.loss_from == "step()"  # step_fn raised: its loss is taken already
         if iteration.guarding is not None:
-            _check_step_loss(iteration, loss)
+            _check_step_loss(iteration, loss, retried)
         if not iteration.checks.unscaled:
             iteration.unscale(grads, where="step()")
-        iteration.take_loss(loss, "step()")
+        if not retried:
+            iteration.take_loss(loss, "step()")
         decision = iteration.decide()
         before = iteration.scaling.ready()[1].scale + 0  # a copy: update() may change the scale in place
         if not decision.skipped:
@@ -377,12 +379,13 @@ def _check_order(verb: str, checks: Any) -> None:
             raise ScalerStateError(words.replace("{when}", when))
 
 
-def _check_step_loss(iteration: Iteration, loss: Any) -> None:
-    """A guarded step's loss: given where the guard judges one, one real value, given once."""
+def _check_step_loss(iteration: Iteration, loss: Any, retried: bool) -> None:
+    """A guarded step's loss: given where the guard judges one, one real value, given once (a
+    ``retried`` step() after step_fn raised has it already)."""
     iteration.require_loss(loss, "step()")
     if loss is not None:
         _guard_values.loss_check(loss, "step()")
-    if loss is not None and iteration.checks.loss is not None:  # it would be summed twice
+    if loss is not None and iteration.checks.loss is not None and not retried:  # summed twice
         raise ScalerStateError(
             "step() got loss=, but unscale_() already took this iteration's loss. Fix: give the "
             "loss to unscale_(grads, loss=loss) or to step(grads, step_fn, loss=loss), not both."

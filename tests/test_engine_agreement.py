@@ -96,7 +96,7 @@ def test_agree_carries_extra_in_the_same_collective_and_step_sends_nothing_more(
     assert agreed.found_inf.dtype == np.float32 and float(agreed.found_inf) == 1.0
     assert scaler.step(grads, lambda: pytest.fail("an overflowing step was applied")).skipped
     scaler.update()
-    assert red.collectives - before == 2  # the first message with extra values is announced, once
+    assert red.collectives - before == 2  # the first message with extra values is announced first
 
 
 def test_clipping_rides_in_the_scalers_collective():
@@ -105,14 +105,14 @@ def test_clipping_rides_in_the_scalers_collective():
     grads = [np.array([3.0, 0.0], np.float32), np.array([4.0], np.float32)]
     scaler.unscale_(grads)
     norm = clip_grad_norm_(grads, 1.0, scaler=scaler)
-    # [count, 25, ...] in the step's collective, after the one announcing its length (the first only)
+    # [count, 25, ...] in the step's collective (after the announcement of its length)
     assert float(norm) == 5.0 and red.collectives == 2
     assert red.sent[-1][:3] == ("max", "float64", (4,))
     assert red.sent[-1][3][2:] == [25.0, 25.0 * 2.0**-1024]  # [sum of squares, / 2**1024] in rank 0's slots
     np.testing.assert_allclose(np.concatenate(grads), [0.6, 0.0, 0.8], rtol=1e-6)
     scaler.step(grads, lambda: None)
     scaler.update()
-    assert red.collectives == 2  # step issued none of its own
+    assert red.collectives == 2
     # a second norm in the same iteration would be a second collective: refused
     scaler.unscale_(grads)
     global_norm(grads, scaler=scaler)

@@ -405,7 +405,7 @@ def _agree(agreement, path: str, values: dict, extra: bool, field: str | None = 
         return host
 
     agreement._next = next_fields
-    agreement._lengths.add(2)  # announced already: the two-value message itself must find it
+    agreement._length = 2 if extra else 0  # announced already: the two-value message itself must find it
     config = LossScaleConfig(rule="paddle", init_scale=1024.0, backoff_interval=3, growth_interval=10)
     agreed = agreement.flag_and_extra(np.zeros((), np.float32), np.ones(2, np.float32) if extra else None,
                                       config, _state(path, values))

@@ -114,10 +114,10 @@ def check(results: list[dict], size: int) -> None:
     assert ref["reasons"][NORM_SPIKE[0]] == "grad_norm_spike"
     assert ref["reasons"].count(None) == STEPS - 3
     for rank, out in enumerate(results):
-        # one collective per step, clipping included; the first step of each message length (the guard's
-        # values; then the clip's with them) announces that length first
-        expected = [2] + [1] * (CLIP_FROM - 1) + [2] + [1] * (STEPS - CLIP_FROM - 1)
-        assert out["counts"] == expected, (rank, out["counts"])
+        # one collective, clipping included; a new message length (the guard's at step 0, the clip's
+        # from CLIP_FROM) is announced once first
+        announced = [2 if i in (0, CLIP_FROM) else 1 for i in range(STEPS)]
+        assert out["counts"] == announced, (rank, out["counts"])
         assert out["reasons"] == ref["reasons"], (rank, out["reasons"])
         assert out["losses"] == pytest.approx(ref["losses"], rel=1e-13)
         finite = [i for i in range(STEPS) if i != OVERFLOW[0]]
@@ -300,7 +300,7 @@ def paddle_run(rank: int, size: int, group: str) -> dict:
 def test_paddle_facade_a_spike_on_one_rank_is_skipped_by_every_rank_gloo(run_gloo, run_shared):
     results = two_ranks(run_gloo, run_shared)["paddle"].results()
     for out in results:
-        assert out["counts"] == [2] + [1] * (STEPS - 1)  # the first step announces the message's length
+        assert out["counts"] == [2] + [1] * (STEPS - 1)  # the first step announces the guard's length
         assert out["reasons"] == results[0]["reasons"]
         assert out["reasons"][LOSS_SPIKE[0]] in ("grad_norm_spike", "loss_spike")
         assert out["reasons"].count(None) == STEPS - 1, out["reasons"]
