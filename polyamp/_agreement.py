@@ -108,6 +108,7 @@ class Agreement:
         self._config: tuple[LossScaleConfig, int] | None = None  # the last config and its crc
         self._owners: dict[int, int] = {}  # a caller's whose -> its digest with self.owner
         self._length = 0  # the extra values of the last message (a change is announced first)
+        self._metered = False  # a meter's first sample was announced
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -153,8 +154,12 @@ class Agreement:
         """
         extras = 0 if extra is None else _size(extra)
         check_extra(extra, MAX_EXTRA + metered)
-        if extras != self._length:  # a message of another length than the last: announced first
-            self._announce(found_inf if extra is None else extra, config, state, payload, extras, whose)
+        # a message of another length than the last is announced first; a meter's slots come and go on
+        # its schedule (its settings are in whose), so only its first sample is announced
+        if extras - metered != self._length or (metered and not self._metered):
+            self._metered = self._metered or bool(metered)
+            self._announce(found_inf if extra is None else extra, config, state, payload, extras, whose,
+                           extras - metered)
         return self._agree(found_inf, extra, config, state, payload, extras, whose, maxed)
 
     def _agree(self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, payload: int,
@@ -175,14 +180,14 @@ class Agreement:
         return self._judge(wire, message, fields, state, like, extra)
 
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
-                  whose: int) -> None:
+                  whose: int, length: int) -> None:
         """Before the first message of a new length (``extras`` values: a guard's, a clip's), one
         message of the LAST length (zeros: the one-value message at first) that names the new one in
         its fingerprint, checked at once (one read on a GPU): ranks whose lengths differ (a guard or
         a clip on some ranks only, guards of other shapes, a clip added or dropped on one rank later)
         raise RankMismatchError on every rank, instead of meeting in collectives of different sizes,
         which abort the transport."""
-        last, self._length = self._length, extras
+        last, self._length = self._length, length  # ``length``: the extras outside a meter's schedule
         mark = len(self._sent)
         self._agree(_new_flag(like, 0.0), _zeros(like, last), config, state, payload, extras, whose)
         self.verify()
