@@ -101,6 +101,13 @@ def to_host(array: Any) -> float | int:
 def axis_max(array: Any, axis_name: Any) -> Any:
     from jax import lax
 
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not all(isinstance(n, str) for n in names):  # lax.pmax reads an int as a positional axis
+        raise ConfigError(
+            f"unscale(..., axis_name={axis_name!r}) must name mapped axes: a str, or a tuple of str "
+            "for several. Fix: pass the axis_name given to jax.pmap (or a shard_map mesh axis), e.g. "
+            "axis_name='batch'"
+        )
     try:
         return lax.pmax(array, axis_name)
     except NameError:  # jax: "unbound axis name" outside pmap / shard_map of that axis

@@ -24,9 +24,14 @@ def is_torch_file(head: bytes) -> bool:
     return head.startswith(ZIP_MAGIC) or head[:1] == PICKLE_MAGIC
 
 
-def load(path: str) -> Any:
+#: What to save instead, in the message refusing a file (``polyamp inspect``'s: a scaler state).
+SCALER_FIX = ("Fix: save the scaler state with torch.save(scaler.state_dict(), f), or as JSON "
+              "(json.dump(scaler.state_dict(), f)).")
+
+
+def load(path: str, fix: str = SCALER_FIX) -> Any:
     """The object in the ``torch.save`` file at ``path`` (CPU tensors), through torch's restricted
-    unpickler; StateDictError naming the file when torch is missing or the file holds code."""
+    unpickler; StateDictError naming the file (and ``fix``) when torch is missing or the file holds code."""
     name = repr(os.fspath(path))
     try:
         import torch
@@ -46,8 +51,7 @@ def load(path: str) -> Any:
         raise StateDictError(
             f"{name} could not be read with torch.load(weights_only=True), torch's restricted unpickler "
             f"({type(exc).__name__}: {detail}). polyamp never unpickles a file fully: a checkpoint that "
-            "needs it may run code. Fix: save the scaler state with torch.save(scaler.state_dict(), f), "
-            "or as JSON (json.dump(scaler.state_dict(), f))."
+            f"needs it may run code. {fix}"
         ) from None
 
 

@@ -108,7 +108,7 @@ def _npz(path: str, name: str) -> dict[str, np.ndarray]:
 def _torch(path: str, name: str) -> dict[str, np.ndarray]:
     from polyamp.compat import _torch_checkpoints as torch_files  # imports torch only to read one
 
-    data = torch_files.load(path)
+    data = torch_files.load(path, SAVE_HINT)
     if not isinstance(data, dict):
         raise StateDictError(f"{name} holds a {type(data).__name__}, not a dict name -> gradient. "
                              f"{SAVE_HINT}")
@@ -120,7 +120,13 @@ def _torch(path: str, name: str) -> dict[str, np.ndarray]:
             raise StateDictError(f"{name} has a key {key!r:.60} that is not a str. {SAVE_HINT}")
         dtype = str(getattr(value, "dtype", type(value).__name__)).rpartition(".")[2]
         if hasattr(value, "detach") and dtype in _TORCH_FLOATS:
-            value = value.detach().float().numpy() if dtype == "bfloat16" else value.detach().numpy()
+            try:  # a sparse or meta tensor has no NumPy values
+                value = value.detach().float().numpy() if dtype == "bfloat16" else value.detach().numpy()
+            except (TypeError, RuntimeError):
+                raise StateDictError(
+                    f"{name}: {key!r:.80} is a tensor with layout {value.layout} on device {value.device}, "
+                    "whose values cannot be read. Fix: save dense CPU gradients "
+                    "({name: p.grad.to_dense().cpu()}).") from None
         found[key] = _checked(name, key, value, dtype, _TORCH_FLOATS)
     return found
 

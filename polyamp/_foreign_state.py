@@ -27,6 +27,7 @@ from .config import LossScaleConfig, short_repr
 
 MEGATRON = frozenset({"scale", "growth_tracker", "hysteresis_tracker"})
 DEEPSPEED = frozenset({"cur_scale", "cur_iter", "last_overflow_iter"})
+_FLOAT32_TINY, _FLOAT32_MAX = 2.0**-126, 3.4028234663852886e38  # a scale's range (a normal float32)
 #: DeepSpeed's settings beside its state, and how each reads from a config.
 _DEEPSPEED_SETTINGS = {
     "scale_window": lambda c: c.growth_interval,
@@ -106,11 +107,20 @@ def _int(state: Mapping[str, Any], key: str, where: str, low: int, high: int, wh
 
 
 def _scale(state: Mapping[str, Any], key: str, where: str) -> float:
-    value = float(_number(state, key, where))
-    if not (math.isfinite(value) and value > 0):
-        raise StateDictError(f"{where}[{key!r}] must be a finite scale > 0, got {key}={short_repr(value)}. "
-                             "Fix: resume from an earlier checkpoint.")
-    return value
+    value = _number(state, key, where)
+    if not (isinstance(value, float) or abs(value) < 2**128) or not (
+            math.isfinite(value) and _FLOAT32_TINY <= value <= _FLOAT32_MAX):  # 10**400: no float
+        raise StateDictError(f"{where}[{key!r}] must be a finite scale > 0 that float32 holds (2**-126 to "
+                             f"~3.4e38), got {key}={short_repr(value)}. Fix: resume from an earlier checkpoint.")
+    return float(value)
+
+
+def _same(value: Any, wanted: Any) -> bool:
+    """``value == wanted`` as one bool; False where no single bool comes of it (an array of several)."""
+    try:
+        return bool(value == wanted)
+    except (ValueError, RuntimeError, TypeError):
+        return False
 
 
 def _megatron(state: Mapping[str, Any], config: LossScaleConfig, where: str) -> tuple[float, int, int]:
@@ -123,11 +133,11 @@ def _megatron(state: Mapping[str, Any], config: LossScaleConfig, where: str) -> 
 
 
 def _deepspeed(state: Mapping[str, Any], config: LossScaleConfig, where: str) -> tuple[float, int, int]:
-    if state.get("dynamic_loss_scale", True) is not True or state.get("dynamic", True) is not True:
+    if not (_same(state.get("dynamic_loss_scale", True), True) and _same(state.get("dynamic", True), True)):
         raise StateDictError(f"{where} is a static scale (dynamic_loss_scale False). Fix: build "
                              "LossScaler(init_scale=cur_scale, dynamic=False) instead of loading it.")
     for key, read in _DEEPSPEED_SETTINGS.items():
-        if key in state and state[key] != read(config):
+        if key in state and not _same(state[key], read(config)):
             raise StateDictError(
                 f"{where}[{key!r}] is {short_repr(state[key])}, but this scaler's config has "
                 f"{short_repr(read(config))} there. Fix: build the scaler with that run's settings "

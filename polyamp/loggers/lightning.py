@@ -30,6 +30,12 @@ class ScalerMetrics(Callback):
             raise TypeError(f"ScalerMetrics(scaler=...) takes a polyamp scaler (with metrics()), got "
                             f"{type(scaler).__name__}. Fix: pass polyamp.compat.torch.GradScaler(...) or "
                             "leave scaler out to use the trainer's precision plugin's.")
+        if not isinstance(prefix, str):  # checked here, not at the first logging step mid-run
+            raise TypeError(f"ScalerMetrics(prefix=...) must be a str, got prefix={prefix!r}. "
+                            "Fix: pass e.g. prefix='scaler/', or '' for bare metric names.")
+        if not isinstance(diagnose, bool):
+            raise TypeError(f"ScalerMetrics(diagnose=...) takes True or False, got diagnose={diagnose!r}. "
+                            "Fix: pass diagnose=True to log the last overflow's tensors.")
         self.scaler, self.prefix, self.diagnose = scaler, prefix, diagnose
         self.warned = False  # the "logs nothing" warning, given once per callback
         self.logged_step: int | None = None  # the global_step last logged in this fit

@@ -51,6 +51,9 @@ class ScalerMetricsWriter:
         if not isinstance(prefix, str):
             raise TypeError(f"ScalerMetricsWriter(prefix=...) must be a str, got prefix={prefix!r}. "
                             "Fix: pass e.g. prefix='scaler/', or '' for bare metric names.")
+        if not isinstance(diagnose, bool):  # checked here, not at the first write
+            raise TypeError(f"ScalerMetricsWriter(diagnose=...) takes True or False, got diagnose={diagnose!r}. "
+                            "Fix: pass diagnose=True to write the last overflow's tensors.")
         if writer is not None and not callable(getattr(writer, "add_scalar", None)):
             raise TypeError(f"ScalerMetricsWriter(writer=...) needs add_scalar(tag, value, step), got a "
                             f"{type(writer).__name__}. Fix: pass a torch.utils.tensorboard.SummaryWriter, or "
