@@ -157,9 +157,10 @@ class Agreement:
         # a message of another length than the last is announced first; a meter's slots come and go on
         # its schedule (its settings are in whose), so only its first sample is announced
         if extras - metered != self._length or (metered and not self._metered):
+            known = metered if self._metered else 0  # an announced meter's slots are in this step's format
             self._metered = self._metered or bool(metered)
             self._announce(found_inf if extra is None else extra, config, state, payload, extras, whose,
-                           extras - metered)
+                           extras - metered, known)
         return self._agree(found_inf, extra, config, state, payload, extras, whose, maxed)
 
     def _agree(self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, payload: int,
@@ -180,7 +181,7 @@ class Agreement:
         return self._judge(wire, message, fields, state, like, extra)
 
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
-                  whose: int, length: int) -> None:
+                  whose: int, length: int, known: int = 0) -> None:
         """Before the first message of a new length (``extras`` values: a guard's, a clip's), one
         message of the LAST length (zeros: the one-value message at first) that names the new one in
         its fingerprint, checked at once (one read on a GPU): ranks whose lengths differ (a guard or
@@ -189,7 +190,7 @@ class Agreement:
         which abort the transport."""
         last, self._length = self._length, length  # ``length``: the extras outside a meter's schedule
         mark = len(self._sent)
-        self._agree(_new_flag(like, 0.0), _zeros(like, last), config, state, payload, extras, whose)
+        self._agree(_new_flag(like, 0.0), _zeros(like, last + known), config, state, payload, extras, whose)
         self.verify()
         del self._sent[mark:]
 

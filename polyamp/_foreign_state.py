@@ -111,7 +111,8 @@ def _scale(state: Mapping[str, Any], key: str, where: str) -> float:
     if not (isinstance(value, float) or abs(value) < 2**128) or not (
             math.isfinite(value) and _FLOAT32_TINY <= value <= _FLOAT32_MAX):  # 10**400: no float
         raise StateDictError(f"{where}[{key!r}] must be a finite scale > 0 that float32 holds (2**-126 to "
-                             f"~3.4e38), got {key}={short_repr(value)}. Fix: resume from an earlier checkpoint.")
+                             f"~3.4e38), got {key}={short_repr(value)}. "
+                             "Fix: resume from an earlier checkpoint.")
     return float(value)
 
 

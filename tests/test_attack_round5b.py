@@ -55,7 +55,8 @@ DEEPSPEED = {"cur_scale": 65536.0, "cur_iter": 10, "last_overflow_iter": 4, "cur
     (_deepspeed_scaler, {**DEEPSPEED, "cur_scale": 1e300}, "cur_scale"),  # named state_dict['scale']
     (_megatron_scaler, {**MEGATRON, "scale": 1e-40}, "scale"),
     (_deepspeed_scaler, {**DEEPSPEED, "scale_window": np.array([1000, 1000])}, "scale_window"),  # ValueError
-    (_deepspeed_scaler, {**DEEPSPEED, "scale_window": torch.tensor([1000, 5])}, "scale_window"),  # RuntimeError
+    (_deepspeed_scaler, {**DEEPSPEED, "scale_window": torch.tensor([1000, 5])},
+     "scale_window"),  # RuntimeError
     (_deepspeed_scaler, {**DEEPSPEED, "min_scale": np.ones(2)}, "min_scale"),
 ], ids=["megatron-10**400", "deepspeed-10**400", "deepspeed-1e300", "megatron-tiny", "array-setting",
         "tensor-setting", "array-min-scale"])
@@ -70,7 +71,8 @@ def test_foreign_state_refuses_odd_values_naming_the_key_and_changes_nothing(sca
 
 def test_deepspeed_state_with_numpy_bools_loads():
     scaler = _deepspeed_scaler()  # np.True_ is not True: read as "a static scale" and refused
-    scaler.load_state_dict({**DEEPSPEED, "dynamic": np.bool_(True), "raise_error_at_min_scale": np.bool_(True)})
+    scaler.load_state_dict({**DEEPSPEED, "dynamic": np.bool_(True),
+                            "raise_error_at_min_scale": np.bool_(True)})
     assert scaler.state_dict()["scale"] == 65536.0 and scaler.state_dict()["growth_tracker"] == 5
 
 

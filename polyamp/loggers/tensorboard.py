@@ -52,7 +52,8 @@ class ScalerMetricsWriter:
             raise TypeError(f"ScalerMetricsWriter(prefix=...) must be a str, got prefix={prefix!r}. "
                             "Fix: pass e.g. prefix='scaler/', or '' for bare metric names.")
         if not isinstance(diagnose, bool):  # checked here, not at the first write
-            raise TypeError(f"ScalerMetricsWriter(diagnose=...) takes True or False, got diagnose={diagnose!r}. "
+            raise TypeError("ScalerMetricsWriter(diagnose=...) takes True or False, got "
+                            f"diagnose={diagnose!r}. "
                             "Fix: pass diagnose=True to write the last overflow's tensors.")
         if writer is not None and not callable(getattr(writer, "add_scalar", None)):
             raise TypeError(f"ScalerMetricsWriter(writer=...) needs add_scalar(tag, value, step), got a "

@@ -46,7 +46,8 @@ def three_ways(rank: int, size: int, group: str) -> dict:
     guard = StepGuard(max_grad_norm=1e9) if rank == 0 else None
     scaler = LossScaler(config, reducer=reducer(group), guard=guard)
     if rank == 2:
-        scaler.load_state_dict({"scale": torch.tensor([1024.0]), "growth_tracker": 3, "hysteresis_tracker": 2})
+        scaler.load_state_dict({"scale": torch.tensor([1024.0]), "growth_tracker": 3,
+                                "hysteresis_tracker": 2})
     applied: list[int] = []
     for step in range(STEPS):
         grads = [np.full(3, 1.0 + rank, np.float32)]
