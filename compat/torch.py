@@ -272,7 +272,8 @@ class GradScaler:
         if not grads:
             return None
         iteration = self._iteration
-        if iteration.metering.due(iteration.checks.unscaled, iteration.steps, iteration.checks.metered):
+        metering, checks = iteration.metering, iteration.checks
+        if metering.active and metering.due(checks.unscaled, iteration.steps, checks.metered):
             grads = named_for_meter(grads, optimizer, self._param_names)  # a sample step: named
         if iteration.guarding is None:
             return iteration.unscale(grads, check_only=check_only, owned=True)  # checked by collect_grads

@@ -160,24 +160,23 @@ class Iteration:
     # -- checking -------------------------------------------------------------------------
     def unscale(self, grads: Iterable[Any], *, check_only: bool = False, where: str = "unscale_()",
                 owned: bool = False) -> Any:
-        """Unscale one group of gradients in place (``check_only``: check only); its device flag joins
-        :attr:`checks`. No sync. ``owned``: arrays the shell already checked (the torch facade's)."""
+        """Unscale one group of gradients (``check_only``: check only), no sync; ``owned``: checked."""
         self._refuse_after_agreement("unscale_()")
         given, names = (list(grads.values()), list(map(str, grads))) if isinstance(grads, Mapping) else (
             list(grads) if self.diagnose or self.metering.active else grads, None)  # read twice: named too
-        scaling = self.scaling
-        arrays = scaling.gradients(given, where, owned)  # refuses bad gradients before any state changes
+        arrays = self.scaling.gradients(given, where, owned)  # refuses bad gradients before any state changes
         squares = self.guarding is not None and self.guarding.guard.watches_norm
-        found, sumsq = scaling.unscale(arrays, check_only=check_only, keep=self.diagnose, squares=squares)
+        found, sumsq = self.scaling.unscale(arrays, check_only=check_only, keep=self.diagnose,
+                                            squares=squares)
         checks = self.checks
-        checked, measured = checks.checked, checks.measured
-        metered = self.metering.count(checks, self.steps, scaling, given, names, not check_only and arrays)
+        measured = checks.measured if sumsq is None else checks.measured.plus(sumsq=sumsq)
+        checked = checks.checked
+        metered = self.metering.active and self.metering.count(
+            checks, self.steps, self.scaling, given, names, not check_only and arrays) or None
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
-        if sumsq is not None:
-            measured = measured.plus(sumsq=sumsq)
-        self.checks = checks._replace(found=plus(checks.found, found), unscaled=True, checked=checked,
-                                      measured=measured, metered=metered)
+        self.checks = checks._replace(found=found if checks.found is None else checks.found + found,
+                                      unscaled=True, checked=checked, measured=measured, metered=metered)
         return found
 
     def record(self, flag: Any) -> None:
@@ -379,7 +378,8 @@ class Iteration:
         streak's action. Reads the scale only when a line is due, not again when ``exact``."""
         reports = self.guarding.advance(decision.verdicts) if self.guarding is not None else ()
         try:
-            self.metering.commit(self.checks.metered, self.scaling.backend)  # after the decision: one read
+            if self.checks.metered is not None:  # after the decision: one read
+                self.metering.commit(self.checks.metered, self.scaling.backend)
             if new_scale is not None:
                 self.scaling.set_scale(new_scale)
             elif rule:

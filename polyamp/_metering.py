@@ -59,11 +59,7 @@ class Metering:
         self.last: PrecisionReport | None = None
         self._digest = b"" if meter is None else to_bytes(meter.digest())
         self._whose: dict[int, int] = {}  # a caller's whose -> it with the meter's digest folded in
-
-    @property
-    def active(self) -> bool:
-        """Whether a meter is set."""
-        return self.meter is not None
+        self.active = meter is not None  # a plain attribute: the iteration reads it on every step
 
     def due(self, unscaled: bool, steps: int, sample: Sample | None) -> bool:
         """Whether the next unscale's gradients are counted: at the iteration's first unscale (not
