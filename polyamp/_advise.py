@@ -10,8 +10,6 @@ are measured on NumPy in float64 with the meter's definitions. Anything else is 
 from __future__ import annotations
 
 import math
-import os
-import stat
 import zipfile
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ConfigError, StateDictError
-from .checkpoint import special_kind
+from .checkpoint import regular_file
 from .precision import PrecisionMeter, PrecisionReport
 
 __all__ = ["load_gradients", "parse_scale", "parse_targets", "report"]
@@ -62,22 +60,10 @@ def load_gradients(path: str) -> dict[str, np.ndarray]:
 
 
 def _check_path(path: str) -> str:
-    """The path's name for messages, once ``os.stat`` says it is a regular file (a FIFO would block)."""
-    name = repr(os.fspath(path))
-    if "\0" in os.fsdecode(path):
-        raise StateDictError(f"{name} has a NUL character in it, which no file name can hold. "
-                             "Fix: pass the file's path as written on disk.")
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise StateDictError(f"cannot read {name}: {exc.strerror or exc}") from None
-    if stat.S_ISDIR(mode):
-        raise StateDictError(f"{name} is a directory. Fix: pass the gradients file inside it.")
-    kind = special_kind(mode)
-    if kind is not None:
-        raise StateDictError(f"{name} is {kind}, not a regular file: polyamp advise reads files only. "
-                             "Fix: save the gradients to a file and pass that file.")
-    return name
+    """The path's name for messages, once it is a regular file (``checkpoint.regular_file``)."""
+    return regular_file(path, path_fix="the file's", dir_fix="the gradients file",
+                        special_fix="polyamp advise reads files only. Fix: save the gradients to a file and "
+                                    "pass that file.")
 
 
 def _is_npz(path: str) -> bool:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from typing import Any
 
 from . import checkpoint
 from ._errors import StateDictError
+from .checkpoint import regular_file
 from .config import LossScaleConfig
 from .engine import LossScaler
 from .policy import HostState
@@ -72,23 +72,10 @@ def describe_all(path: str) -> list[dict[str, Any]]:
 
 
 def _check_path(path: str) -> str:
-    """The path's name for messages, once it is known to be a regular file that exists; checked
-    with ``os.stat`` before anything opens it (a FIFO without a writer would block for ever)."""
-    name = repr(os.fspath(path))
-    if "\0" in os.fsdecode(path):
-        raise StateDictError(f"{name} has a NUL character in it, which no file name can hold. Fix: pass "
-                             "the checkpoint's path as written on disk.")
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise StateDictError(f"cannot read {name}: {exc.strerror or exc}") from None
-    if stat.S_ISDIR(mode):
-        raise StateDictError(f"{name} is a directory. Fix: pass the checkpoint file inside it.")
-    kind = checkpoint.special_kind(mode)
-    if kind is not None:
-        raise StateDictError(f"{name} is {kind}, not a regular file: polyamp inspect reads checkpoint "
-                             "files only. Fix: save the stream to a file and pass that file.")
-    return name
+    """The path's name for messages, once it is a regular file (``checkpoint.regular_file``)."""
+    return regular_file(path, path_fix="the checkpoint's", dir_fix="the checkpoint file",
+                        special_fix="polyamp inspect reads checkpoint files only. Fix: save the stream to a "
+                                    "file and pass that file.")
 
 
 def _scaler_states(obj: Any, name: str) -> list[tuple[str, dict[Any, Any]]]:

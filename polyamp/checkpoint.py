@@ -280,6 +280,26 @@ def _refuse_special(path: str, name: str) -> None:
     )
 
 
+def regular_file(path: Any, *, path_fix: str, dir_fix: str, special_fix: str) -> str:
+    """The path's name for messages, once ``os.stat`` says it is a regular file that exists: checked
+    before anything opens it (a FIFO without a writer would block for ever); StateDictError otherwise,
+    its Fix worded by the caller (``polyamp inspect``, ``polyamp advise``)."""
+    name = repr(os.fspath(path))
+    if "\0" in os.fsdecode(path):
+        raise StateDictError(f"{name} has a NUL character in it, which no file name can hold. Fix: pass "
+                             f"{path_fix} path as written on disk.")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise StateDictError(f"cannot read {name}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise StateDictError(f"{name} is a directory. Fix: pass {dir_fix} inside it.")
+    kind = special_kind(mode)
+    if kind is not None:
+        raise StateDictError(f"{name} is {kind}, not a regular file: {special_fix}")
+    return name
+
+
 def special_kind(mode: int) -> str | None:
     """What a file of this ``st_mode`` is, for messages ("a FIFO (named pipe)"); None: a regular file."""
     if stat.S_ISREG(mode):
