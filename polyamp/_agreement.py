@@ -109,6 +109,7 @@ class Agreement:
         self._owners: dict[int, int] = {}  # a caller's whose -> its digest with self.owner
         self._length = 0  # the extra values of the last message (a change is announced first)
         self._metered = False  # a meter's first sample was announced
+        self._host_wire: Any = None  # the wire of a flag alone in host memory, reused
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -169,6 +170,8 @@ class Agreement:
         host = self._next(config, payload, extras, whose)
         like = found_inf if extra is None else extra
         on_host = _on_host(found_inf, extra, state)
+        if on_host and extra is None:
+            return self._agree_on_host(found_inf, host, state)
         if on_host:  # 0-d in host memory: reading it costs no sync; non-zero (NaN too) as read_flag
             found_inf = float(found_inf) != 0
             values = None if extra is None else _host(extra)
@@ -179,6 +182,24 @@ class Agreement:
         fields = self._fields(wire.place, host, state)
         message = self._reduce(wire, wire.send(fields, found_inf, values))
         return self._judge(wire, message, fields, state, like, extra)
+
+    def _agree_on_host(self, found_inf: Any, host: list[int], state: Any) -> Agreed:
+        """:meth:`_agree` of a flag alone with everything in host memory (a CPU step: the common
+        case), read at once. A flag of 0 that stays 0 is returned as it is (no new array)."""
+        local = found_inf if isinstance(found_inf, bool) else float(found_inf)
+        wire = self._host_wire
+        if wire is None:
+            red = self.reducer
+            wire = self._host_wire = self._wire.wire_for(red.size, 0)(self._host, red.rank, red.size, 0)
+        wire.key = host[3]
+        fields = self._fields(self._host, host, state)
+        message = self._reduce(wire, wire.send(fields, local != 0, None))
+        read = wire.read(message)
+        if not read.aligned:
+            self._explain(wire, message, fields, state)
+        if not read.flag and local == 0 and _is_plain_flag(found_inf):
+            return Agreed(found_inf, None)
+        return Agreed(_new_flag(found_inf, 1.0 if read.flag else 0.0), None)
 
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
                   whose: int, length: int, known: int = 0) -> None:
@@ -375,6 +396,21 @@ def _host(array: Any) -> Any:
     (a bfloat16 or requires-grad CPU tensor has no NumPy view)."""
     view = _host_view(array)
     return view if view is not None else backend_of(array).to_numpy(array)
+
+
+_FLOAT32: dict[type, Any] = {}  # array type -> its library's float32 dtype
+
+
+def _is_plain_flag(flag: Any) -> bool:
+    """Whether ``flag`` is a 0-d float32 array (as :func:`_new_flag` makes), so it may stand as an
+    agreed flag of the same value."""
+    kind = type(flag)
+    dtype = _FLOAT32.get(kind)
+    if dtype is None:
+        if kind is bool:
+            return False
+        dtype = _FLOAT32[kind] = _new_flag(flag, 0.0).dtype
+    return getattr(flag, "dtype", None) == dtype and tuple(getattr(flag, "shape", (1,))) == ()
 
 
 def _new_flag(like: Any, value: float) -> Any:

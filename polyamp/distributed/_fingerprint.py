@@ -55,9 +55,9 @@ def words(values: Any) -> list[int]:
 _MASKS = tuple(2**(WIDTH * n) - 1 for n in WORDS)
 #: The fields that stay the same from one step to the next (their share is kept per value), and the
 #: others (one word each), of a whole fingerprint and of its host fields.
-_STATIC = tuple(FIELDS.index(name) for name in ("config", "payload", "extras"))
-_WHOSE = FIELDS.index("whose")  # the same from step to step, unless a guard's history moves it
-_DYNAMIC = tuple(i for i in range(len(FIELDS)) if i not in (*_STATIC, _WHOSE))
+#: ``whose`` stays the same from step to step unless a guard's history moves it (a share per value).
+_STATIC = tuple(FIELDS.index(name) for name in ("config", "payload", "extras", "whose"))
+_DYNAMIC = tuple(i for i in range(len(FIELDS)) if i not in _STATIC)
 _STATIC_OF = itemgetter(*_STATIC)
 _DYNAMIC_ALL = itemgetter(*_DYNAMIC)
 _DYNAMIC_HOST = itemgetter(*(i for i in _DYNAMIC if i < HOST_FIELDS))
@@ -259,9 +259,8 @@ class Place:
         Python int, or a 0-d int64 array here). The host's share is :func:`share`'s in Python ints
         (the same sum mod ``prime``: no array for sixteen numbers)."""
         host, prime = fields.host, digest.prime
-        # config, payload, extras; whose (it changes with a guard's history): each share kept per value
-        static = self._static_share(digest, (prime, _STATIC_OF(host)), host, _STATIC)
-        static += self._static_share(digest, (prime, host[_WHOSE]), host, (_WHOSE,))
+        # config, payload, extras and whose (it changes with a guard's history): their share kept per value
+        static = self._static_share(digest, (prime, *_STATIC_OF(host)), host)
         full = len(host) == len(FIELDS)
         dynamic = (_DYNAMIC_ALL if full else _DYNAMIC_HOST)(host)  # one word each
         halves = [h for v in dynamic for h in (v & 0xFFFF, v >> 16)]
@@ -273,13 +272,13 @@ class Place:
         weights = self.constant(digest.prime, digest.weights[n:])
         return share(self.xp, fields.state, weights, digest.prime, base)
 
-    def _static_share(self, digest: Hash, key: Any, host: list[int], fields: tuple[int, ...]) -> int:
-        """The share of ``fields`` (fields that stay the same from step to step), kept per ``key``."""
+    def _static_share(self, digest: Hash, key: Any, host: list[int]) -> int:
+        """The share of the fields that stay the same from step to step, kept per ``key``."""
         known = self._shares.get(key)
         if known is None:
             if len(self._shares) >= _SHARES_KEPT:
                 self._shares.clear()
-            known = self._shares[key] = _words_share(host, fields, digest)
+            known = self._shares[key] = _words_share(host, _STATIC, digest)
         return known
 
     def encode(self, fields: Fields, encoding: Encoding) -> Any:
@@ -308,7 +307,10 @@ class Place:
             buffer = self._made.get((dtype, len(values)))
             if buffer is None:
                 buffer = self._made[(dtype, len(values))] = np.empty(len(values), getattr(np, dtype))
-            buffer[:] = values
+            if len(values) == 1:
+                buffer[0] = values[0]  # a one-value message: cheaper than a slice assignment
+            else:
+                buffer[:] = values
             return buffer
         kind = getattr(xp, dtype)
         return xp.stack([xp.full((), v, dtype=kind, device=self.device) if isinstance(v, (int, float))

@@ -140,6 +140,8 @@ class OneValue(Wire):
 
     def read(self, message: Any) -> Read:
         total = message[0]  # the flags' count times B, and the v parts: 0 mod Q when aligned
+        if self.place.host:
+            total = int(total)  # Python ints: cheaper than NumPy scalars
         return Read(total >= B, None, total % B % Q == 0)
 
 
