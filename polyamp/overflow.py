@@ -1,10 +1,7 @@
 """Overflow forensics: which gradients hold nan/+inf/-inf, how many, and why the step was skipped.
 
-A read-only report over any supported array library. The engine and the facades call it only
-after a skipped step with ``diagnose=True``, so applied steps cost nothing. Per tensor: one
-vectorised finiteness pass (the flags of a library and device read at once), then, for the
-tensors that hold a non-finite value only, one more set of vectorised counts (one host read each).
-The array work is the backends' (hooks ``finite_flags``, ``overflow_counts``, ``to_numpy``).
+Read-only; called only after a skipped step with ``diagnose=True``. Cost: one finiteness pass per
+tensor (one host read per library and device), then counts for the non-finite tensors only.
 """
 
 from __future__ import annotations
@@ -47,11 +44,9 @@ class TensorOverflow:
 class OverflowReport(VerdictFields):
     """What :func:`explain_overflow` found; truthy exactly when something was not finite.
 
-    ``tensors``: only those holding a non-finite value, most non-finite values first (ties:
-    the order given). ``diagnosis``: one line naming the likely cause and the fix. A step skipped
-    under a :class:`polyamp.StepGuard` (an overflow too) also carries ``reason``, the agreed
-    ``loss`` and ``grad_norm``, the ``zscores`` judged and ``loss_spike`` (None otherwise): on an
-    overflow, whether the loss itself was a spike (a bad batch) or not (a scale grown too far).
+    ``tensors``: those holding a non-finite value, most first (ties: the order given).
+    ``diagnosis``: the likely cause and the fix. Under a :class:`polyamp.StepGuard` the guard's
+    values (``reason``, ``loss``, ``grad_norm``, ``zscores``, ``loss_spike``) come too.
     """
 
     found: bool
@@ -101,9 +96,8 @@ def explain_overflow(
 ) -> OverflowReport:
     """Which of ``grads`` (a sequence, or a mapping name -> array) hold inf/nan, and why.
 
-    Read-only: changes no array and no scaler. ``names`` names a sequence (unnamed gradients
-    are ``grads[i]``; None entries are skipped); ``loss`` (a number or 1-element array) is
-    checked too. One host read per library and device, and one per tensor holding inf/nan.
+    Read-only. ``names`` names a sequence (default ``grads[i]``; None entries are skipped);
+    ``loss`` (a number or 1-element array) is checked too.
     """
     named = named_arrays(grads, names)
     scale = _checked_scale(scale)
@@ -198,8 +192,7 @@ def named_arrays(grads: Any, names: Sequence[str] | None = None) -> list[tuple[s
 
 
 def _check_readable(named: list[tuple[str, Any]]) -> None:
-    """Refuse, naming the gradient, what the counts cannot read: a tensor without values (meta), a
-    sparse layout, a dtype that is not float16/bfloat16/float32/float64 (complex, float8, ints)."""
+    """Refuse, naming the gradient, a meta or sparse tensor or a dtype outside FLOATING."""
     for name, array in named:
         problem = (
             "is on torch's 'meta' device, which holds no values" if getattr(array, "is_meta", False) is True
@@ -217,10 +210,8 @@ def _check_readable(named: list[tuple[str, Any]]) -> None:
 
 
 def _gradient_of(item: Any) -> Any:
-    """A parameter's gradient, as torch's gradient utilities take ``model.parameters()``: an item
-    that holds a ``.grad`` and is a parameter (a ``polyamp.Parameter``, a tensor that requires grad,
-    a tensor whose ``stop_gradient`` is False) stands for its gradient. A tensor that requires grad but
-    is not a leaf is itself a gradient (``create_graph=True``, gradient penalties): it stands for itself."""
+    """A parameter's ``.grad`` (as torch's utilities take ``model.parameters()``); a non-leaf
+    tensor (``create_graph=True``) or any other array stands for itself."""
     if getattr(item, "is_leaf", True) is False:  # torch's: a gradient in a graph, read as its values
         return item.detach()
     if not hasattr(item, "grad"):
@@ -324,13 +315,8 @@ def _is_float(array: Any) -> bool:
     return "float" in name or "complex" in name
 
 
-def _dtype_name(array: Any) -> str:
-    return short_name(array.dtype)
-
-
 def _all_finite_flags(arrays: list[Any]) -> list[bool]:
-    """Per array, whether every value is finite: one pass each, flags read once per backend and
-    device (its backend's ``finite_flags``)."""
+    """Per array, whether every value is finite: flags read once per backend (``finite_flags``)."""
     groups: dict[str, tuple[Any, list[int]]] = {}
     for i, array in enumerate(arrays):
         if _is_float(array) and math.prod(array.shape):
@@ -347,7 +333,7 @@ def _tensor_overflow(name: str, array: Any) -> TensorOverflow:
     """The counts of one tensor: a few vectorised passes and one host read (its backend's)."""
     n_nan, n_pos, n_neg, largest = backend_of(array).overflow_counts(array)
     shape = tuple(int(s) for s in array.shape)
-    return TensorOverflow(name, shape, _dtype_name(array), math.prod(shape), int(n_nan), int(n_pos),
+    return TensorOverflow(name, shape, short_name(array.dtype), math.prod(shape), int(n_nan), int(n_pos),
                           int(n_neg), float(largest))
 
 
