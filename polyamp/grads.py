@@ -1,13 +1,8 @@
 """Gradient utilities over any array library: global L2 norm, clip by global norm, and a
-contiguous gradient buffer whose every gradient is a view of one flat array.
+gradient buffer whose every gradient is a view of one flat array.
 
-Array-API code through array-api-compat: no Python loop over elements and no host
-synchronisation (norms are 0-d arrays on the gradients' device). Finite gradients always
-have a finite norm: squares are summed in float64, where no float32 square can overflow.
-Norms and clipping refuse gradients that are still multiplied by the loss scale; they learn
-that from a :class:`GradBuffer` (``scaled``) or from the scaler passed as ``scaler=``. When that
-scaler has a reducer, the local sum of squares rides in the scaler's one collective of the step
-(``LossScaler.agree_``), so the norm is global across ranks at no extra collective.
+No host synchronisation; finite gradients always have a finite norm. Still-scaled gradients are
+refused. With a scaler that has a reducer, the sum of squares rides in its one collective.
 """
 
 from __future__ import annotations
@@ -63,10 +58,8 @@ def _distributed_engine(scaler: Any) -> Any:
 
 
 def _arrays(grads: Any, scaler: Any, what: str) -> list[Any]:
-    """The arrays to work on (one flat array for a GradBuffer), after the still-scaled checks.
-
-    Empty only with a distributed scaler: a rank without gradients still takes part (sends 0).
-    """
+    """The arrays to work on (one flat array for a GradBuffer), after the still-scaled checks;
+    empty only with a distributed scaler (a rank without gradients still takes part)."""
     if isinstance(grads, GradBuffer):
         if grads.scaled:
             raise ScaledGradientsError(
@@ -103,12 +96,8 @@ _CHUNK = 2**20
 
 
 def _accumulator(xp: Any, arrays: Sequence[Any]) -> tuple[str, bool]:
-    """The dtype to sum squares in, and whether values must first be divided by their max-abs.
-
-    float64 holds the square of any float16/bfloat16/float32 value, so those need no rescale
-    where the device computes float64; float64 gradients (or a device without float64, e.g.
-    Apple MPS) are rescaled so that no square can overflow.
-    """
+    """The dtype to sum squares in, and whether values must first be divided by their max-abs
+    (float64 gradients, or a device without float64: else a square could overflow)."""
     wide = any(_dtypes.name_of(g) == "float64" for g in arrays)
     if not wide and _dtypes.computes_float64(xp, array_api_compat.device(arrays[0])):
         return "float64", False
@@ -144,15 +133,9 @@ def _sum_of_squares(xp: Any, arrays: Sequence[Any], acc: str, inv: Any = None) -
 def global_norm(grads: Any, *, scaler: Any = None) -> Any:
     """The L2 norm of all gradients together, a 0-d array: finite whenever every value is finite.
 
-    Squares of float16/bfloat16/float32 values are summed in float64 (the norm is float64),
-    copied to float64 in chunks of 2**20 values, so one huge value (3e19) cannot overflow the
-    sum; float64 gradients, and devices without float64 (there the norm is float32 and can only
-    overflow past float32's max), are divided by their max-abs first. inf/nan when any value
-    is. A fixed number of passes, no host synchronisation.
-
-    With a distributed ``scaler`` (one built with ``reducer=``) the norm is over the gradients of
-    every rank: this rank's sum of squares is summed with the others' in the scaler's one
-    collective of the step (:meth:`polyamp.LossScaler.agree_`), once per iteration.
+    Squares are summed in float64 (float64 gradients, or devices without it, are divided by their
+    max-abs first); inf/nan when any value is. No host synchronisation. With a distributed
+    ``scaler`` the norm spans every rank, in the scaler's one collective (``agree_``).
     """
     arrays = _arrays(grads, scaler, "global_norm")
     engine = _distributed_engine(scaler)
@@ -176,9 +159,7 @@ def _local_norm(xp: Any, arrays: Sequence[Any]) -> Any:
 
 
 def squared_norm(arrays: Sequence[Any]) -> Any:
-    """The sum of squares of all ``arrays`` (one library, at least one array), 0-d on their device:
-    the square of :func:`global_norm`'s local norm (float64 where the device computes it), summed
-    directly where no square can overflow. A fixed number of passes, no host synchronisation."""
+    """The square of :func:`global_norm`'s local norm over ``arrays`` (one library, at least one)."""
     xp = _namespace(arrays, "StepGuard's gradient norm")
     acc, rescale = _accumulator(xp, arrays)
     if not rescale:
@@ -189,11 +170,7 @@ def squared_norm(arrays: Sequence[Any]) -> Any:
 
 def _agreed_norm(engine: Any, arrays: Sequence[Any], what: str) -> Any:
     """The L2 norm over every rank's gradients: this rank's sum of squares s rides in the engine's
-    collective, as the pair (s, s / h**2), h = 2**512 (2**64 for float32 accumulators).
-
-    The first is exact wherever the total fits the accumulator; the second holds a total past
-    its max (float64 gradients beyond ~1e154), so finite gradients keep a finite norm.
-    """
+    collective as (s, s / h**2), h = 2**512 (float32: 2**64); the second holds a total past the max."""
     if arrays:
         xp = _namespace(arrays, what)
         acc, rescale = _accumulator(xp, arrays)
@@ -232,11 +209,8 @@ def _check_max_norm(max_norm: Any) -> float:
 def clip_grad_norm_(grads: Any, max_norm: float, *, scaler: Any = None, eps: float = 1e-6) -> Any:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the pre-clip norm.
 
-    Finite gradients, however large, are clipped (their norm is finite, see :func:`global_norm`).
-    A non-finite norm (some value is inf/nan) leaves the gradients untouched and is returned as
-    is: the scaler skips that step. The norm's passes plus one write pass, no host synchronisation.
-    With a distributed ``scaler`` the norm is global across ranks, at no extra collective (see
-    :func:`global_norm`); every rank clips by the same coefficient.
+    A non-finite norm leaves the gradients untouched (the scaler skips that step). No host
+    synchronisation; with a distributed ``scaler`` the norm is global (see :func:`global_norm`).
     """
     max_norm = _check_max_norm(max_norm)
     arrays = _arrays(grads, scaler, "clip_grad_norm_")
@@ -266,11 +240,8 @@ def _check_writable(arrays: Sequence[Any]) -> None:
 
 
 class GradBuffer(FlatArrays):
-    """Gradients as views of one flat array: zero, scale, norm and clip are one call each.
-
-    Per-step cost stops growing with the number of parameter tensors, and ``flat`` can be
-    handed to ``LossScaler.unscale_`` as a single gradient. Backward passes overwrite the views.
-    """
+    """Gradients as views of one flat array: zero, scale, norm and clip are one call each, however
+    many tensors; ``flat`` goes to ``LossScaler.unscale_`` as a single gradient."""
 
     def __init__(
         self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None, spare: int = 0
@@ -281,11 +252,8 @@ class GradBuffer(FlatArrays):
 
     @classmethod
     def attach(cls, params: Iterable[Any], *, spare: int = 0) -> GradBuffer:
-        """A buffer for ``params`` (polyamp.Parameters or torch tensors) that becomes their ``.grad``.
-
-        Existing gradients are copied in; afterwards ``p.grad`` is a view of ``flat`` for every p.
-        ``spare``: values after the gradients in :attr:`storage` (see :class:`polyamp.flat.FlatArrays`).
-        """
+        """A buffer for ``params`` (polyamp.Parameters or torch tensors) that becomes their ``.grad``
+        (existing gradients copied in); ``spare`` as in :class:`polyamp.flat.FlatArrays`."""
         params = _inputs.iterable(params, "GradBuffer.attach", "params", "list(model.parameters())",
                                   "parameters", "[param]")
         if not params:
@@ -304,10 +272,7 @@ class GradBuffer(FlatArrays):
         return buffer
 
     def reattach(self) -> None:
-        """Point every attached parameter's ``.grad`` back at its view (copying a stray gradient in).
-
-        Needed after code that replaces ``.grad`` (e.g. an optimizer's zero_grad(set_to_none=True)).
-        """
+        """Point every parameter's ``.grad`` back at its view (after e.g. ``zero_grad(set_to_none=True)``)."""
         for param, view in zip(self._params, self.views):
             grad = param.grad
             if grad is view:
@@ -346,10 +311,7 @@ class GradBuffer(FlatArrays):
         return global_norm(self, scaler=scaler)
 
     def clip_(self, max_norm: float, eps: float = 1e-6, *, scaler: Any = None) -> Any:
-        """Clip by global norm in place (see :func:`clip_grad_norm_`); return the pre-clip norm.
-
-        With a distributed ``scaler`` the norm spans every rank's buffer, in the scaler's one collective.
-        """
+        """Clip by global norm in place (see :func:`clip_grad_norm_`); return the pre-clip norm."""
         return clip_grad_norm_(self, max_norm, scaler=scaler, eps=eps)
 
 
