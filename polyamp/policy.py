@@ -15,25 +15,13 @@ One rule with three parameters (:class:`RuleParams`) covers the four ``config.ru
             if new is finite: scale = min(new, max_scale)
             growth_tracker = growth_delay; backoff_tracker = 0
 
-``keeps_count`` (megatron, deepspeed): a spent hysteresis stays spent (the count stays one short
-of ``backoff_interval``), so every further overflow backs off until a growth (or, with
-``finite_refills``, a finite step) refills it; torch and paddle start counting again.
-``growth_delay`` is 1 for deepspeed, whose window counts finite steps *after* the first one
-following an overflow, else 0. With ``backoff_interval=1`` and ``rule="torch"`` this is torch's
-``_amp_update_scale_``; ``backoff_interval=n`` is paddle's ``decr_every_n_nan_or_inf=n``.
-
-``floor`` is ``min_scale`` when set, else ``SCALE_FLOOR`` (2**-126, float32's smallest normal):
-the scale never becomes subnormal or 0, which torch's rule allows and which turns the unscaled
-gradients into NaN. Products are formed in ``config.products`` (float64 for torch and deepspeed,
-float32 for paddle and megatron) and rounded to float32. With ``dynamic=False`` the state never
-changes. The rule compares with ``>=`` where the engines write ``==``: the same for every state the
-rule leaves (trackers never pass the limits), but a state past them (made under a config with
-longer intervals, then updated under this one: :mod:`polyamp.functional` takes any state) backs
-off and grows instead of never doing either. :func:`fit_to_config` brings such a state within the
-limits with the same trajectory, so a kernel comparing ``==`` (torch's fused update) agrees with
-the rule once the state is fitted. Backends' device kernels must agree with
-:func:`next_host_state` on every state within :func:`tracker_limits`; the tests hold each one
-against it.
+``keeps_count`` (megatron, deepspeed): a spent hysteresis stays spent until a refill.
+``growth_delay`` is 1 for deepspeed (its window starts after the first finite step), else 0.
+``floor`` is ``min_scale`` when set, else ``SCALE_FLOOR`` (2**-126): never subnormal or 0, which
+torch allows. Products are formed in ``config.products`` and rounded to float32; ``dynamic=False``
+never changes the state. ``>=`` where the engines write ``==``: the same within
+:func:`tracker_limits`, and a state past them still moves (:func:`fit_to_config`). Every backend
+kernel must agree with :func:`next_host_state` within those limits; the tests hold each to it.
 """
 
 from __future__ import annotations
@@ -86,13 +74,8 @@ class HostState(NamedTuple):
 
 
 def fit_to_config(state: HostState, config: LossScaleConfig) -> HostState:
-    """``state`` with its trackers cut to :func:`tracker_limits` (the scale kept): the state to
-    update under ``config`` after a reconfigure that shortened an interval or changed the rule.
-
-    The rule moves the scale from the result exactly as from ``state`` (a tracker past its limit
-    meets the ``>=`` as the limit does; the trackers are equal from the step that next resets
-    them), and kernels comparing ``==`` agree with it.
-    """
+    """``state`` with its trackers cut to :func:`tracker_limits`, for a config that shortened an
+    interval: the same trajectory under the rule, and kernels comparing ``==`` agree with it."""
     most_growth, most_backoff = tracker_limits(config)
     return HostState(state.scale, min(state.growth_tracker, most_growth),
                      min(state.backoff_tracker, most_backoff))
@@ -113,10 +96,7 @@ def _float32(value: float) -> float:
 
 
 def scale_floor(config: LossScaleConfig) -> float:
-    """The lowest scale a backoff may leave: ``min_scale`` (as float32) when set, else SCALE_FLOOR.
-
-    The config refuses a ``min_scale`` below SCALE_FLOOR, so this is ``max(min_scale, SCALE_FLOOR)``.
-    """
+    """The lowest scale a backoff may leave: ``min_scale`` (as float32) when set, else SCALE_FLOOR."""
     if config.min_scale is None:
         return SCALE_FLOOR
     return max(_float32(config.min_scale), SCALE_FLOOR)
@@ -169,12 +149,10 @@ def _reaches(tracker: Any, limit: int) -> Any:
 def next_state(
     state: LossScaleState, found_inf: Any, config: LossScaleConfig, xp: Any, *, products: str | None = None
 ) -> LossScaleState:
-    """The rule as branch-free array code (``xp.where``): new arrays, no host read.
+    """The rule as branch-free array code (``xp.where``): new arrays, no host read, never in place.
 
-    ``found_inf`` is a 0-d float32 array, non-zero when some gradient overflowed. ``xp`` is an
-    array-API namespace; works with immutable arrays (it never writes in place). The rule's
-    parameters pick expressions once per call; no value is read to choose a branch. ``products``
-    overrides ``config.products`` for a library without float64 (JAX without x64: "float32").
+    ``found_inf``: a 0-d float32 array, non-zero on overflow. ``products`` overrides
+    ``config.products`` for a library without float64 (JAX without x64: "float32").
     """
     if not config.dynamic:
         return state
@@ -209,8 +187,7 @@ def next_state(
 
 
 def scale_bits(scale: float) -> int:
-    """The float32 bit pattern of ``scale`` (what the fingerprint carries, and a device computes
-    from the scale array)."""
+    """The float32 bit pattern of ``scale`` (what the fingerprint carries)."""
     return _U32.unpack(_F32.pack(scale))[0]
 
 
