@@ -1,8 +1,6 @@
 """Versioned state dicts and checkpoint files: a path (atomic; gzip when it ends in .gz) or a binary file.
 
-Paths are written by :func:`polyamp._atomic_file.atomic_write`. Reading detects gzip by content and
-caps what is read or decompressed at :data:`MAX_BYTES`; every failure to parse names the file and
-raises :class:`StateDictError`.
+Reading detects gzip by content and caps what is read at :data:`MAX_BYTES`; failures name the file.
 """
 
 from __future__ import annotations
@@ -40,10 +38,8 @@ def to_state_dict(
     config: LossScaleConfig, host: HostState, steps: int, skipped_steps: int,
     guard: GuardHistory | None = None,
 ) -> dict[str, Any]:
-    """The engine's checkpoint: every config field, the state and the counters (and a StepGuard's
-    histories and streak under ``"guard"``, a key older checkpoints lack). Trackers past the
-    config's limits (an interval shortened since) are written fitted (the same trajectory), so
-    the checkpoint loads."""
+    """The engine's checkpoint: config, state, counters and a StepGuard's history (``"guard"``);
+    trackers past the config's limits are written fitted (the same trajectory), so it loads."""
     host = fit_to_config(host, config)
     extra = {} if guard is None else {"guard": guard.to_dict()}
     return {**extra,
@@ -123,9 +119,8 @@ def of_iteration(iteration: Any) -> dict[str, Any]:
 
 
 def load_into(iteration: Any, sd: Any) -> None:
-    """Load a state dict into ``iteration``: polyamp's, or Megatron-Core's or DeepSpeed's own scaler
-    state (read with their rule and the iteration's other settings: ``polyamp._foreign_state``);
-    validated whole before anything changes."""
+    """Load a state dict (polyamp's, Megatron-Core's or DeepSpeed's) into ``iteration``, validated
+    whole before anything changes."""
     if _foreign_state.layout(sd) is not None:
         sd = _foreign_state.to_polyamp(sd, of_iteration(iteration))
     apply(iteration, (*from_state_dict(sd), guard_history(sd)))
@@ -265,8 +260,7 @@ def _read_capped(f: Target, name: str) -> bytes:
 
 
 def _refuse_special(path: str, name: str) -> None:
-    """Refuse a path that is not a regular file (FIFO, socket, device) before opening it: reading a
-    FIFO without a writer would block forever. A missing file is left to open() (FileNotFoundError)."""
+    """Refuse a FIFO, socket or device before opening it (a FIFO would block); a missing file is open()'s."""
     try:
         kind = special_kind(os.stat(path).st_mode)
     except OSError:
@@ -281,9 +275,8 @@ def _refuse_special(path: str, name: str) -> None:
 
 
 def regular_file(path: Any, *, path_fix: str, dir_fix: str, special_fix: str) -> str:
-    """The path's name for messages, once ``os.stat`` says it is a regular file that exists: checked
-    before anything opens it (a FIFO without a writer would block for ever); StateDictError otherwise,
-    its Fix worded by the caller (``polyamp inspect``, ``polyamp advise``)."""
+    """The path's name for messages, once ``os.stat`` says it is an existing regular file (a FIFO
+    would block); StateDictError otherwise, its Fix worded by the caller."""
     name = repr(os.fspath(path))
     if "\0" in os.fsdecode(path):
         raise StateDictError(f"{name} has a NUL character in it, which no file name can hold. Fix: pass "
