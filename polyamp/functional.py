@@ -9,12 +9,8 @@ For immutable arrays (JAX, under ``jax.jit``, ``pmap`` and ``shard_map``), optax
     params = where_finite(found_inf, new_params, params)  # the skip, without a branch
     state = update(state, found_inf, config)          # the rule: polyamp.policy.next_state
 
-The arithmetic is the engine's: gradients times ``float32(1 / float64(scale))`` in their own dtype
-(float16/bfloat16 multiplied in float32 and rounded back). Where the library has no float64 (JAX
-without ``jax_enable_x64``) the reciprocal and the scale products are formed in float32: the same
-bits for power-of-two factors and scales, within one float32 ulp otherwise. Above 2**126, where
-the reciprocal is subnormal (flushed to 0 by XLA, and by torch under ``set_flush_denormal``), the
-gradients are multiplied by four times it and then by 0.25: no factor is subnormal.
+The arithmetic is the engine's (gradients times ``float32(1 / float64(scale))``); without float64
+(JAX without x64) it is float32, within one ulp. No factor is ever subnormal (flushed to 0 by XLA).
 """
 
 from __future__ import annotations
@@ -36,12 +32,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def init(config: LossScaleConfig | None = None, *, like: Any = None) -> LossScaleState:
-    """The first state: scale ``config.init_scale`` (float32), trackers 0 (int32), as 0-d arrays.
-
-    On ``like``'s library and device (an array, or a pytree such as the parameters: its first leaf);
-    without ``like``, on the backend ``POLYAMP_BACKEND`` names,
-    else NumPy.
-    """
+    """The first state: scale ``config.init_scale`` (float32), trackers 0 (int32), as 0-d arrays on
+    ``like``'s library and device (an array or a pytree), else ``POLYAMP_BACKEND``'s, else NumPy."""
     config = config_or_default(config)
     if isinstance(like, (dict, list, tuple)):  # a pytree (the parameters): its first array
         like = next(iter(_pytree.leaves(like)), None)  # (the NumPy default took a list of tensors)
@@ -63,13 +55,9 @@ def scale(state: LossScaleState, loss: Any) -> Any:
 
 
 def unscale(state: LossScaleState, grads: Any, *, axis_name: Any = None) -> tuple[Any, Any]:
-    """``(grads / scale, found_inf)``: new gradients and a 0-d float32 flag, 1 when any value of any
-    gradient was inf or nan (counted before the division), else 0. The reciprocal is
-    ``float32(1 / float64(scale))`` (float32 division where the library has no float64).
-
-    ``axis_name`` (JAX ``pmap`` / ``shard_map``): the flag is agreed over that axis in one
-    collective (``lax.pmax``), so every device skips together.
-    """
+    """``(grads / scale, found_inf)``: new gradients and a 0-d float32 flag, 1 when any gradient
+    held inf or nan. ``axis_name`` (JAX ``pmap`` / ``shard_map``): the flag is agreed over that
+    axis in one collective (``lax.pmax``), so every device skips together."""
     xp = _namespace(state.scale)
     has_f64 = _wide_kinds(xp)[0]
     inv, after = _reciprocal(xp, has_f64, state.scale)
@@ -90,12 +78,8 @@ _SUBNORMAL_RECIPROCAL = 2.0**126
 
 
 def _reciprocal(xp: Any, has_f64: bool, scale: Any) -> tuple[Any, Any]:
-    """``(inv, after)``: gradients times ``inv`` then ``after`` are gradients times
-    ``float32(1 / float64(scale))``, with no subnormal factor. Up to 2**126 that is
-    ``(reciprocal, 1)``; above it (a subnormal reciprocal) ``(4 * reciprocal, 0.25)``: with float64
-    the reciprocal rounded to float32's subnormal grid (2**-149) as the engine rounds it, times 4
-    (normal, exact), so an unscaled gradient is the engine's bit for bit wherever it is a normal
-    number; without float64, ``float32(4 / scale)`` (exact for powers of two)."""
+    """``(inv, after)``: times ``inv`` then ``after`` is times ``float32(1 / float64(scale))`` with no
+    subnormal factor: ``(reciprocal, 1)``, above 2**126 ``(4 * reciprocal, 0.25)`` (bit for bit)."""
     if has_f64:
         scale_w = xp.astype(scale, xp.float64)
         inv = xp.astype(1.0 / scale_w, xp.float32)
@@ -142,9 +126,8 @@ def update(state: LossScaleState, found_inf: Any, config: LossScaleConfig | None
 
 
 def where_finite(found_inf: Any, new: Any, old: Any) -> Any:
-    """Per leaf, ``new`` where ``found_inf`` is 0, else ``old``: a skipped step without a branch
-    (for parameters and optimizer state; ``new`` and ``old`` have the same structure). ``found_inf``
-    is :func:`unscale`'s flag, or a Python bool or number (a decision already on the host)."""
+    """Per leaf, ``new`` where ``found_inf`` (:func:`unscale`'s flag, or a host bool) is 0, else
+    ``old``: a skipped step without a branch."""
     if isinstance(found_inf, (bool, int, float)):  # a host flag (update takes one too): no array op
         return _pytree.tree_map(lambda n, o: o if found_inf else n, new, old)
     xp = _namespace(found_inf)
@@ -159,14 +142,11 @@ def where_finite(found_inf: Any, new: Any, old: Any) -> Any:
 
 
 def measure(grads: Any, scale: Any, targets: Any = None) -> Any:
-    """Exact precision counts of the unscaled ``grads`` (a pytree): what casting them, times each
-    target's scale, to its format would lose (:class:`polyamp.PrecisionMeter`'s definitions).
+    """Exact precision counts of the unscaled ``grads`` (a pytree), as :class:`polyamp.PrecisionMeter`
+    defines them: ``Measured(counts, extremes)`` on the gradients' device, no host read (JAX needs x64).
 
-    ``scale``: the loss scale for "loss" targets (the state, its 0-d scale, or a number);
-    ``targets``: a PrecisionMeter or its ``targets`` (None: the meter's default). Returns
-    ``Measured(counts, extremes)``, two flat arrays on the gradients' device, no host read (under
-    ``jax.jit``: traced once; JAX needs ``jax_enable_x64``, as the counts are in float64);
-    ``meter.report(step, scale, names, counts, extremes)`` reads them into a report.
+    ``scale``: for "loss" targets (the state, its scale, or a number); ``targets``: a PrecisionMeter
+    or its ``targets``; ``meter.report(step, scale, names, counts, extremes)`` reads the result.
     """
     from .precision import PrecisionMeter
 
@@ -218,9 +198,7 @@ def _namespace(array: Any) -> Any:
 
 
 def _check_library(xp: Any, array: Any, what: str) -> None:
-    """Refuse an array of another library than the state's (or the flag's): torch and NumPy mixed
-    raised deep inside the library, or came back silently as the other library's arrays. Python
-    numbers pass, and NumPy arrays under JAX (which takes them everywhere)."""
+    """Refuse an array of another library than the state's (Python numbers pass, NumPy under JAX too)."""
     if isinstance(array, (int, float, bool)) or array is None:
         return
     try:
@@ -238,8 +216,7 @@ def _check_library(xp: Any, array: Any, what: str) -> None:
 
 
 def _wide_kinds(xp: Any) -> tuple[bool, bool]:
-    """Whether ``xp`` has float64 and int64 now (JAX: only with ``jax_enable_x64``, which may be
-    switched at run time, so it is asked each call; under ``jax.jit`` only when tracing)."""
+    """Whether ``xp`` has float64 and int64 now (JAX: ``jax_enable_x64`` may change, so asked each call)."""
     try:
         info = xp.__array_namespace_info__()
         floats = info.dtypes(kind="real floating")
@@ -270,8 +247,7 @@ def _floating(xp: Any, dtype: Any) -> bool:
 
 
 def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str, after: Any = None) -> Any:
-    """``array * factor`` (a 0-d float32; then ``* after`` where given) in ``array``'s dtype, as the
-    NumPy engine computes it: float32 as is, float64 widened, narrower floats in float32 rounded back."""
+    """``array * factor`` (then ``* after``) in ``array``'s dtype, as the NumPy engine computes it."""
     dtype = getattr(array, "dtype", None)
     if dtype is None:
         raise TypeError(
