@@ -1,11 +1,7 @@
 """The stateful loss scaler every facade maps onto: ``scale / unscale_ / step / update``.
 
-Device work goes through the bound backend; the only host read of a step is the skip
-decision in :meth:`LossScaler.step`. State lives in three 0-d arrays on the gradients'
-device, created on first use (as torch does), plus host counters. With ``reducer=`` the
-flag is agreed over the ranks before that decision: one collective per step (``_agreement``).
-The iteration's work (unscale, agree, decide, report, update, log) is :mod:`polyamp._iteration`'s;
-this class keeps the loop's contract (its order and errors), checkpoints and copies.
+The iteration's work is :mod:`polyamp._iteration`'s; this class keeps the loop's contract (its
+order and errors), checkpoints and copies. One host read per step: the skip decision.
 """
 
 from __future__ import annotations
@@ -36,12 +32,9 @@ __all__ = ["LossScaler", "ScalerStateError", "StepResult"]
 class StepResult(_guard.VerdictFields):
     """What one :meth:`LossScaler.step` did; truthy exactly when the optimizer step ran.
 
-    ``skipped`` was read on the host (the one sync); ``scale_before`` is the scale the step
-    unscaled with (a 0-d device array). The next scale exists only after ``update()``.
-    With a :class:`polyamp.StepGuard`: ``reason`` (None when applied, else ``"overflow"``,
-    ``"grad_norm_limit"``, ``"grad_norm_spike"`` or ``"loss_spike"``), the agreed ``loss`` and
-    ``grad_norm`` (floats, None when not seen) and ``zscores`` (quantity -> z; None before
-    ``min_history``). Without a guard: ``reason`` is ``"overflow"`` on a skip, the others None.
+    ``scale_before``: the scale the step unscaled with (a 0-d device array). ``reason``: None when
+    applied, else ``"overflow"`` or a :class:`polyamp.StepGuard`'s reason; the guard's ``loss``,
+    ``grad_norm`` and ``zscores`` come from its verdict (None without a guard).
     """
 
     skipped: bool
@@ -73,18 +66,12 @@ class StepResult(_guard.VerdictFields):
 class LossScaler:
     """Dynamic loss scaling over any backend: torch's and paddle's rule in one engine.
 
-    The loop is ``stepped = scaler.step(grads, step_fn); scaler.update()``: step unscales (unless
-    ``unscale_`` ran), skips on inf/nan and counts; update moves the scale. ``config`` or its fields
-    as keywords (not both); ``backend`` (or ``POLYAMP_BACKEND``) picks the kernels now, else the first
-    arrays do. One thread per scaler (as torch's). Copies, taken between ``update()`` and the next
-    step, are independent. ``reducer`` (a torch process group, an mpi4py communicator, ``"torch"``,
-    ``"mpi"``: :func:`polyamp.distributed.reducer`) agrees every step over the ranks in ONE
-    all-reduce that also finds misaligned ranks (``RankMismatchError`` on every rank, nothing
-    applied); every rank must call ``step`` or ``update`` each iteration. ``diagnose=True``: after a
-    skipped step, :attr:`last_overflow` reports on its gradients. ``guard`` (a
-    :class:`polyamp.StepGuard`) also skips loss and gradient-norm spikes; its values ride in the
-    step's one collective and host read (with a reducer: gradients sharded, the loss the ranks' mean).
-    See the distributed and guard pages of the docs.
+    The loop is ``stepped = scaler.step(grads, step_fn); scaler.update()``. ``config`` or its fields
+    as keywords (not both); ``backend`` (or ``POLYAMP_BACKEND``) picks the kernels, else the first
+    arrays do. ``reducer`` (:func:`polyamp.distributed.reducer`) agrees every step over the ranks in
+    ONE all-reduce that also finds misaligned ranks. ``diagnose=True`` fills :attr:`last_overflow`;
+    ``guard`` (a :class:`polyamp.StepGuard`) also skips loss and gradient-norm spikes. One thread
+    per scaler; copies taken between ``update()`` and the next step are independent.
     """
 
     enabled = True
@@ -194,9 +181,8 @@ class LossScaler:
         return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
 
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False, loss: Any = None) -> Any:
-        """Divide ``grads`` in place by the scale (``check_only``: only check them, for optimizers
-        that unscale themselves); return this call's device overflow flag, which joins the check
-        :meth:`update` uses. Once per iteration. ``loss``: the step's loss for the guard. No sync."""
+        """Divide ``grads`` in place by the scale (``check_only``: only check); return this call's
+        device overflow flag. Once per iteration; ``loss``: the guard's. No sync."""
         iteration = self._iteration
         _check_order("unscale_()", iteration.checks)
         if loss is not None and iteration.guarding is not None:
@@ -212,10 +198,8 @@ class LossScaler:
         iteration.record(iteration.scaling.flag_array(flag))  # a host bool: on the state's device
 
     def agree_(self, extra: Any = None) -> Agreed:
-        """Agree this iteration's overflow check over the ranks now, with ``extra`` (at most two
-        values, e.g. a clip's sum of squares, summed) in the same ONE all-reduce; ``step`` then
-        issues none. After ``unscale_``, before ``step``, once. No sync. Without a reducer: the
-        local values, nothing sent."""
+        """Agree this iteration's check over the ranks now, with ``extra`` (at most two values, summed)
+        in the same ONE all-reduce; ``step`` then issues none. After ``unscale_``, once. No sync."""
         _check_order("agree_()", self._iteration.checks)
         if extra is not None and not hasattr(extra, "shape"):
             raise TypeError(
@@ -226,8 +210,7 @@ class LossScaler:
         return self._iteration.agree(extra)
 
     def agree_flag(self, found_inf: Any) -> Any:
-        """``found_inf`` agreed over the ranks (1 when non-zero on some rank), a new device array:
-        one collective, for facades that keep their own per-optimizer flags."""
+        """``found_inf`` agreed over the ranks (1 when non-zero on some rank): one collective."""
         return self._iteration.agree_flag(found_inf)
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any], *, loss: Any = None) -> StepResult:
@@ -255,8 +238,7 @@ class LossScaler:
         return StepResult(decision.skipped, before, decision.verdict)
 
     def update(self, found_inf: Any = None) -> None:
-        """Advance the scale with ``found_inf`` (default: this iteration's checks, agreed first with
-        a reducer; a flag array, or a host bool); log a skip's scale change. No sync."""
+        """Advance the scale with ``found_inf`` (default: this iteration's agreed checks). No sync."""
         iteration = self._iteration
         if found_inf is not None:
             found_inf = _inputs.flag_value(found_inf, iteration.scaling.backend)
@@ -283,18 +265,16 @@ class LossScaler:
     # -- checkpoints and copies -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A versioned, JSON-safe dict of config, state and counters (a device sync); refused
-        between ``step()`` and ``update()``, whose scale change is not made yet."""
+        between ``step()`` and ``update()``."""
         _check_order("state_dict()", self._iteration.checks)
         return self.state_now()
 
     def state_now(self) -> dict[str, Any]:
-        """:meth:`state_dict` as the state is now, also between ``step()`` and ``update()`` (for the
-        facades' loaders, which fill it in)."""
+        """:meth:`state_dict` as the state is now, also between ``step()`` and ``update()``."""
         return checkpoint.of_iteration(self._iteration)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load :meth:`state_dict` output, or Megatron-Core's or DeepSpeed's own scaler state (their
-        rule, this scaler's other settings); validated whole before anything changes."""
+        """Load :meth:`state_dict` output (or Megatron-Core's or DeepSpeed's), validated whole first."""
         checkpoint.load_into(self._iteration, state_dict)
 
     def save(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
@@ -323,8 +303,7 @@ class LossScaler:
 def make_iteration(config: LossScaleConfig | None, backend: str | None, *, reducer: Any = None,
                    diagnose: bool = False, guard: _guard.StepGuard | None = None, meter: Any = None
                    ) -> Iteration:
-    """A checked :class:`Iteration` (the arguments as :class:`LossScaler` takes them; None: the
-    default config); errors about the backend are raised here, before anything exists."""
+    """A checked :class:`Iteration` (the arguments as :class:`LossScaler` takes them)."""
     config = LossScaleConfig() if config is None else config
     if not isinstance(config, LossScaleConfig):
         raise TypeError(
@@ -385,8 +364,7 @@ def _check_step_fn(step_fn: Any) -> None:
 
 
 def _check_step_loss(iteration: Iteration, loss: Any, retried: bool) -> None:
-    """A guarded step's loss: given where the guard judges one, one real value, given once (a
-    ``retried`` step() after step_fn raised has it already)."""
+    """A guarded step's loss: given where judged, one real value, given once (``retried``: taken)."""
     iteration.require_loss(loss, "step()")
     if loss is not None:
         _guard_values.loss_check(loss, "step()")
