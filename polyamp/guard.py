@@ -101,8 +101,7 @@ class StepGuard:
         return self.loss_zscore is not None
 
     def digest(self) -> int:
-        """A 128-bit digest of the settings that decide a step (what must be equal on every rank; a
-        callable ``on_streak`` counts as "a callable": ranks hold their own function objects)."""
+        """A 128-bit digest of the settings every rank must hold equal (any callable ``on_streak`` alike)."""
         action = self.on_streak if isinstance(self.on_streak, str) else "callable"
         return content_digest(repr((self.loss_zscore, self.grad_norm_zscore, self.max_grad_norm, self.window,
                                     self.history_needed, self.max_consecutive_skips, action)).encode())
@@ -178,9 +177,7 @@ def _finite_number(value: Any) -> bool:
 
 
 class Verdict(NamedTuple):
-    """One step's decision: ``reason`` (None: applied), the agreed values, the z-scores judged.
-    The reports of a step (``StepResult``, ``OverflowReport``, ``StepMetrics``, ``GuardReport``)
-    embed one instead of copying its fields."""
+    """One step's decision: ``reason`` (None: applied), the agreed values, the z-scores judged."""
 
     reason: str | None
     loss: float | None
@@ -190,8 +187,7 @@ class Verdict(NamedTuple):
 
 
 class VerdictFields:
-    """The guard's values of a report that embeds its :class:`Verdict` as ``verdict`` (None where
-    the guard saw nothing): ``loss``, ``grad_norm`` and ``zscores`` read from it, never copied."""
+    """The guard's values of a report, read from the :class:`Verdict` it embeds as ``verdict``."""
 
     @property
     def loss(self) -> float | None:
@@ -210,9 +206,8 @@ class VerdictFields:
 
     @property
     def loss_spike(self) -> bool | None:
-        """Whether the loss was a spike by ``loss_zscore``'s rule (or not finite), also on a step
-        skipped for another reason (an overflow: True says a bad batch, False a scale grown too far);
-        None when not judged (no loss rule or loss, fewer than ``min_history`` values, std 0)."""
+        """Whether the loss was a spike by ``loss_zscore``'s rule, also on an overflow step (True: a
+        bad batch, False: a scale grown too far); None when not judged."""
         return None if self.verdict is None else self.verdict.loss_spike  # type: ignore[attr-defined]
 
 
@@ -244,11 +239,8 @@ def _text(value: float | None) -> str:
 
 
 def mean_std(history: Sequence[float]) -> tuple[float, float]:
-    """The mean and the sample standard deviation (ddof=1) of at least 2 finite values, in float64.
-
-    Computed on the values scaled by a power of two that brings the largest near 1 (exact: the same
-    bits as unscaled wherever that does not overflow), so values up to float64's largest cannot
-    overflow the squares."""
+    """The mean and the sample standard deviation (ddof=1) of at least 2 finite values, in float64,
+    computed on the values scaled by a power of two (exact) so that no square overflows."""
     n = len(history)
     top = max(map(abs, history))
     shift = math.frexp(top)[1] if top > 0 and math.isfinite(top) else 0
@@ -294,8 +286,8 @@ def judge(guard: StepGuard, history: GuardHistory, *, overflow: bool, loss: floa
 
 
 def loss_spike(guard: StepGuard, loss: float | None, zscores: dict[str, float] | None) -> bool | None:
-    """Whether ``loss`` is a spike by ``loss_zscore``'s rule (its z-score above it, or not finite),
-    whatever else the step's reason is; None when it cannot be judged (no rule, no loss, no z-score)."""
+    """Whether ``loss`` is a spike by ``loss_zscore``'s rule (z above it, or not finite); None when
+    it cannot be judged."""
     if guard.loss_zscore is None or loss is None:
         return None
     if not math.isfinite(loss):
@@ -305,8 +297,7 @@ def loss_spike(guard: StepGuard, loss: float | None, zscores: dict[str, float] |
 
 
 def overflow_note(verdict: Verdict, guard: StepGuard) -> str:
-    """The sentence an overflow report adds about the step's loss: a spike (a bad batch) or not (the
-    scale grew too far); "" when the loss was not judged."""
+    """The sentence an overflow report adds about the step's loss; "" when it was not judged."""
     if verdict.reason != "overflow" or verdict.loss_spike is None:
         return ""
     if not math.isfinite(verdict.loss):  # type: ignore[arg-type]  # judged: a loss was given
@@ -357,17 +348,14 @@ def describe(verdict: Verdict, guard: StepGuard, scale: float, held: int) -> str
 
 
 def diagnosis(verdict: Verdict, guard: StepGuard, held: int) -> str:
-    """Why the guard skipped, in one line: "loss spike: z = 9.3 over the last 128 applied steps"
-    (``held``: the values in the judged history)."""
+    """Why the guard skipped, e.g. "loss spike: z = 9.3 over the last 128 applied steps"."""
     z = verdict.zscores or {}
     if verdict.reason == "grad_norm_limit":
         return f"gradient norm limit: norm {verdict.grad_norm:.6g} > max_grad_norm={guard.max_grad_norm:g}"
     quantity = "grad_norm" if verdict.reason == "grad_norm_spike" else "loss"
-    if quantity not in z and quantity == "grad_norm":
-        return f"gradient norm spike: the norm is not finite ({verdict.grad_norm})"
+    words, what = ("gradient norm spike", "norm") if quantity == "grad_norm" else ("loss spike", "loss")
     if quantity not in z:
-        return f"loss spike: the loss is not finite ({verdict.loss})"
-    words = "gradient norm spike" if quantity == "grad_norm" else "loss spike"
+        return f"{words}: the {what} is not finite ({getattr(verdict, quantity)})"
     return f"{words}: z = {z[quantity]:.1f} over the last {held} applied steps"
 
 
