@@ -29,15 +29,10 @@ SCALE_CEILING = float(np.finfo(np.float32).max)
 class LossScaleConfig:
     """How the loss scale moves: ``rule`` picks the fp16 engine whose update it is (docs/rule.md).
 
-    ``rule``: "torch" (``backoff_interval=1`` is torch's GradScaler; ``n`` is paddle's
-    ``decr_every_n_nan_or_inf=n``), "paddle" (the same counters, products in float32),
-    "megatron" (Megatron-Core's ``DynamicGradScaler``: ``backoff_interval`` is its hysteresis)
-    or "deepspeed" (``DynamicLossScaler``: ``backoff_interval`` is ``delayed_shift``,
-    ``growth_interval`` is ``scale_window``). ``product_dtype`` is the precision of
-    scale*factor before rounding to float32: None for the rule's own (float64 for torch and
-    deepspeed, float32 for paddle and megatron); "float32" with rule "torch" is paddle's
-    arithmetic (what the paddle facade builds). ``consecutive_hysteresis`` and
-    ``raise_error_at_min_scale`` are DeepSpeed's options, refused with any other rule.
+    ``rule``: "torch", "paddle", "megatron" (``backoff_interval`` is its hysteresis) or "deepspeed"
+    (``backoff_interval`` is ``delayed_shift``, ``growth_interval`` ``scale_window``).
+    ``product_dtype``: the precision of scale*factor before rounding to float32 (None: the rule's
+    own). ``consecutive_hysteresis`` and ``raise_error_at_min_scale`` are DeepSpeed's options only.
     """
 
     init_scale: float = 2.0**16
@@ -148,11 +143,8 @@ def _check_rule(config: LossScaleConfig) -> None:
 
 
 def config_from(config: LossScaleConfig | None, fields_given: dict[str, Any], caller: str) -> LossScaleConfig:
-    """The config of ``caller(config=None, **fields)``: ``config``, or one built from the fields.
-
-    Lets people type ``LossScaler(init_scale=1024)``; an unknown keyword (TypeError) names itself
-    and the valid ones, and a config together with fields is refused (which would win is unclear).
-    """
+    """The config of ``caller(config=None, **fields)``: ``config``, or one built from the fields
+    (not both: which would win is unclear)."""
     if not fields_given:
         return LossScaleConfig() if config is None else config
     known = [f.name for f in fields(LossScaleConfig)]
@@ -209,18 +201,12 @@ def fits_float(value: Any) -> bool:
 
 
 def check_scale(name: str, value: Any, error: type[Exception] = ConfigError) -> float:
-    """``value`` as a float when it is a positive normal float32 value; else ``error`` naming ``name``.
-
-    A scale outside [2**-126, float32 max] would round to 0, a subnormal or inf in float32,
-    and then turn gradients into inf or NaN; it is refused where it enters.
-    """
+    """``value`` as a float when it is a positive normal float32 value (else gradients turn inf or
+    NaN); else ``error`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise error(f"{name} must be a real number, got {name}={short_repr(value)} ({type(value).__name__}). "
                     f"Fix: pass a float, e.g. {name}=65536.0")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float64, e.g. 10**400
-        number = math.inf
+    number = float(value) if fits_float(value) else math.inf  # an int beyond float64, e.g. 10**400
     if not (math.isfinite(number) and SCALE_FLOOR <= number <= SCALE_CEILING):
         raise error(
             f"{name} must be a positive normal float32 value, between 2**-126 (~1.18e-38) and "
@@ -250,7 +236,5 @@ def short_repr(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[: limit - 12]}...({len(text)} chars)"
 
 
-#: The config of a scaler that does not scale (a fixed scale of 1): a guard-only scaler (bf16, fp32)
-#: still skips steps with non-finite gradients, and its guard's spikes; and the trainer without loss
-#: scaling is fingerprinted with it across ranks.
+#: The config of a scaler that does not scale (a guard-only scaler, the trainer without loss scaling).
 FIXED_ONE = LossScaleConfig(init_scale=1.0, dynamic=False)
