@@ -1,11 +1,6 @@
-"""Backend discovery and choice: pluggy plugins from the ``polyamp`` entry-point group.
-
-pluggy and ``importlib.metadata`` are imported when the plugins are first needed (a scaler meets
-its first array, or a backend is named), not by ``import polyamp``.
-
-Choice, first that applies: the ``backend=`` argument; ``POLYAMP_BACKEND`` (read when a
-scaler is built; empty means unset); the library of the arrays; ``numpy``. Nothing here
-imports torch or cupy: plugins look arrays up in ``sys.modules``.
+"""Backend discovery and choice: pluggy plugins from the ``polyamp`` entry-point group, loaded on
+first need. Choice: ``backend=``, else ``POLYAMP_BACKEND``, else the arrays' library, else ``numpy``.
+Nothing here imports an array library: plugins look arrays up in ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -55,9 +50,8 @@ def register_backend(module: Any, name: str) -> None:
 def available_backends() -> list[BackendInfo]:
     """Every installed backend with its availability, the reason if unavailable, and version."""
     plugins = _plugins()
-    infos = [_info(name) for name in plugins.names()]
-    infos += [BackendInfo(n, False, why, None) for n, why in sorted(plugins.broken.items())]
-    return infos
+    return ([_info(name) for name in plugins.names()]
+            + [BackendInfo(n, False, why, None) for n, why in sorted(plugins.broken.items())])
 
 
 def _info(name: str) -> BackendInfo:
@@ -70,8 +64,7 @@ def _info(name: str) -> BackendInfo:
 
 
 def _summary() -> str:
-    """The installed backends by name, read from the registered plugins: asks no plugin whether it
-    can run here, so it imports no array library (``polyamp info`` says which can, and why not)."""
+    """The installed backends by name (no plugin asked whether it runs here: no library imported)."""
     plugins = _plugins()
     names = plugins.names()
     broken = sorted(plugins.broken)
@@ -91,10 +84,7 @@ def _usable() -> str:
 
 
 def check_known(name: str, source: str = "backend=") -> None:
-    """Raise unless ``name`` is an installed backend that loaded; ``source`` says who asked.
-
-    Reads names only: no plugin is asked whether it can run here, no array library is imported.
-    """
+    """Raise unless ``name`` is an installed backend that loaded (names only: no library imported)."""
     plugins = _plugins()
     if name in plugins.broken:
         raise BackendUnavailableError(
@@ -176,8 +166,7 @@ _owners: dict[type, Backend] = {}
 
 
 def backend_of(array: Any) -> Backend:
-    """:func:`backend_for_array`, remembered per array type: for the core's small per-step
-    questions (is it on the host? a flag made like it) on arrays it has not bound a backend to."""
+    """:func:`backend_for_array`, remembered per array type (for small per-step questions)."""
     kind = type(array)
     found = _owners.get(kind)
     if found is None:
@@ -186,14 +175,12 @@ def backend_of(array: Any) -> Backend:
 
 
 def model_steps(model: Any, dtype: str) -> Any:
-    """The first plugin's ``model_steps(model, dtype)`` that is not None (a library's trainer
-    steps for its models), else None."""
+    """The first plugin's ``model_steps(model, dtype)`` that is not None, else None."""
     return _plugins().manager.hook.model_steps(model=model, dtype=dtype)
 
 
 def map_tree(fn: Any, tree: Any, rest: tuple[Any, ...]) -> tuple[Any] | None:
-    """``(mapped,)`` from the first plugin whose library's pytree registry holds ``tree`` as a
-    container, else None (a leaf)."""
+    """``(mapped,)`` from the first plugin whose pytree registry holds ``tree``, else None (a leaf)."""
     return _plugins().manager.hook.map_tree(fn=fn, tree=tree, rest=rest)
 
 
@@ -208,9 +195,7 @@ def check_owned(backend: Backend, array: Any, what: str) -> None:
 
 
 def check_in_place(backend: Backend, array: Any = None) -> None:
-    """Raise ForeignArrayError when ``backend``'s arrays cannot be written in place (its
-    ``backend_info`` says ``in_place: False``, as JAX's): the stateful scaler unscales in place,
-    ``polyamp.functional`` serves such arrays. Asked once, when a scaler meets its backend."""
+    """Raise ForeignArrayError when ``backend``'s arrays cannot be written in place (JAX's)."""
     if backend.plugin.backend_info().get("in_place", True):
         return
     what = f"a {type(array).__module__}.{type(array).__name__}" if array is not None else "no array yet"
@@ -225,9 +210,5 @@ def check_in_place(backend: Backend, array: Any = None) -> None:
 def first_array(tree: Iterable[Any] | Any) -> Any:
     """The first array in a nested list/tuple (None when there is none)."""
     if isinstance(tree, (list, tuple)):
-        for item in tree:
-            found = first_array(item)
-            if found is not None:
-                return found
-        return None
+        return next((found for found in map(first_array, tree) if found is not None), None)
     return tree
