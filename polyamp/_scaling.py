@@ -1,7 +1,5 @@
-"""The loss scale a scaler keeps across iterations: its config, its backend, the state (three 0-d
-arrays on the gradients' device, or host numbers before any array is seen), one step of the rule on
-it, the floor's refusal and warning, and the words of a change. An
-:class:`polyamp._iteration.Iteration` holds one and calls it with explicit arguments.
+"""The loss scale a scaler keeps across iterations: config, backend, state, one step of the rule,
+the floor's refusal and warning. An :class:`polyamp._iteration.Iteration` holds one.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ class Scaling:
         return self.host if self.state is None else self.state
 
     def gradients(self, given: Any, where: str, owned: bool = False) -> list[Any]:
-        """``given`` as a list of gradient arrays of the bound backend (binding it on the first),
-        refused before any state changes; ``owned``: a list the shell already checked."""
+        """``given`` as a list of the bound backend's arrays (``owned``: already checked)."""
         if owned and self.backend is not None and self.state is not None:
             return given
         arrays = _inputs.gradient_list(given, where)
@@ -85,9 +82,8 @@ class Scaling:
         return HostState(float(to_host(scale)), int(to_host(growth)), int(to_host(backoff)))
 
     def unscale(self, arrays: list[Any], *, check_only: bool, keep: bool, squares: bool) -> tuple[Any, Any]:
-        """Divide ``arrays`` (of the bound backend) by the scale in place (``check_only``: only check
-        them): (their device flag, their sum of squares when ``squares``, else None). ``keep``: an
-        overflowing step's values stay as they were (for a report). No sync."""
+        """Divide ``arrays`` by the scale in place (``check_only``: only check): (their device flag,
+        their sum of squares or None). ``keep``: an overflowing step's values stay. No sync."""
         if self.state is not None:  # bound: the arrays are the backend's (checked by the caller)
             backend, state = self.backend, self.state
         else:
@@ -103,8 +99,7 @@ class Scaling:
         return found, backend.sum_of_squares(arrays) if squares else None
 
     def flag_array(self, flag: Any) -> Any:
-        """``flag`` as a float32 flag array on the state's device: a host bool (or None: no
-        gradients, 0) made one; a device flag as it is. No sync."""
+        """``flag`` (a host bool, None: 0, or a device flag) as a float32 flag array. No sync."""
         if flag is not None and not isinstance(flag, bool):
             return flag
         backend, state = self.ready()
@@ -121,9 +116,7 @@ class Scaling:
         self.host = host
 
     def reconfigure(self, config: LossScaleConfig) -> LossScaleConfig:
-        """Put ``config`` in force; trackers past its shrunk limits are cut to them (the scale
-        kept), so every backend's kernel moves the scale as the rule does. A sync only when a
-        limit shrank."""
+        """Put ``config`` in force, trackers fitted to shrunk limits (a sync only then)."""
         old, self.config = self.config, config
         if all(n >= o for n, o in zip(tracker_limits(config), tracker_limits(old))):
             return config
@@ -157,8 +150,7 @@ class Scaling:
 
     def refuse_backoff_at_floor(self, flag: Any, state: HostState | None) -> None:
         """DeepSpeed's ``raise_error_at_min_scale``: MinScaleError, before the rule runs, when this
-        overflow would back off a scale already at its floor. Reads the flag (and the state unless
-        ``state`` was read), only after a skipped step or an update() without step()."""
+        overflow would back off a scale at its floor. Reads the flag (and the state unless given)."""
         if not self.read_flag(flag):
             return
         state = state or self.host_state()
@@ -173,8 +165,7 @@ class Scaling:
             )
 
     def warn_if_at_floor(self, skipped: bool, last_overflow: overflow.OverflowReport | None) -> None:
-        """After a skipped step's update: warn once if the scale sits at SCALE_FLOOR (reads the
-        scale only on skipped steps until the warning is given)."""
+        """After a skipped step's update: warn once if the scale sits at SCALE_FLOOR."""
         if not skipped or self.floor_warned or not self.config.dynamic:
             return
         if self.host_state().scale <= SCALE_FLOOR:
