@@ -1,8 +1,4 @@
-"""Floating dtypes by name ("float32", "float16", "bfloat16") for any array library.
-
-The trainer, the gradient buffer and the demo speak of dtypes by name so one call site
-serves NumPy (bfloat16 through ml_dtypes), CuPy, torch and other array-API libraries.
-"""
+"""Floating dtypes by name ("float32", "float16", "bfloat16"): one call site for any array library."""
 
 from __future__ import annotations
 
@@ -18,18 +14,14 @@ _NAMES = COMPUTE_DTYPES + ("float64",)
 
 
 def short_name(dtype: Any) -> str:
-    """'float32' for any library's float32 and NumPy's byte-swapped ``>f4`` too (``str()`` of a
-    dtype says 'torch.float32', 'paddle.float32' or '>f4'; paddle's ``.name`` is 'FLOAT32')."""
+    """'float32' for any library's float32 ('torch.float32', 'paddle.float32', NumPy's ``>f4``)."""
     if isinstance(dtype, np.dtype):
         return dtype.name
     return str(dtype).rpartition(".")[2]
 
 
 def dtype_name(dtype: Any, param: str = "dtype") -> str:
-    """The name of a floating dtype given as a name, a NumPy/torch/ml_dtypes dtype or a type.
-
-    Raises ConfigError naming ``param`` for anything that is not one of the known floats.
-    """
+    """The name of a floating dtype given as a name, a dtype or a type; ConfigError naming ``param``."""
     original = dtype
     if not isinstance(dtype, str):
         dtype = str(getattr(dtype, "name", None) or getattr(dtype, "__name__", dtype))

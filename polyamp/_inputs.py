@@ -1,8 +1,5 @@
-"""What may enter the engine: gradients, outputs, scales and flags, refused before any state changes.
-
-Each check is O(1) per object (an isinstance or an attribute look-up), never per element, and each
-message names the argument, the value and the fix.
-"""
+"""What may enter the engine: gradients, outputs, scales and flags, refused before any state changes
+(O(1) per object, never per element)."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ from ._errors import ConfigError, ForeignArrayError
 from .backend import Backend
 from .config import check_scale, short_repr
 
-#: Gradient types no kernel can unscale in place: scalars are immutable, and np.matrix stays
-#: 2-D under reshape(-1), which breaks the flat kernels.
+#: Gradient types no kernel can unscale in place (scalars; np.matrix stays 2-D under reshape(-1)).
 _NOT_IN_PLACE = (np.generic, np.matrix, int, float, complex)
 
 
@@ -45,8 +41,7 @@ def iterable(
 
 
 def gradient_list(grads: Iterable[Any], where: str = "unscale_()") -> list[Any]:
-    """The non-None gradients, refusing (TypeError) those that cannot change in place or are not
-    floating-point: one C-speed pass per check, then one check per type and per dtype."""
+    """The non-None gradients, refusing those that cannot change in place or are not floating-point."""
     grads = iterable(grads, where)
     arrays = [g for g in grads if g is not None]
     kinds = set(map(type, arrays))
@@ -58,9 +53,8 @@ def gradient_list(grads: Iterable[Any], where: str = "unscale_()") -> list[Any]:
 
 
 def check_floating(arrays: list[Any], where: str) -> None:
-    """Refuse integer, bool, complex or object gradients: the scale, the inf check and the norm
-    are defined for real floating values only (torch's kernel and a complex norm would fail or
-    silently drop the imaginary part). Objects without a dtype are left to the backend."""
+    """Refuse integer, bool or complex gradients (a complex norm drops the imaginary part); objects
+    without a dtype are left to the backend."""
     try:
         dtypes = set(map(_DTYPE, arrays))
     except (AttributeError, TypeError):  # not arrays, or unhashable dtypes: the backend refuses them
