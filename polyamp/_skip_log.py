@@ -1,14 +1,8 @@
 """How scale changes reach the ``polyamp`` logger, so that a long run writes a few lines, not thousands.
 
-The first ``FIRST`` skipped steps of a scaler get one INFO line each. Later ones get their line at
-DEBUG and are summed up: one INFO line per ``WINDOW`` steps that had skips ("37 skipped steps in the
-last 1000 steps, loss scale 2**14 -> 2**12"), written when the window (opened by its first skip)
-closes; with a :class:`polyamp.StepGuard` the summary counts the skips per reason ("30 overflow,
-7 loss_spike"). Growth is logged at DEBUG. The engine and both facades log through one :class:`SkipLog`.
-
-No sync of its own on the hot path: the caller reads the scale only when :meth:`SkipLog.wants_scale`
-says so (a per-step line is on at its level, or a skip opens a window: INFO on, after the first few),
-and the summary reads it once when its window closes.
+The first ``FIRST`` skips get one INFO line each; later ones are at DEBUG and summed up in one INFO
+line per ``WINDOW`` steps that had skips (per reason under a guard). Growth is at DEBUG. No sync of
+its own: the caller reads the scale only when :meth:`SkipLog.wants_scale` says so.
 """
 
 from __future__ import annotations
@@ -67,9 +61,8 @@ class SkipLog:
     ) -> None:
         """Count this update and write what is due: its own line, then a closing window's summary.
 
-        ``before`` is what the caller read when :meth:`wants_scale` said so (else None); ``read()``
-        reads it again now (called only for a line that is written); ``describe(skipped, before, after)``
-        words the step's own line (None: nothing to say); ``detail`` is appended to a skip's line.
+        ``before``: what the caller read when :meth:`wants_scale` said so (else None); ``read()``
+        reads it now, only for a line written; ``describe(skipped, before, after)`` words the line.
         """
         self.steps += 1
         level = logging.DEBUG
@@ -105,10 +98,7 @@ class SkipLog:
 
 
 class SkipWindow:
-    """The skipped steps among the last ``size`` step decisions, kept on the host (no device read).
-
-    Holds the step numbers of the skips still in the window: at most ``size`` integers.
-    """
+    """The skipped steps among the last ``size`` step decisions, kept on the host (no device read)."""
 
     def __init__(self, size: int = WINDOW) -> None:
         self.size = size
