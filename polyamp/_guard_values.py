@@ -1,14 +1,12 @@
 """The array side of the step guard: the loss and the squared gradient norm as device values, the
-vector they ride in through the step's one collective, and the one host read that brings them back
-with the skip flag. The rule itself is :mod:`polyamp.guard`'s (plain Python on the values read).
-Array work goes through the backend's hooks (``sum_of_squares``, ``pack``), so any library works.
+vector they ride in through the step's one collective, and the one host read that brings them back.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import array_api_compat
@@ -25,14 +23,12 @@ def plus(total: Any, value: Any) -> Any:
     return value if total is None else total + value
 
 
-#: The dtype names (after the last dot: numpy's, torch's, paddle's alike) of a real loss value:
-#: not bool, complex, object or str.
+#: The dtype names (after the last dot) of a real loss value: not bool, complex, object or str.
 _REAL_KINDS = ("float", "int", "uint", "bfloat")
 
 
 def loss_check(loss: Any, where: str) -> None:
-    """Refuse a loss that is neither a real number (within float64's range) nor an array holding one
-    real value (not bool, not complex); reads nothing."""
+    """Refuse a loss that is neither a real number nor an array holding one real value; reads nothing."""
     if isinstance(loss, numbers.Real) and not isinstance(loss, bool) and fits_float(loss):
         return
     shape = getattr(loss, "shape", None)
@@ -52,8 +48,7 @@ def one_value(array: Any) -> bool:
 
 
 def loss_value(loss: Any, backend: Backend, like: Any, where: str) -> Any:
-    """``loss`` (a real number or a one-value array) as a 1-value array on ``like``'s device (no
-    sync, unless it comes from another library: then one read of it)."""
+    """``loss`` as a 1-value array on ``like``'s device (no sync, unless from another library)."""
     loss_check(loss, where)
     if isinstance(loss, numbers.Real):
         return backend.from_host(np.asarray([float(loss)], np.float64), like, None)
@@ -66,24 +61,19 @@ def loss_value(loss: Any, backend: Backend, like: Any, where: str) -> Any:
 
 
 def loss_on(scaling: Any, loss: Any, where: str) -> Any:
-    """``loss`` as a 1-value array on the scale's device (a :class:`polyamp._scaling.Scaling`'s; before
-    any gradients the loss's own library picks the backend). No sync."""
+    """``loss`` as a 1-value array on ``scaling``'s device (or its own library's before any). No sync."""
     backend = scaling.backend
     if scaling.state is None:
         backend = scaling.bind(loss) if hasattr(loss, "shape") else scaling.ready()[0]
     return loss_value(loss, backend, scaling.ready()[1].scale, where)
 
 
-def squared_norm(backend: Backend, arrays: Sequence[Any]) -> Any:
-    """The sum of squares of one group of unscaled gradients, 0-d on their device (no sync)."""
-    return backend.sum_of_squares(arrays)
+
 
 
 class GuardValues(NamedTuple):
-    """The guard's statistics of one step, each a slot of the vector that rides with the skip flag
-    (device values as measured; host floats once read). The record owns the packing, the slot count
-    and how each slot combines over the ranks (:data:`SLOTS`): a new statistic is one field here and
-    its entry there."""
+    """The guard's statistics of one step, each a slot of the vector that rides with the skip flag;
+    a new statistic is one field here and its entry in :data:`SLOTS`."""
 
     loss: Any = None  # the step's loss (a rank without one sends 0: every rank sends the same slots)
     sumsq: Any = None  # the gradients' sum of squares (only when a norm rule is set)
@@ -103,8 +93,7 @@ class GuardValues(NamedTuple):
         return self._replace(**{k: plus(getattr(self, k), v) for k, v in values.items()})
 
     def pack(self, fields: tuple[str, ...], backend: Backend, like: Any) -> Any:
-        """The slots ``fields`` (a guard's :meth:`fields`) as one 1-d array on ``like``'s device (0 for a
-        value not seen)."""
+        """The slots ``fields`` as one 1-d array on ``like``'s device (0 for a value not seen)."""
         parts = [getattr(self, name) for name in fields]
         zero = backend.full(0.0, "float32", like) if any(p is None for p in parts) else None
         return backend.pack([zero if p is None else p for p in parts], like)
@@ -115,9 +104,8 @@ class GuardValues(NamedTuple):
         return cls(**dict(zip(fields, host)))
 
     def measured(self, given_loss: bool, ranks: int, replicated: bool) -> tuple[float | None, float | None]:
-        """(loss, gradient norm) from the values combined over ``ranks`` ranks: the loss the ranks'
-        mean; the norm the root of the summed squares (sharded gradients), or of their mean
-        (replicated ones)."""
+        """(loss, gradient norm) combined over ``ranks``: the mean loss; the norm from the summed
+        squares (sharded gradients) or their mean (replicated ones)."""
         loss = self.loss / ranks if given_loss else None
         if self.sumsq is None:
             return loss, None
@@ -146,8 +134,7 @@ def read(backend: Backend, flag: Any, sent: Any) -> tuple[bool, list[float]]:
 
 
 def joined(extra: Any, sent: Any) -> tuple[Any, int]:
-    """The user's ``extra`` (clipping's) then the guard's values, as one vector for the agreement;
-    and how many values are the user's (array-API libraries: clipping works on those only)."""
+    """The user's ``extra`` then the guard's values as one vector, and how many are the user's."""
     if sent is None or extra is None:
         return (sent if extra is None else extra), (0 if extra is None else math.prod(tuple(extra.shape)))
     xp = array_api_compat.array_namespace(sent)
@@ -156,8 +143,7 @@ def joined(extra: Any, sent: Any) -> tuple[Any, int]:
 
 
 def split(agreed: Any, users: int, extra: Any, sent: Any) -> tuple[Any, Any]:
-    """The agreed vector of :func:`joined` back into (the user's extra in its dtype and shape, the
-    guard's values)."""
+    """The agreed vector of :func:`joined` back into (the user's extra, the guard's values)."""
     if sent is None:
         return agreed, None
     if extra is None:

@@ -270,7 +270,7 @@ class Iteration:
         """One group's sum of squares when a norm rule is set, else None (no sync)."""
         if self.guarding is None or not self.guarding.guard.watches_norm or not arrays:
             return None
-        return _guard_values.squared_norm(self.scaling.ready()[0], arrays)
+        return self.scaling.ready()[0].sum_of_squares(arrays)
 
     def whose(self, whose: int, group: int = 0) -> int:
         """The identity a collective names: ``whose`` and the guard's settings, loss and history."""
