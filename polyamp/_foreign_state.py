@@ -1,19 +1,9 @@
 """Megatron-Core's and DeepSpeed's own loss-scaler state, read as polyamp's (issue 32, item 6).
 
-Two layouts, told apart by their keys; each implies its rule (docs/rule.md):
-
-- Megatron-Core's ``DynamicGradScaler.state_dict()``: ``scale`` (a float32 tensor of shape [1]),
-  ``growth_tracker`` and ``hysteresis_tracker`` (ints), read as ``rule="megatron"``:
-  ``backoff_tracker = min(hysteresis - hysteresis_tracker, hysteresis - 1)``.
-- DeepSpeed's ``DynamicLossScaler`` (which has no ``state_dict()``: ZeRO checkpoints hold the
-  object, whose ``vars()`` are this layout): ``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
-  ``cur_hysteresis`` and its settings, read as ``rule="deepspeed"``: the finite steps since the
-  last overflow ``k = cur_iter - last_overflow_iter - 1`` give ``growth_tracker = 0`` for ``k = 0``,
-  else ``(k - 1) % scale_window + 1``; ``backoff_tracker = delayed_shift - cur_hysteresis``.
-
-Neither holds polyamp's config: the scaler's own gives what the layout lacks (the layout's rule
-set), and a setting the layout does hold must equal the scaler's, else StateDictError with a Fix.
-Neither holds step counters or a guard's history: those stay as they were.
+Megatron-Core's ``DynamicGradScaler.state_dict()`` is read with ``rule="megatron"``, DeepSpeed's
+``DynamicLossScaler`` ``vars()`` with ``rule="deepspeed"`` (docs/rule.md). The scaler's own config
+gives what the layout lacks; a setting the layout holds must equal it. Counters and a guard's history
+stay as they were.
 """
 
 from __future__ import annotations
@@ -23,11 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import ConfigError, StateDictError
-from .config import LossScaleConfig, short_repr
+from .config import SCALE_CEILING, SCALE_FLOOR, LossScaleConfig, short_repr
 
 MEGATRON = frozenset({"scale", "growth_tracker", "hysteresis_tracker"})
 DEEPSPEED = frozenset({"cur_scale", "cur_iter", "last_overflow_iter"})
-_FLOAT32_TINY, _FLOAT32_MAX = 2.0**-126, 3.4028234663852886e38  # a scale's range (a normal float32)
+
 #: DeepSpeed's settings beside its state, and how each reads from a config.
 _DEEPSPEED_SETTINGS = {
     "scale_window": lambda c: c.growth_interval,
@@ -52,8 +42,8 @@ def layout(state: Any) -> str | None:
 
 
 def to_polyamp(state: Mapping[str, Any], current: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (a :func:`layout`) as a polyamp state dict, from ``current`` (the scaler's own
-    ``state_now()``: its config, counters and guard history); StateDictError naming the key."""
+    """``state`` (a :func:`layout`) as a polyamp state dict, from ``current`` (the scaler's
+    ``state_now()``); StateDictError naming the key."""
     which = layout(state)
     where = f"{'Megatron-Core' if which == 'megatron' else 'DeepSpeed'} scaler state"
     config = _config(LossScaleConfig.from_dict(dict(current["config"])), which, where)
@@ -109,7 +99,7 @@ def _int(state: Mapping[str, Any], key: str, where: str, low: int, high: int, wh
 def _scale(state: Mapping[str, Any], key: str, where: str) -> float:
     value = _number(state, key, where)
     if not (isinstance(value, float) or abs(value) < 2**128) or not (
-            math.isfinite(value) and _FLOAT32_TINY <= value <= _FLOAT32_MAX):  # 10**400: no float
+            math.isfinite(value) and SCALE_FLOOR <= value <= SCALE_CEILING):  # 10**400: no float
         raise StateDictError(f"{where}[{key!r}] must be a finite scale > 0 that float32 holds (2**-126 to "
                              f"~3.4e38), got {key}={short_repr(value)}. "
                              "Fix: resume from an earlier checkpoint.")
