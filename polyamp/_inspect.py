@@ -1,13 +1,8 @@
 """``polyamp inspect PATH``: what a checkpoint holds; nothing in it is ever executed.
 
-Reads polyamp's own format (``LossScaler.save``, ``.gz`` too) and the torch- and paddle-facade
-state dicts saved as JSON (``json.dump(scaler.state_dict(), f)``; paddle's 1-element ``scale``
-as a number or a one-number list), and ``torch.save`` files through torch's restricted unpickler
-(``torch.load(weights_only=True)``, :mod:`polyamp.compat._torch_checkpoints`): every scaler state
-inside, with its path in the checkpoint, found by a walk that visits each container once, within a
-depth and size budget. Only regular files are opened. A field the format does not hold is
-reported as not saved, never as a default. Anything else is a :class:`polyamp.StateDictError`
-naming the file.
+Reads polyamp's format, the facades' state dicts saved as JSON, and ``torch.save`` files through
+``torch.load(weights_only=True)`` (every scaler state inside). A field the format does not hold is
+reported as not saved, never as a default; anything else is a StateDictError naming the file.
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ NOT_SAVED = "not saved in this format"
 
 
 def describe_all(path: str) -> list[dict[str, Any]]:
-    """Every scaler state in the file at ``path``: one for a JSON checkpoint, each one found (with
-    ``"where"``, its path in the checkpoint) in a ``torch.save`` file. StateDictError naming the
-    file when there is none or the file cannot be read."""
+    """Every scaler state in the file at ``path`` (in a ``torch.save`` file each with ``"where"``);
+    StateDictError naming the file when there is none."""
     name = _check_path(path)
     try:
         with open(path, "rb") as f:  # a regular file: opening it cannot block
@@ -79,10 +73,8 @@ def _check_path(path: str) -> str:
 
 
 def _scaler_states(obj: Any, name: str) -> list[tuple[str, dict[Any, Any]]]:
-    """``(path, state)`` for each dict inside ``obj`` (dicts, lists, tuples, nested) that is a scaler
-    state, e.g. ``('checkpoint["scaler"]', {...})``, in the file's order; a state's insides are not
-    searched, a container reached twice (shared or holding itself) is walked once. StateDictError
-    naming the file past MAX_DEPTH or MAX_ITEMS."""
+    """``(path, state)`` for each scaler state nested in ``obj``, in the file's order; each container
+    walked once, StateDictError past MAX_DEPTH or MAX_ITEMS."""
     found, seen, items = [], set(), 0
     containers = (dict, list, tuple)
     stack: list[tuple[Any, str, int]] = [(obj, "checkpoint", 0)] if isinstance(obj, containers) else []
@@ -134,10 +126,7 @@ def _info(path: str, kind: str, config: LossScaleConfig, host: HostState, steps:
 
 
 def describe(path: str) -> dict[str, Any]:
-    """Format, scale, trackers, step counters and config of the checkpoint at ``path``.
-
-    Raises StateDictError (naming the file) for anything polyamp cannot load.
-    """
+    """Format, scale, trackers, step counters and config of the checkpoint at ``path``."""
     name = _check_path(path)
     try:
         data = checkpoint.read(path)
