@@ -1,10 +1,7 @@
 """``polyamp advise FILE``: the precision report of gradients saved to a file; nothing in it is executed.
 
-Reads a dict name -> array saved with ``np.savez`` / ``np.savez_compressed`` (``np.load`` with
-``allow_pickle=False``) or ``torch.save`` (``torch.load(weights_only=True)``, torch's restricted
-unpickler, as ``polyamp inspect`` reads checkpoints). The arrays are the unscaled gradients; they
-are measured on NumPy in float64 with the meter's definitions. Anything else is a
-:class:`polyamp.StateDictError` naming the file, which the command prints as one line (exit 2).
+Reads a dict name -> unscaled gradient saved with ``np.savez`` (``allow_pickle=False``) or
+``torch.save`` (``torch.load(weights_only=True)``); anything else is a StateDictError naming the file.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ def report(path: str, scale: float, targets: Any = None) -> PrecisionReport:
 
 
 def load_gradients(path: str) -> dict[str, np.ndarray]:
-    """name -> NumPy array (float16, float32 or float64; torch's bfloat16 as float32, exactly) of the
-    file at ``path``; StateDictError naming the file when it is not such a file."""
+    """name -> NumPy float array (torch's bfloat16 as float32, exactly) of the file at ``path``."""
     name = _check_path(path)
     try:
         with open(path, "rb") as f:

@@ -1,9 +1,5 @@
-"""The ``polyamp`` command: ``polyamp info`` (backends and POLYAMP_BACKEND in effect) and
-``polyamp demo`` (float32 vs float16 with and without loss scaling, with a plot).
-
-Help text is plain (no markup). A reader that leaves early (``polyamp demo | head -1``) costs
-nothing: the rest of the output is dropped, the command runs to its end (the demo still writes
-its plot) and exits with its own status.
+"""The ``polyamp`` command: ``info``, ``demo``, ``inspect`` and ``advise``. A reader that leaves early
+(``polyamp demo | head -1``) costs nothing: the rest of the output is dropped, the command runs on.
 """
 
 from __future__ import annotations
@@ -48,9 +44,7 @@ def _info(args: argparse.Namespace) -> int:
     infos = available_backends()
     print(_env_line(infos))
     rows = [("backend", "available", "version", "reason")]
-    for info in infos:
-        rows.append((info.name, "yes" if info.available else "no", info.version or "-",
-                     info.reason or ""))
+    rows += [(i.name, "yes" if i.available else "no", i.version or "-", i.reason or "") for i in infos]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3])
@@ -59,10 +53,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _numpy_kernel_line() -> str:
-    """Which NumPy unscale-and-check kernel runs here: numba's compiled one, or which and why not.
-
-    Imports numba (and compiles or loads the cached kernels) once to find out.
-    """
+    """Which NumPy unscale-and-check kernel runs here, and why (imports numba to find out)."""
     from ._errors import install_hint
     from .backends import _numpy_kernels as kernels
 
@@ -173,9 +164,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 class _ReaderMayLeave:
-    """``sys.stdout`` while a command runs: once the reader has gone (``| head -1``), what is
-    written is dropped, and stdout points at devnull so no later flush raises (Python docs,
-    "Note on SIGPIPE"). The command itself goes on: the demo still trains and writes its plot."""
+    """``sys.stdout`` while a command runs: once the reader has gone, writes are dropped and stdout
+    points at devnull so no later flush raises (Python docs, "Note on SIGPIPE")."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream, self.reader_left = stream, False
