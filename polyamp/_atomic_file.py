@@ -1,9 +1,7 @@
 """Atomic file replacement: temp file beside the real target, fsync, rename, folder fsync.
 
-Symlinks are written through to their target; the file gets the mode a plain ``open(path, "w")``
-would give; errors name the caller's path; temp files that killed writes left are removed.
-Temp names are ``.<target name>.polyamp-<host tag>-<pid>-<random>.tmp``, so only temps of the
-same target are touched, and only when their writer is gone (see :func:`_remove_stale_temps`).
+Symlinks are written through; the mode is what ``open(path, "w")`` would give; errors name the
+caller's path; temps that killed writes left are removed (only the same target's, writer gone).
 """
 
 from __future__ import annotations
@@ -91,16 +89,12 @@ def _chmod(fd: int, path: str, mode: int) -> None:
 
 def _fsync_folder(folder: str) -> None:
     """Make the rename durable; skipped where the OS cannot open or fsync a folder (Windows)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _host_tag() -> str:
@@ -115,10 +109,7 @@ def _temp_prefix(base: str) -> str:
 
 
 def _remove_stale_temps(folder: str, base: str) -> None:
-    """Remove temps of killed writes to this target: this host's with a dead pid, or any > 10 min old.
-
-    An in-flight write of another live process (or another machine) is left alone.
-    """
+    """Remove temps of killed writes to this target: this host's with a dead pid, or any > 10 min old."""
     pattern = re.compile(re.escape(f".{base[:96]}.polyamp-") + r"([0-9a-f]{8})-(\d+)-\w+\.tmp\Z")
     host, now = _host_tag(), time.time()
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
