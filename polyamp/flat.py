@@ -1,7 +1,5 @@
-"""Arrays of many shapes stored as views of one flat array, for any array library.
-
-Whole-set operations (fill, scale, cast, norm) then cost one call on the flat array instead
-of one per array: the layout behind :class:`polyamp.GradBuffer` and the demo MLP's weights.
+"""Arrays of many shapes stored as views of one flat array, for any array library: whole-set
+operations (fill, scale, cast, norm) cost one call instead of one per array.
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ __all__ = ["FlatArrays"]
 class FlatArrays:
     """One flat array and one view of it per shape; writes through either side show in both.
 
-    ``like`` (an array) picks the library and device; NumPy when None. ``spare`` values follow
-    the views in the same memory (:attr:`storage`), e.g. for a message that one collective sums
-    with them.
+    ``like`` (an array) picks the library and device (NumPy when None); ``spare`` values follow
+    the views in the same memory (:attr:`storage`).
     """
 
     def __init__(
