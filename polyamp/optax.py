@@ -1,10 +1,7 @@
 """Loss scaling as an optax ``GradientTransformation`` around an inner optimizer.
 
-``tx = loss_scaled(optax.adam(1e-3))``; each step multiplies the loss by
-``current_scale(opt_state)`` (or ``polyamp.functional.scale``) and hands the scaled gradients to
-``tx.update``, which unscales them, skips the step on inf/nan (zero updates, the inner state kept)
-and moves the scale: :mod:`polyamp.functional` under the hood, branch-free, so it runs under
-``jax.jit``. :func:`skipped` and :func:`skip_count` read the skips from the state, to log them.
+``tx = loss_scaled(optax.adam(1e-3))``; multiply the loss by ``current_scale(opt_state)`` and
+``tx.update`` unscales, skips on inf/nan and moves the scale, branch-free (:mod:`polyamp.functional`).
 Importing this module imports optax and jax; ``import polyamp`` does not.
 """
 
@@ -39,15 +36,9 @@ class LossScaledState(NamedTuple):
 
 def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | None = None
                 ) -> optax.GradientTransformationExtraArgs:
-    """``inner`` fed unscaled gradients, skipping steps whose gradients overflowed.
-
-    ``update(grads, state, params)`` takes the gradients of the loss times
-    :func:`current_scale`; on an overflow the updates are zeros and the inner state is kept.
-    Extra keyword arguments (``value=`` for ``reduce_on_plateau``, line searches) go to ``inner``
-    as given: pass the unscaled loss as ``value``, since the scale moves.
-    ``config``: a :class:`polyamp.LossScaleConfig` (torch's defaults when None). Accumulate inside:
-    ``loss_scaled(optax.MultiSteps(inner, k))``; the other order keeps NaN in MultiSteps' accumulator
-    after one overflow, so :func:`current_scale` refuses its state.
+    """``inner`` fed unscaled gradients, skipping steps whose gradients overflowed (zero updates,
+    the inner state kept). Extra keyword arguments go to ``inner`` (pass an unscaled ``value=``).
+    Accumulate inside: ``loss_scaled(optax.MultiSteps(inner, k))`` (the other order keeps NaN).
     """
     config = functional.config_or_default(config)
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
@@ -81,8 +72,7 @@ def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | N
 
 def current_scale(opt_state: Any) -> Any:
     """The scale (a 0-d float32 array) to multiply the loss by, from :func:`loss_scaled`'s state
-    (also inside the state of ``optax.chain``, ``named_chain``, ``multi_transform``,
-    ``inject_hyperparams``)."""
+    (also nested in ``optax.chain``, ``multi_transform`` and the like)."""
     return _find(opt_state, "current_scale").loss_scale.scale
 
 
@@ -92,8 +82,7 @@ def skipped(opt_state: Any) -> Any:
 
 
 def skip_count(opt_state: Any) -> Any:
-    """How many of :func:`loss_scaled`'s updates were skipped since ``init`` (0-d int32, stops at
-    2**31 - 1)."""
+    """How many of :func:`loss_scaled`'s updates were skipped (0-d int32, saturating)."""
     return _find(opt_state, "skip_count").skips
 
 
