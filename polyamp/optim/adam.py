@@ -21,10 +21,7 @@ __all__ = ["Adam", "AdamW"]
 
 
 def _lerp(start: Any, end: Any, weight: float) -> Any:
-    """``start + weight * (end - start)`` with the two-branch, fused formula of torch's ``lerp``.
-
-    The branch keeps the result exact at ``weight`` 0 and 1, as torch does.
-    """
+    """``start + weight * (end - start)`` as torch's two-branch, fused ``lerp`` (exact at 0 and 1)."""
     xp = array_api_compat.array_namespace(start)
     if start.dtype == xp.float32:
         weight = _round_to_float32(weight)  # torch rounds the weight to the data's precision
@@ -34,10 +31,8 @@ def _lerp(start: Any, end: Any, weight: float) -> Any:
 
 
 class Adam(Optimizer):
-    """Adam (Kingma & Ba), with optional AMSGrad and L2 or decoupled (AdamW) weight decay.
-
-    Follows torch's ``_single_tensor_adam`` operation by operation; 2-3 buffers per param.
-    """
+    """Adam (Kingma & Ba), with optional AMSGrad and L2 or decoupled (AdamW) weight decay, as
+    torch's ``_single_tensor_adam`` operation by operation; 2-3 buffers per param."""
 
     def __init__(
         self,
@@ -51,16 +46,9 @@ class Adam(Optimizer):
         maximize: bool = False,
         decoupled_weight_decay: bool = False,
     ) -> None:
-        defaults = {
-            "lr": lr,
-            "betas": tuple(betas),
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "amsgrad": amsgrad,
-            "maximize": maximize,
-            "decoupled_weight_decay": decoupled_weight_decay,
-        }
-        super().__init__(params, defaults)
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                                  "amsgrad": amsgrad, "maximize": maximize,
+                                  "decoupled_weight_decay": decoupled_weight_decay})
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:
         """Raise ValueError for a negative lr, eps or weight decay, or a beta outside [0, 1)."""
@@ -117,10 +105,7 @@ class Adam(Optimizer):
 
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay (Loshchilov & Hutter): ``param *= 1 - lr * weight_decay``.
-
-    Same cost as Adam; the decay no longer passes through the adaptive denominator.
-    """
+    """Adam with decoupled weight decay (Loshchilov & Hutter): ``param *= 1 - lr * weight_decay``."""
 
     def __init__(
         self,
@@ -133,13 +118,5 @@ class AdamW(Adam):
         *,
         maximize: bool = False,
     ) -> None:
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            maximize=maximize,
-            decoupled_weight_decay=True,
-        )
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True)

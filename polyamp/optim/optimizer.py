@@ -28,11 +28,8 @@ def _round_to_float32(value: float) -> float:
 
 
 def fma(a: Any, b: Any, c: Any) -> Any:
-    """``a + b * c`` rounded once, as torch's fused kernels (``add(alpha=)``, lerp, addcmul) do.
-
-    float32 goes through float64, where the product is exact: equal to a hardware FMA but for
-    rare double-rounding ties, at ~3x the time of ``a + b * c``. Other dtypes round twice.
-    """
+    """``a + b * c`` rounded once, as torch's fused kernels do (float32 through float64, where the
+    product is exact: ~3x the time of ``a + b * c``); other dtypes round twice."""
     scalar = isinstance(c, numbers.Real)
     if scalar and c == 1:
         return a + b  # one rounding already
@@ -50,10 +47,7 @@ def check_nonnegative(name: str, value: float, label: str) -> None:
 
 
 def write_param(param: Parameter, new: Any) -> None:
-    """Store ``new`` into ``param.data`` in place, so other holders of the array see it.
-
-    Libraries with immutable arrays (e.g. JAX) get ``param.data`` rebound instead.
-    """
+    """Store ``new`` into ``param.data`` in place (rebound for immutable arrays, e.g. JAX's)."""
     if array_api_compat.is_writeable_array(param.data):
         param.data[...] = new
     else:
@@ -73,7 +67,7 @@ def _to_param_space(param: Parameter, key: Any, value: Any) -> Any:
     if key == "step":
         return float(value)  # torch stores step as a 0-d tensor; polyamp keeps a float
     xp = array_api_compat.array_namespace(param.data)
-    if _namespace(value) is not xp:
+    if array_api_compat.array_namespace(value) is not xp:
         value = xp.from_dlpack(value)  # another library's array, e.g. a torch checkpoint
     floating = xp.isdtype(param.dtype, ("real floating", "complex floating"))
     dtype = param.dtype if floating else value.dtype
@@ -95,16 +89,11 @@ def _check_same_layout(saved: list[dict[str, Any]], groups: list[dict[str, Any]]
             )
 
 
-def _namespace(value: Any) -> Any:
-    """The array-API namespace of ``value``."""
-    return array_api_compat.array_namespace(value)
+
 
 
 class Optimizer:
-    """Base class: holds param groups and per-parameter state; subclasses define ``_update``.
-
-    Mirrors torch.optim.Optimizer so code and checkpoints carry over; costs nothing per step.
-    """
+    """Base class as torch.optim.Optimizer (code and checkpoints carry over); subclasses define _update."""
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         if isinstance(params, (Parameter, dict, set)) or array_api_compat.is_array_api_obj(params):
@@ -139,10 +128,7 @@ class Optimizer:
         return "\n".join([*lines, ")"])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of parameters with its own hyper-parameters; missing ones take defaults.
-
-        Useful to unfreeze layers mid-training; validates the group like the constructor.
-        """
+        """Add a group of parameters with its own hyper-parameters; missing ones take defaults."""
         if not isinstance(param_group, dict):
             raise TypeError(
                 f"param_group must be a dict, got {type(param_group).__qualname__}; "
@@ -181,13 +167,10 @@ class Optimizer:
             elif array_api_compat.is_writeable_array(p.grad):
                 p.grad[...] = 0
             else:
-                p.grad = _namespace(p.grad).zeros_like(p.grad)
+                p.grad = array_api_compat.array_namespace(p.grad).zeros_like(p.grad)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Update every parameter that has a gradient; return ``closure()``'s loss, if given.
-
-        The closure re-evaluates the model (e.g. for line searches) before the update.
-        """
+        """Update every parameter that has a gradient; return ``closure()``'s loss, if given."""
         loss = closure() if closure is not None else None
         with _no_autograd():
             for group in self.param_groups:
@@ -197,10 +180,7 @@ class Optimizer:
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state in torch's format, with parameters replaced by integer indices.
-
-        Arrays are shared, not copied: steps replace state arrays rather than mutate them.
-        """
+        """The state in torch's format, parameters as indices; arrays shared (steps replace them)."""
         index: dict[int, int] = {}
         groups = []
         for group in self.param_groups:
@@ -217,19 +197,12 @@ class Optimizer:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore state saved by ``state_dict`` (polyamp's or torch's) onto this optimizer.
-
-        State arrays are copied onto each parameter's library, device and dtype.
-        """
+        """Restore state saved by ``state_dict`` (polyamp's or torch's), copied onto each parameter's
+        library, device and dtype."""
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         _check_same_layout(saved_groups, self.param_groups)
-        id_map = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in self.param_groups),
-                strict=True,
-            )
-        )
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in self.param_groups), strict=True))
         state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         for key, value in state_dict["state"].items():
             if key in id_map:

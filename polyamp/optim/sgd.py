@@ -14,10 +14,8 @@ __all__ = ["SGD"]
 
 
 class SGD(Optimizer):
-    """Stochastic gradient descent, optionally with (Nesterov) momentum and weight decay.
-
-    Follows torch's ``_single_tensor_sgd`` op by op (float32: bit-equal on CPU); one buffer/param.
-    """
+    """Stochastic gradient descent, optionally with (Nesterov) momentum and weight decay, as torch's
+    ``_single_tensor_sgd`` op by op (float32: bit-equal on CPU); one buffer per param."""
 
     def __init__(
         self,
@@ -30,15 +28,8 @@ class SGD(Optimizer):
         *,
         maximize: bool = False,
     ) -> None:
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-            "nesterov": nesterov,
-            "maximize": maximize,
-        }
-        super().__init__(params, defaults)
+        super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
+                                  "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize})
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:
         """Raise ValueError for a negative lr, momentum or weight decay, or a bad Nesterov setup."""
