@@ -1,11 +1,7 @@
 """Rounding float32 values to a compute dtype, for the demo MLP's low-precision arithmetic.
 
-The MLP keeps activations and gradients in float32 containers that hold compute-dtype
-values: every result is rounded to the compute dtype (bit-identical to storing it in that
-dtype), matmuls accumulate in float32 as GPU tensor cores do. Why not float16 arrays: NumPy
-converts float16 subnormals 10-20x slower than normal values (x86 hardware assists), and
-subnormals are exactly the regime the demo studies; the float16 path below is exact and
-stays fast. Other dtypes and libraries round through ``astype`` there and back.
+Values stay in float32 arrays, rounded bit-identically: NumPy converts float16 subnormals 10-20x
+slower than normal values, and subnormals are the regime the demo studies.
 """
 
 from __future__ import annotations
@@ -24,11 +20,8 @@ _F16_MAX = np.float32(65504.0)
 
 
 def _round_float16_numpy(x: np.ndarray) -> np.ndarray:
-    """float32 ``x`` rounded to the nearest float16 (ties to even), as float32.
-
-    Adding and subtracting ``magic = sign(x) * 2**(exponent(x) + 13)`` leaves exactly the
-    float16 significand bits (subnormals included); ~8 vectorised passes, no slow paths.
-    """
+    """float32 ``x`` rounded to the nearest float16 (ties to even), as float32: adding and
+    subtracting ``sign(x) * 2**(exponent(x) + 13)`` leaves exactly float16's significand bits."""
     bits = x.view(np.uint32)
     exponent = np.clip(bits & _EXPONENT, _F16_LOWEST, _F16_HIGHEST)
     exponent += _F16_SHIFT

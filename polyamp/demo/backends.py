@@ -1,12 +1,8 @@
 """The demo's model, optimizer and loss for each array library it can run on.
 
-``numpy`` and ``cupy`` train the hand-written :class:`~polyamp.demo.mlp.MLP` (an
-``ArrayModel``) with ``polyamp.optim.Adam``; ``torch`` trains the same network as an
-``nn.Module`` under ``torch.autocast`` with ``torch.optim.Adam``. All start from the same
-initial weights; the loss is summed and divided by the global batch size (by this rank's share
-of it, when the demo runs on several ranks: each rank's loss is its local mean). Libraries are
-imported only when their backend is asked for. Without ``--backend`` the demo runs where
-``POLYAMP_BACKEND`` points, as every scaler does.
+``numpy`` and ``cupy`` train the hand-written :class:`~polyamp.demo.mlp.MLP` with
+``polyamp.optim.Adam``, ``torch`` the same network as an ``nn.Module`` with ``torch.optim.Adam``,
+from the same initial weights. Libraries are imported only when their backend is asked for.
 """
 
 from __future__ import annotations
@@ -129,12 +125,8 @@ def get(name: str) -> Kit:
 
 
 def chosen(name: str | None) -> str:
-    """The demo backend: ``name`` (``--backend``), else ``POLYAMP_BACKEND``, else numpy.
-
-    A ``POLYAMP_BACKEND`` that names no installed backend raises the registry's error; one
-    that the demo cannot train with (e.g. paddle) raises BackendNotFoundError naming both, before
-    its library is imported; one that cannot run here raises the registry's error.
-    """
+    """The demo backend: ``name`` (``--backend``), else ``POLYAMP_BACKEND`` (checked before its
+    library is imported), else numpy."""
     if name is not None:
         return name
     env, source = _registry.requested_backend(None)

@@ -14,10 +14,8 @@ __all__ = ["spirals"]
 def spirals(
     n: int, *, classes: int = 3, turns: float = 1.0, noise: float = 0.1, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` points of ``classes`` interleaved spiral arms: float32 (n, 2) inputs, int64 labels.
-
-    Radii are uniform in [0.1, 1]; each arm winds ``turns`` times; angles get Gaussian noise.
-    """
+    """``n`` points of ``classes`` interleaved spiral arms (``turns`` windings, Gaussian angle
+    noise): float32 (n, 2) inputs, int64 labels."""
     for name, value in (("n", n), ("classes", classes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "n" else 2):
             raise ConfigError(f"{name} must be an int >= {1 if name == 'n' else 2}, got {name}={value!r}")

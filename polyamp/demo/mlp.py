@@ -1,10 +1,7 @@
 """A ReLU multilayer perceptron with a hand-written backward pass, for NumPy or CuPy arrays.
 
-It follows :class:`polyamp.ArrayModel`: float32 master Parameters (all views of one flat
-array, so the per-step cast to the compute dtype is one call), a forward pass that computes
-in the compute dtype from that low-precision copy, and a backward pass whose activation
-gradients are rounded to the compute dtype at every layer, so float16 gradients underflow
-exactly as they do on a GPU. Gradients are written (overwritten) into each ``p.grad``.
+A :class:`polyamp.ArrayModel`: float32 masters in one flat array, and every activation and
+gradient rounded to the compute dtype, so float16 gradients underflow exactly as on a GPU.
 """
 
 from __future__ import annotations
@@ -26,11 +23,7 @@ __all__ = ["MLP", "softmax_cross_entropy"]
 
 
 class MLP:
-    """``Linear -> ReLU -> ... -> Linear`` with He-initialised hidden layers.
-
-    ``weight_std`` is the standard deviation of every weight (He's sqrt(2 / fan_in) when None);
-    a small one makes activations and gradients small (see the demo). Biases start at zero.
-    """
+    """``Linear -> ReLU -> ... -> Linear``; weights of std ``weight_std`` (None: He's), biases 0."""
 
     def __init__(
         self, sizes: Sequence[int], *, weight_std: float | None = None, seed: int = 0, like: Any = None
@@ -61,10 +54,8 @@ class MLP:
         return [(f"layers.{i // 2}.{'bias' if i % 2 else 'weight'}", p) for i, p in enumerate(self._params)]
 
     def forward(self, x: Any, compute_dtype: Any = "float32") -> Any:
-        """The logits of ``x`` (already in the compute dtype), computed in the compute dtype.
-
-        Costs one rounding of all masters plus, per layer, one matmul and one rounding.
-        """
+        """The logits of ``x``, computed in the compute dtype (one rounding of the masters, then one
+        matmul and one rounding per layer)."""
         name = _dtypes.compute_dtype_name(compute_dtype)
         xp = self._xp
         weights = self._masters.views_of(round_to(self._masters.flat, name))  # low-precision copy
@@ -80,10 +71,7 @@ class MLP:
         return _dtypes.cast(act, name)
 
     def backward(self, grad_output: Any) -> None:
-        """Write d(loss)/d(parameter) into every ``p.grad`` (overwriting) from d(loss)/d(logits).
-
-        Activation and weight gradients are rounded to the compute dtype after every op.
-        """
+        """Write d(loss)/d(parameter) into every ``p.grad`` from d(loss)/d(logits), rounded as it goes."""
         if not self._cache:
             raise RuntimeError("MLP.backward() needs a forward() first; call model.forward(x, dtype)")
         xp, name = self._xp, self._cache["name"]
@@ -110,11 +98,8 @@ class MLP:
 
 
 def softmax_cross_entropy(logits: Any, labels: Any, normalizer: int | None = None) -> tuple[Any, Any]:
-    """Cross-entropy of ``logits`` against integer ``labels`` summed and divided by ``normalizer``
-    (the batch size by default: the mean), and its gradient ``(softmax - onehot) / normalizer``.
-
-    Computed in float32 whatever the logits' dtype, as torch.autocast does for losses.
-    """
+    """Cross-entropy of ``logits`` against ``labels`` summed over ``normalizer`` (default: the batch
+    size), and its gradient ``(softmax - onehot) / normalizer``; in float32, as torch.autocast does."""
     xp = array_api_compat.array_namespace(logits)
     z = _dtypes.cast(logits, "float32")
     z = z - xp.max(z, axis=1, keepdims=True)

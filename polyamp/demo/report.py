@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import sys
@@ -22,10 +23,8 @@ Tick = Callable[[float], None]
 
 
 def progress_factory(enabled: bool = True, stream: TextIO | None = None) -> Callable[[str, int], Tick]:
-    """A factory of per-run progress callbacks: ``factory(label, steps)(loss)`` once per step.
-
-    Uses a tqdm bar when tqdm imports, else prints about ten plain lines per run.
-    """
+    """A factory of per-run progress callbacks, ``factory(label, steps)(loss)`` once per step: a
+    tqdm bar, else about ten plain lines per run."""
     stream = stream or sys.stderr
     try:
         from tqdm import tqdm
@@ -45,11 +44,10 @@ def progress_factory(enabled: bool = True, stream: TextIO | None = None) -> Call
                     bar.close()
 
             return tick
-        state = {"step": 0}
+        counter = itertools.count(1)
 
         def tick_plain(loss: float) -> None:
-            state["step"] += 1
-            step = state["step"]
+            step = next(counter)
             if step == steps or step % max(1, steps // 10) == 0:
                 print(f"{label}: step {step}/{steps}, loss {loss:.4f}", file=stream, flush=True)
 
@@ -68,12 +66,8 @@ def _plot_formats() -> list[str] | None:
 
 
 def plot_path(path: str, option: str = "--output") -> Path:
-    """The absolute path the plot will be written to, checked before any training.
-
-    No suffix means ``.png`` (as matplotlib appends); another suffix must be a format
-    matplotlib writes (not checked without matplotlib, which writes no plot). The folder
-    must exist and be writable. Raises ConfigError naming ``option``, the value and the fix.
-    """
+    """The absolute path the plot will be written to (no suffix: ``.png``), checked before any
+    training: a format matplotlib writes, in a writable folder; ConfigError naming ``option``."""
     if not path.strip():  # abspath('') is the current folder, which is not what was meant
         raise ConfigError(f"{option} {path!r} is empty. Fix: give a file name, e.g. {option} "
                           "polyamp-demo.png (or --no-plot for no plot)")
@@ -107,8 +101,7 @@ def plot_path(path: str, option: str = "--output") -> Path:
 
 
 def _check_name_length(target: Path, path: str, option: str) -> None:
-    """The file name and the whole path within the file system's limits (checked before training,
-    where writing would otherwise fail only at the end)."""
+    """The file name and the whole path within the file system's limits."""
     folder = target.parent
     name_max = _pathconf(folder, "PC_NAME_MAX", 255)
     path_max = _pathconf(folder, "PC_PATH_MAX", 4096)
@@ -140,8 +133,7 @@ def _check_not_a_device(target: Path, path: str, option: str) -> None:
 
 
 def _probe_folder(folder: Path, target: Path, path: str, option: str) -> None:
-    """Create (and remove) a temporary file beside the target: the folder really takes files
-    (a read-only or full file system, or one that refuses the name, says so now, not after training)."""
+    """Create (and remove) a temporary file beside the target: the folder really takes files."""
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".polyamp-demo-", suffix=target.suffix):
             pass
@@ -152,10 +144,7 @@ def _probe_folder(folder: Path, target: Path, path: str, option: str) -> None:
 
 def write_plot(results: list[RunResult], path: str | Path, title: str) -> None:
     """Plot loss (log scale) and loss scale over the steps for every run; write it to ``path``
-    (the format follows the suffix, see :func:`plot_path`).
-
-    Raises ImportError with the install command when matplotlib is missing.
-    """
+    (ImportError with the install command without matplotlib)."""
     try:
         import matplotlib
 

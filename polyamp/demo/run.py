@@ -1,17 +1,10 @@
 """Train the demo MLP three ways: float32, float16 without loss scaling, float16 + polyamp
 (or the same with bfloat16), from the same initial weights on the same data.
 
-The regime is that of large-scale training: the loss is the mean over a global batch of
-``global_batch`` samples (2**24 by default, a language-model batch counted in tokens) of
-which each step here computes ``batch``. Per-sample gradients are then (p - y) / 2**24,
-about 2e-8: below float16's smallest subnormal (2**-24, about 6e-8) they round to zero, so
-without loss scaling most float16 gradient values vanish and the rest are a few quanta.
-Adam makes the float32 run independent of the global batch size (it is scale-invariant),
-so the float32 curve is the same as for an ordinary mean over ``batch``.
-
-On several ranks (``--distributed``) each rank computes an equal shard of the ``batch``
-samples, its loss the mean over its share of the global batch; the trainer averages the
-gradients over the ranks (one all-reduce a step) and the losses are averaged once, at the end.
+The loss is a mean over a global batch of ``global_batch`` samples (2**24: a language-model batch
+in tokens), so per-sample gradients (~2e-8) sit below float16's smallest subnormal and vanish
+without loss scaling; Adam is scale-invariant, so float32 is unaffected. With ``--distributed``
+each rank computes an equal shard of the ``batch`` samples.
 """
 
 from __future__ import annotations
@@ -125,10 +118,8 @@ def train_once(
     settings: DemoSettings, dtype: str, loss_scaling: bool, data: tuple, progress: Progress | None = None,
     world: World | None = None,
 ) -> RunResult:
-    """Train one fresh model (the same initial weights every time) and evaluate it on test data.
-
-    With a ``world`` of several ranks, this rank trains on its shard of the batch, data parallel.
-    """
+    """Train one fresh model (the same initial weights every time) and evaluate it on test data;
+    with a ``world`` of several ranks, on this rank's shard of the batch."""
     world = world or World()
     rows = world.share(settings.batch, "--batch")
     kit = backends.get(settings.backend)
@@ -195,13 +186,10 @@ def format_table(results: list[RunResult]) -> str:
     """The results as a plain-text table, one row per run."""
     header = ("run", "final loss", "test accuracy", "skipped steps", "final scale",
               "zero grads at step 1", "time")
-    rows = [header]
-    for r in results:
-        rows.append((
-            r.label, f"{r.final_loss:.4f}", f"{100 * r.accuracy:.1f}%", str(r.skipped_steps),
-            _power_of_two(r.final_scale) if r.loss_scaling else "-", f"{100 * r.zero_grad_fraction:.0f}%",
-            f"{r.seconds:.1f}s",
-        ))
+    rows = [header] + [(
+        r.label, f"{r.final_loss:.4f}", f"{100 * r.accuracy:.1f}%", str(r.skipped_steps),
+        _power_of_two(r.final_scale) if r.loss_scaling else "-", f"{100 * r.zero_grad_fraction:.0f}%",
+        f"{r.seconds:.1f}s") for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]
@@ -216,8 +204,7 @@ BFLOAT16_NOTE = ("bfloat16 has float32's exponent range (8 bits), so these gradi
 
 
 def summary(results: list[RunResult]) -> str:
-    """One line per low-precision run: within tolerance of float32 or not (and, for bfloat16, why
-    all of them match)."""
+    """One line per low-precision run: within tolerance of float32 or not (bfloat16: and why)."""
     reference = results[0]
     lines = []
     for run in results[1:]:

@@ -1,10 +1,5 @@
-"""The demo's math on one thread: its matmuls are small, and BLAS threads that wait by spinning
-slow them down many times over on a machine whose cores are busy.
-
-A 4096x64 by 64x64 matmul takes about a millisecond on one core; OpenBLAS cuts it across every
-core and its threads spin between calls. On a 2-core machine with other work running, a spinning
-thread holds the core the other needs, and the demo ran 5-8x slower (55 s of CPU time instead of 6).
-Limits a user set (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``) are kept.
+"""The demo's math on one thread: its matmuls are small, and spinning BLAS threads on busy cores
+made it 5-8x slower. Limits a user set (:data:`THREAD_ENV_VARS`) are kept.
 """
 
 from __future__ import annotations
@@ -16,8 +11,7 @@ from collections.abc import Iterator
 
 __all__ = ["THREAD_ENV_VARS", "single_threaded"]
 
-#: Environment variables through which a user sets BLAS's (or torch's) threads: when one is set,
-#: the demo leaves the thread counts as they are.
+#: Environment variables through which a user sets BLAS's (or torch's) threads (then left as set).
 THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 

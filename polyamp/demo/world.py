@@ -1,9 +1,5 @@
-"""The ranks of ``polyamp demo --distributed mpi|torch``: a reducer, and this rank's share.
-
-``mpi`` runs under ``mpirun -n N polyamp demo --distributed mpi`` (COMM_WORLD); ``torch``
-under ``torchrun --nproc-per-node N -m polyamp demo --distributed torch`` (a gloo group built
-from torchrun's environment, unless the caller initialised torch.distributed already).
-Engines are imported only here, and only when asked for.
+"""The ranks of ``polyamp demo --distributed mpi|torch``: a reducer, and this rank's share
+(``mpirun``'s COMM_WORLD, or a gloo group from torchrun's environment); imported only when asked.
 """
 
 from __future__ import annotations
@@ -63,19 +59,13 @@ def join(engine: str | None) -> World:
         raise ConfigError(f"--distributed {engine!r}: expected one of {list(CHOICES)}")
     from polyamp.distributed import reducer
 
-    if engine == "mpi":
-        return _world(reducer("mpi", timeout=TIMEOUT), engine, False)
-    group, owned = _torch_group()
-    return _world(reducer(group, timeout=TIMEOUT), engine, owned)
-
-
-def _world(red: Any, engine: str, owns_group: bool) -> World:
-    return World(red.rank, red.size, red, engine, owns_group)
+    group, owned = ("mpi", False) if engine == "mpi" else _torch_group()
+    red = reducer(group, timeout=TIMEOUT)
+    return World(red.rank, red.size, red, engine, owned)
 
 
 def _torch_group() -> tuple[Any, bool]:
-    """torch.distributed's default group (the caller's, or a gloo group from torchrun's
-    environment), and whether the demo built it."""
+    """torch.distributed's default group (the caller's, or one from torchrun's), and whether built here."""
     try:
         import torch.distributed as dist
     except ImportError as exc:
