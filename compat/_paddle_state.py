@@ -121,11 +121,8 @@ def to_paddle_state(engine: LossScaler) -> dict[str, Any]:
 
 
 def scale_of(value: Any) -> float:
-    """The scale stored under ``"scale"``: a 1-element array/tensor (paddle) or a number (torch).
-
-    Checked by :func:`polyamp.config.check_scale` before rounding to float32, so the result is
-    a positive normal float32 value. Raises StateDictError naming the key and the value.
-    """
+    """The scale stored under ``"scale"`` (a 1-element array or a number), checked and rounded to
+    float32; StateDictError naming the key and the value."""
     number = value
     if hasattr(value, "shape") or hasattr(value, "__array__"):  # paddle's [1] array, a tensor
         try:
@@ -163,11 +160,8 @@ def _count(state: dict[str, Any], key: str, interval: int, interval_key: str, na
 def parse_paddle_state(
     state: dict[str, Any], base: LossScaleConfig, names: dict[str, str] | None = None
 ) -> tuple[LossScaleConfig, float, int, int]:
-    """Validate a paddle-format state dict whole: ``(config, scale, incr_count, decr_count)``.
-
-    ``base`` supplies the fields paddle does not save; ``names`` maps paddle's keys to the
-    user's (torch's when converted), so every message names a key the user wrote.
-    """
+    """Validate a paddle-format state dict whole: ``(config, scale, incr_count, decr_count)``; ``base``
+    supplies the fields paddle does not save, ``names`` the user's keys for messages."""
     names = names or {}
     missing = [k for k in PADDLE_KEYS if k not in state]
     if missing:
@@ -218,11 +212,7 @@ def is_torch_format(state: dict[str, Any]) -> bool:
 
 
 def from_torch_state_dict(state: dict[str, Any]) -> dict[str, Any]:
-    """A torch-format GradScaler state dict in paddle's format (``{}`` stays ``{}``).
-
-    Accepts ``torch.amp.GradScaler.state_dict()`` and ``polyamp.compat.torch.GradScaler``'s,
-    whose extra keys (backoff_interval, _backoff_tracker, min_scale, max_scale) carry over.
-    """
+    """A torch-format GradScaler state dict (torch's or polyamp's, extra keys kept) in paddle's format."""
     if len(state) == 0:
         return {}
     missing = [k for k in TORCH_KEYS if k not in state]
@@ -245,11 +235,8 @@ def from_torch_state_dict(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_torch_state_dict(state: dict[str, Any]) -> dict[str, Any]:
-    """A paddle-format GradScaler state dict in torch's format, for torch's or polyamp's GradScaler.
-
-    torch has no fixed-scale mode: ``use_dynamic_loss_scaling=False`` raises StateDictError.
-    decr_every_n_nan_or_inf != 1 is kept in polyamp's extra keys, which real torch ignores.
-    """
+    """A paddle-format GradScaler state dict in torch's format (polyamp's extra keys where needed);
+    torch has no fixed-scale mode, so ``use_dynamic_loss_scaling=False`` raises StateDictError."""
     if len(state) == 0:
         return {}
     config, scale, incr, decr = parse_paddle_state(state, LossScaleConfig(product_dtype="float32"))
