@@ -1,23 +1,10 @@
 """``polyamp.compat.torch.install()``: torch's scaler names build polyamp's scalers, until uninstalled.
 
-Opt-in and reversible. While installed, ``torch.amp.GradScaler``, ``torch.cuda.amp.GradScaler``,
-``torch.cpu.amp.GradScaler`` and FSDP's ``ShardedGradScaler`` (under each name torch exports
-them) are polyamp's, so trainers that build the scaler themselves (accelerate, transformers,
-timm, Lightning) use polyamp with no attribute surgery. Modules imported before ``install()``
-that bound one of torch's classes under its own name (``from torch.amp import GradScaler``, as
-``accelerate.checkpointing`` does) are patched too; an alias (``... import GradScaler as
-TorchGradScaler``) is left alone, so torch's stays reachable for comparison. ``uninstall()``
-puts torch's classes back everywhere a stand-in was bound, also in modules imported meanwhile.
-
-The stand-ins are subclasses of the facade's classes AND of the torch classes they replace, laid
-out as torch's are (``cuda``/``cpu`` and FSDP's under ``torch.amp``'s), so every ``isinstance`` a
-trainer writes holds as in torch, also after ``uninstall()`` for scalers built meanwhile. polyamp's
-classes come first in the MRO: no method of torch's runs, nor torch's ``__init__``. While installed,
-``torch.amp.GradScaler`` (FSDP's ``ShardedGradScaler``) also counts polyamp's own ``GradScaler``
-(``ShardedGradScaler``) instances as its instances. Copies keep the stand-in type; a pickle loads as
-the facade's class, so it loads without ``install()``. install()/uninstall() hold one lock, so
-threads that race them leave one installation and torch's classes recorded (never a stand-in).
-Imports nothing of the facade: ``polyamp.compat.torch`` hands its classes to :class:`Installer`.
+Opt-in and reversible: every name torch exports a scaler class under (:data:`TORCH_NAMES`), and
+modules that bound one under its own name (an alias is left alone), build polyamp's scalers until
+``uninstall()`` puts torch's back. The stand-ins subclass the facade's class (first in the MRO: no
+torch code runs) AND torch's, so every ``isinstance`` holds as in torch; a pickle loads as the
+facade's class. Thread-safe; imports nothing of the facade (it hands its classes to :class:`Installer`).
 """
 
 from __future__ import annotations
@@ -33,9 +20,8 @@ from typing import Any
 from polyamp._caller import user_stacklevel
 from polyamp._errors import install_hint
 
-# (module, attribute, kind): every place torch exports a scaler class. Kinds: "amp" is
-# torch.amp.GradScaler's signature, "cuda"/"cpu" the deprecated per-device ones (no device
-# argument), "sharded" FSDP's.
+# (module, attribute, kind): every place torch exports a scaler class ("cuda"/"cpu": the deprecated
+# per-device signatures, "sharded": FSDP's).
 TORCH_NAMES = (
     ("torch.amp", "GradScaler", "amp"),
     ("torch.amp.grad_scaler", "GradScaler", "amp"),
@@ -49,9 +35,8 @@ TORCH_NAMES = (
 
 
 class StandInMeta(type):
-    """The stand-ins' metaclass: ``torch.amp.GradScaler`` (and FSDP's ``ShardedGradScaler``) while
-    installed also counts the facade's own class's instances (``_counts``, set on that class only,
-    so a subclass such as ``torch.cuda.amp.GradScaler`` or a user's counts only its own)."""
+    """The stand-ins' metaclass: ``torch.amp.GradScaler`` (and FSDP's) while installed also counts the
+    facade's own class's instances (``_counts``, set on that class only, not its subclasses)."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
         counts = cls.__dict__.get("_counts")
@@ -99,9 +84,8 @@ def _torch_only(name: str, torch_class: type) -> Any:
 
 
 def _stand_in(facade_class: type, kind: str, torch_class: type, parent: type | None) -> type:
-    """The class bound under torch's names while installed: a subclass of ``facade_class``, of
-    ``parent`` (the ``torch.amp`` stand-in, for the classes torch derives from its own) and of
-    ``torch_class``; facade first in the MRO."""
+    """The class bound under torch's names while installed: a subclass of ``facade_class`` (first),
+    of ``parent`` (the ``torch.amp`` stand-in, where torch derives from it) and of ``torch_class``."""
     if kind in ("cuda", "cpu"):
         assert parent is not None
         cls = _per_device_class(parent, torch_class, kind)
@@ -192,8 +176,7 @@ class Installer:
             self.installed = False
 
     def _torch_class(self, bound: Any) -> Any:
-        """torch's class behind a name: never one of ours recorded as torch's (a name that still
-        holds a stand-in gives the class it stands in for)."""
+        """torch's class behind a name (a stand-in gives the class it stands in for)."""
         return self._originals.get(bound, bound)
 
     def _stand_in(self, kind: str, by_kind: dict[str, type]) -> type:
