@@ -1,10 +1,7 @@
 """torch.amp.GradScaler's state-dict format and the input checks torch applies, for the facade.
 
-Key mapping (torch -> polyamp engine): ``scale`` -> scale, ``growth_factor``,
-``backoff_factor``, ``growth_interval`` -> config fields, ``_growth_tracker`` ->
-growth_tracker. polyamp adds ``backoff_interval``, ``_backoff_tracker``, ``min_scale`` and
-``max_scale`` only when they differ from torch's fixed behaviour, so a default scaler's
-state dict is exactly torch's and each loads into the other.
+polyamp's extra keys are written only where they differ from torch's fixed behaviour, so a default
+scaler's state dict is exactly torch's and each loads into the other.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import Any
 from polyamp import checkpoint
 from polyamp._errors import ConfigError, StateDictError
 from polyamp._foreign_state import layout
-from polyamp.config import LossScaleConfig, check_scale, short_repr
+from polyamp.config import LossScaleConfig, check_scale, fits_float, short_repr
 from polyamp.engine import LossScaler
 from polyamp.guard import GuardHistory
 from polyamp.policy import fit_to_config
@@ -56,10 +53,7 @@ def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory]) ->
     if config.backoff_interval != 1 or host.backoff_tracker:
         state["backoff_interval"] = config.backoff_interval
         state["_backoff_tracker"] = host.backoff_tracker
-    if config.min_scale is not None:
-        state["min_scale"] = config.min_scale
-    if config.max_scale is not None:
-        state["max_scale"] = config.max_scale
+    state.update({k: v for k in ("min_scale", "max_scale") if (v := getattr(config, k)) is not None})
     for key, default in RULE_KEYS.items():  # a rule beyond torch's (Megatron's, DeepSpeed's, ...)
         if getattr(config, key) != default:
             state[key] = getattr(config, key)
@@ -70,12 +64,8 @@ def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory]) ->
 
 
 def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[int, GuardHistory] | None:
-    """Load a torch-format (or polyamp engine) state dict into ``engine``; all or nothing. Returns
-    the guard's histories per optimizer to load (None: the engine's own format loaded them).
-
-    Validated completely before anything changes: a bad dict leaves the scaler as it was,
-    and the error names the key as written in the dict.
-    """
+    """Load a torch-format (or polyamp engine) state dict into ``engine``, validated whole first; the
+    guard's histories per optimizer to load (None: the engine's own format loaded them)."""
     if not isinstance(state, Mapping):
         raise StateDictError(
             f"GradScaler.load_state_dict: state_dict must be a dict as written by "
@@ -157,10 +147,7 @@ def _number(state: Mapping[str, Any], key: str, default: Any = None) -> int | fl
 def _factor(state: Mapping[str, Any], key: str) -> float:
     """A finite factor as a float (its range is the config's to check)."""
     value = _number(state, key)
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float64
-        number = math.inf
+    number = float(value) if fits_float(value) else math.inf  # an int beyond float64: inf
     if not math.isfinite(number):
         raise StateDictError(f"{key} must be a finite number, got {key}={short_repr(value)}")
     return number
@@ -189,8 +176,7 @@ def _tracker(state: Mapping[str, Any], key: str, interval_key: str, interval: in
 
 
 def check_interval(name: str, value: Any, error: type[Exception]) -> Any:
-    """``value`` unless it is an int beyond int64 (torch's update kernel takes an int64;
-    beyond it, the update raised a raw OverflowError on the first step)."""
+    """``value`` unless it is an int beyond int64 (torch's update kernel takes an int64)."""
     if isinstance(value, int) and not isinstance(value, bool) and value > INTERVAL_LIMIT:
         raise error(
             f"{name} must be at most 2**63 - 1 (the update kernels take an int64), got "
@@ -212,9 +198,7 @@ def refuse_empty(state_dict: Mapping[str, Any], which: str) -> None:
 
 def is_array(value: Any) -> bool:
     """An array/tensor leaf (not a list, tuple or other container)."""
-    return (
-        hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, (list, tuple))
-    )
+    return hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, (list, tuple))
 
 
 def _numel(array: Any) -> int:
@@ -233,11 +217,8 @@ def check_new_scale(new_scale: Any, device: str) -> None:
     if number:
         return
     dev_type = getattr(getattr(new_scale, "device", None), "type", None)
-    if dev_type is not None and dev_type != device:
-        raise AssertionError(NEW_SCALE)
-    if _numel(new_scale) != 1:
-        raise AssertionError(NEW_SCALE)
-    if getattr(new_scale, "requires_grad", False) is True:
+    if (dev_type not in (None, device) or _numel(new_scale) != 1
+            or getattr(new_scale, "requires_grad", False) is True):
         raise AssertionError(NEW_SCALE)
 
 
