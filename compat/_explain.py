@@ -1,7 +1,5 @@
 """Named gradients for the facades' overflow reports: from a module, an optimizer, or as given.
-
-Read-only and called only by ``explain`` and after a skipped step with ``diagnose=True``
-(a loop per parameter is fine there; the per-step path never comes here). Imports no framework.
+Off the per-step path (``explain``, ``diagnose=True``); imports no framework.
 """
 
 from __future__ import annotations
@@ -15,8 +13,7 @@ from polyamp.overflow import OverflowReport, named_arrays
 
 
 def _readable(grad: Any) -> Any:
-    """A sparse torch gradient as its values (a new tensor; the gradient is not changed), a
-    DTensor as this rank's shard (no collective: each rank reports its own values)."""
+    """A sparse torch gradient as its values, a DTensor as this rank's shard (no collective)."""
     if getattr(grad, "is_sparse", False):
         return grad.coalesce().values()
     if callable(getattr(grad, "to_local", None)):

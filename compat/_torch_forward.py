@@ -1,8 +1,6 @@
 """``watch_forward(module)``: which modules' outputs held inf/nan in a forward pass, in call order.
 
-Tells "the forward pass overflowed at ``blocks.3.mlp.fc2``" from "the gradients overflowed".
-A debugging tool: while it watches, every module call is checked (one host read per call);
-outside it nothing is registered. Importing this module does not import torch.
+A debugging tool: while it watches, one host read per module call; outside it nothing is registered.
 """
 
 from __future__ import annotations
@@ -19,9 +17,7 @@ __all__ = ["ForwardRecord", "ForwardWatch", "watch_forward"]
 
 @dataclass(frozen=True)
 class ForwardRecord:
-    """One module call whose output held a non-finite value: the qualified module name
-    (``""`` for the watched module itself), the output's dtype, how many values were not finite,
-    and the largest finite magnitude (0.0 when none)."""
+    """One module call whose output held a non-finite value (``name`` "" for the watched module)."""
 
     name: str
     dtype: str
@@ -76,9 +72,8 @@ class ForwardWatch:
 
 
 def watch_forward(module: Any) -> ForwardWatch:
-    """A context manager recording, in call order, the modules of ``module`` whose outputs hold
-    inf/nan: ``with watch_forward(model) as w: model(x)``, then ``w.first`` / ``w.records``.
-    Hooks are removed on exit, also on an exception."""
+    """A context manager recording the modules of ``module`` whose outputs hold inf/nan:
+    ``with watch_forward(model) as w: model(x)``, then ``w.first`` / ``w.records``."""
     return ForwardWatch(module)
 
 
