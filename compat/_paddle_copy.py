@@ -1,9 +1,5 @@
-"""Copies of the paddle facade (``pickle``, ``copy.deepcopy``) that never pickle the engine.
-
-The engine holds its backend (a module), so a copy keeps the backend's name and the engine's
-state dict and rebuilds a fresh engine from them; its state arrays are made again, on the
-device of the first arrays the copy sees. A deep copy shares the engine's reducer (and checks
-the config again at its first step); pickling refuses a reducer, which holds a communicator.
+"""Copies of the paddle facade (``pickle``, ``copy.deepcopy``) that never pickle the engine: the
+backend's name and the state dict rebuild a fresh one (a deep copy shares the reducer).
 """
 
 from __future__ import annotations
@@ -16,11 +12,8 @@ _REBUILT = ("_engine", "_iteration", "_found_inf")
 
 
 def facade_state(scaler: Any) -> dict[str, Any]:
-    """``scaler.__dict__`` with the engine as (backend name, state dict): plain, picklable data.
-
-    A device sync (the state dict); mid-iteration (after ``unscale_``) also one for the
-    pending overflow flag, which the copy keeps as a host bool.
-    """
+    """``scaler.__dict__`` with the engine as (backend name, state dict): plain, picklable data (a
+    device sync; mid-iteration one more for the pending flag, kept as a host bool)."""
     state = {k: v for k, v in vars(scaler).items() if k not in _REBUILT}
     engine, flag = scaler._engine, scaler._found_inf
     backend = engine.backend

@@ -38,11 +38,7 @@ def apply_optimizer(optimizer: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def describe_change(found: bool, before: HostState, after: HostState, config: Any) -> str | None:
-    """How the scale moved, in paddle's words (paddle prints only its decreases); None: it did not.
-
-    ``polyamp._skip_log`` picks the level: overflows at INFO (the first few, then a summary),
-    growth, routine in a healthy run, at DEBUG (importing paddle turns INFO on).
-    """
+    """How the scale moved, in paddle's words; None: it did not (``polyamp._skip_log`` picks the level)."""
     if found and after.scale != before.scale:
         return (f"Found inf or nan in gradients: loss scale decreased {before.scale:g} -> {after.scale:g} "
                 f"(decr_ratio={config.backoff_factor:g})")

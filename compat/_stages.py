@@ -1,9 +1,5 @@
-"""The per-optimizer stage checks torch's and paddle's scalers share, with their (identical) messages.
-
-Each facade keeps its own stage enum, named as its library names it (torch's ``OptState``:
-READY/UNSCALED/STEPPED, paddle's ``OptimizerState``: INIT/UNSCALED/STEPPED); the checks go by the
-stage's name, so both call the same two functions.
-"""
+"""The per-optimizer stage checks torch's and paddle's scalers share, with their (identical) messages;
+they go by the stage's name, so each facade keeps its own enum."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The scaler states inside a ``torch.save`` file, read with torch's restricted unpickler only.
-
-``torch.load(path, weights_only=True)`` never runs code from the file (it refuses anything but
-tensors, numbers, strings and containers), so ``polyamp inspect`` can look into the checkpoints
-torch users have: a bare ``GradScaler.state_dict()``, a training checkpoint's ``"scaler"`` entry,
-Lightning's ``.ckpt`` (``native_amp_scaling_state``), accelerate's and ``transformers.Trainer``'s
-``scaler.pt``, polyamp's own and the paddle facade's states. torch is imported only here.
+"""The scaler states inside a ``torch.save`` file, read with torch's restricted unpickler only
+(``torch.load(path, weights_only=True)`` never runs code from the file). torch is imported only here.
 """
 
 from __future__ import annotations
@@ -56,9 +51,7 @@ def load(path: str, fix: str = SCALER_FIX) -> Any:
 
 
 def _numpy_arrays() -> list[Any]:
-    """What NumPy arrays need beside torch's allowlist (paddle's ``scale`` is a 1-element array): the
-    array's reconstructor, ``ndarray`` and ``dtype``, which build numeric arrays only (an object
-    array's items go through the same restricted unpickler)."""
+    """What NumPy arrays need beside torch's allowlist (paddle's ``scale``): numeric arrays only."""
     import numpy as np
 
     core = getattr(np, "_core", None) or np.core

@@ -20,13 +20,8 @@ CUDA_MISSING = (
 
 
 def cuda_missing(device: str, backend: str | None) -> bool:
-    """torch's rule for ``device="cuda"``: warn and disable when CUDA cannot work here.
-
-    Asked only when the arrays may be torch's (backend None or "torch", after
-    POLYAMP_BACKEND) and torch is installed; it is imported then (at construction, never at
-    ``import polyamp``), so the answer does not depend on whether torch was imported first.
-    Without torch installed the scaler stays enabled: NumPy and CuPy users are not turned off.
-    """
+    """torch's rule for ``device="cuda"``: warn and disable when CUDA cannot work here. Asked only
+    where the arrays may be torch's and torch is installed (imported then); else enabled."""
     chosen = backend or os.environ.get(ENV_VAR, "").strip() or None
     if device != "cuda" or chosen not in (None, "torch"):
         return False
