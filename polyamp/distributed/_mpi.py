@@ -1,9 +1,5 @@
-"""The MPI reducer (mpi4py), a plugin of ``polyamp.reducers``.
-
-MPI collectives have no timeout, so each one is a non-blocking ``Iallreduce`` polled with
-``Test()`` against the reducer's deadline. NumPy arrays are reduced in place; CuPy arrays in
-device memory where MPI is CUDA-aware, else through a host copy. Imports mpi4py only for the
-name "mpi"; otherwise looks it up in ``sys.modules``.
+"""The MPI reducer (mpi4py), a plugin of ``polyamp.reducers``: each collective a non-blocking
+``Iallreduce`` polled against the deadline (MPI has no timeout); mpi4py imported only for "mpi".
 """
 
 from __future__ import annotations
@@ -20,8 +16,8 @@ from ._errors import ReducerUnavailableError
 from ._mpi_cuda import mpi_is_cuda_aware
 from ._reducer import DEFAULT_TIMEOUT, Op, Reducer, wait_until
 
-#: dtypes every MPI has a predefined datatype for.
 _DLPACK_CPU = 1  # kDLCPU in DLPack's device enumeration
+#: dtypes every MPI has a predefined datatype for.
 DTYPES = ("float32", "float64", "int32", "int64")
 
 
