@@ -52,11 +52,8 @@ class Read(NamedTuple):
 
 
 class Wire(ABC):
-    """One wire format: what this rank sends, what every rank reads back, how a difference is named.
-
-    Built for one collective: ``place`` where the message lives, this rank and the group's size,
-    and ``key`` (the reducer's count of collectives, the same on aligned ranks).
-    """
+    """One wire format, built for one collective: what this rank sends, what every rank reads back,
+    how a difference is named (``key``: the reducer's count of collectives)."""
 
     op: ClassVar[str] = "sum"  # how the ranks' messages are reduced: "sum" or "max" (each format says)
     #: per extra value: True where the ranks' values combine by their max, else by their sum
@@ -82,16 +79,9 @@ class Wire(ABC):
 
 
 def wire_for(size: int, n_extra: int, payload: bool = False) -> type[Wire]:
-    """The wire format of an agreement among ``size`` ranks carrying ``n_extra`` extra values (or,
-    with ``payload``, summing the trainer's gradients).
-
-    Every rank picks the same one: ``size`` is the group's and ``n_extra`` is in the fingerprint.
-    A payload is summed as it is, so the fingerprint rides along as bits (:class:`PayloadBits`).
-    Otherwise the cheapest message, one int64 (:class:`OneValue`), unless it cannot serve: extra
-    values need slots of their own per rank, which a sum of one value cannot keep apart, and above
-    LANE_RANKS ranks its int64 sum could overflow; then two float64 and the slots with a MAX, exact at
-    any size (:class:`TwoValueMax`).
-    """
+    """The wire format of an agreement among ``size`` ranks carrying ``n_extra`` extra values (or a
+    ``payload``); every rank picks the same one. One int64 where it can serve (no extras, at most
+    LANE_RANKS ranks), else two float64 and per-rank slots under a MAX, exact at any size."""
     if payload:
         return PayloadBits
     if n_extra == 0 and size <= LANE_RANKS:
