@@ -1,20 +1,10 @@
 """What every rank must hold equal (the :class:`Fingerprint`), digested and encoded where a message lives.
 
-The digests are universal hashes (:class:`Hash`): each field's 32-bit words (:data:`WORDS`: the
-config and whose flag it is are 128-bit content digests, :mod:`polyamp._digest`, four words; the
-others one word) split into 16-bit halves ``h``, ``sum(w * h) mod p`` with weights in ``[1, p)``
-fixed by :data:`SEED`; two fingerprints that differ collide for at most one value of a differing
-half's weight (and two different contents share a content digest with probability 2**-128).
-:data:`LANE` (mod ``Q``, below 2**43) digests the one-value message, :data:`HIGH` and :data:`LOW`
-(mod ``P1``, ``P2``, below 2**25) the two-value MAX message (see :mod:`polyamp.distributed._wire`).
-The encodings (:class:`Encoding`) carry the fields digit by digit in a SUM: :data:`BITS` after the
-trainer's gradients, :data:`BYTES` and their squares in the second collective that names what
-differs (:func:`describe`): a digit summed over ``n`` ranks has ``sum**2 == n * sum_of_squares``
-exactly when every rank sent the same digit.
-
-:class:`Place` computes both ONCE for host and device: NumPy in host memory (:data:`HOST`), or the
-state's array library on its device with no host read (the host fields enter as scalars, the
-scale's bit pattern is rebuilt by comparisons with the powers of two).
+The digests are universal hashes (:class:`Hash`): ``sum(w * h) mod p`` over the fields' 16-bit halves
+``h``, weights fixed by :data:`SEED`; two fingerprints that differ collide for at most one value of a
+differing half's weight. The encodings (:class:`Encoding`) carry the fields digit by digit in a SUM:
+a digit summed over ``n`` ranks has ``sum**2 == n * sum_of_squares`` exactly when every rank sent the
+same digit. :class:`Place` computes both once for host and device, with no host read on a device.
 """
 
 from __future__ import annotations
@@ -96,12 +86,8 @@ def _dynamic_pairs(digest: Any, full: bool) -> list[int]:
 
 def _joined(field_words: Any) -> list[Any]:
     """Per-word values back into field values (None where a word is None)."""
-    out, i = [], 0
-    for n in WORDS:
-        part = list(field_words[i:i + n])
-        i += n
-        out.append(None if None in part else sum(int(w) << (WIDTH * k) for k, w in enumerate(part)))
-    return out
+    parts = [list(field_words[i:i + n]) for i, n in zip(_OFFSETS, WORDS)]
+    return [None if None in p else sum(int(w) << (WIDTH * k) for k, w in enumerate(p)) for p in parts]
 
 #: The two-value digest's primes (the largest two below 2**25), the one-value digest's (the largest
 #: below 2**43), and the label their weights are drawn from.
@@ -181,20 +167,14 @@ LANE, HIGH, LOW = Hash(Q, _weights(Q, "q")), Hash(P1, _weights(P1, "p1")), Hash(
 
 
 def share(xp: Any, halves: Any, weights: Any, prime: int, base: Any = 0) -> Any:
-    """``(base + sum(w * h)) mod prime`` over the 16-bit halves ``h`` of some fields: a digest's share
-    of those fields (shares of disjoint fields add up). The one computation for host and device.
-
-    ``halves`` and ``weights``: (n, 2) int64 in ``xp``'s library on one device (the low half
-    first). Each product (below 2**59) is reduced mod ``prime`` before the sum.
-    """
+    """``(base + sum(w * h)) mod prime`` over the 16-bit halves ``h`` of some fields (shares of
+    disjoint fields add up); ``halves`` and ``weights``: (n, 2) int64, each product below 2**59."""
     return (xp.sum(weights * halves % prime) + base) % prime
 
 
 def _halves(xp: Any, words: Any) -> Any:
     """The 16-bit halves of 1-d int64 ``words`` below 2**32: (n, 2), the low half first."""
     return xp.stack([words & 0xFFFF, words >> 16], axis=1)
-
-
 
 
 class Fields(NamedTuple):
@@ -387,8 +367,7 @@ def _field(name: str, mine: int, other: int | None) -> str:
             return f"the flag of scaler/optimizer {v:#x}"
         if name == "config":
             return f"config fingerprint {v:#x}"
-        label = name
-        return f"{v} values summed" if name == "payload" else f"{label} {v}"
+        return f"{v} values summed" if name == "payload" else f"{name} {v}"
 
     # the others disagree among themselves: at least one differs from this rank, maybe not all
     there = "another value on at least one other rank (the other ranks do not all agree)" if other is None \
