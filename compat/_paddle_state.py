@@ -1,19 +1,8 @@
 """paddle.amp.GradScaler's argument checks and state-dict format, and the torch <-> paddle converters.
 
-Key mapping (paddle -> torch; the engine's names in brackets)::
-
-    scale (1-element float32 array)  <->  scale (float)             [scale]
-    incr_ratio                       <->  growth_factor             [growth_factor]
-    decr_ratio                       <->  backoff_factor            [backoff_factor]
-    incr_every_n_steps               <->  growth_interval           [growth_interval]
-    incr_count                       <->  _growth_tracker           [growth_tracker]
-    decr_every_n_nan_or_inf          <->  backoff_interval *        [backoff_interval]
-    decr_count                       <->  _backoff_tracker *        [backoff_tracker]
-    use_dynamic_loss_scaling         <->  (torch: always True)      [dynamic]
-    min_scale *, max_scale *         <->  min_scale *, max_scale *  [min_scale, max_scale]
-
-``*``: polyamp's extra keys, written only when they differ from the other library's fixed
-behaviour, so default checkpoints are exactly paddle's and torch's.
+The key mapping is :data:`TORCH_NAMES` (and the engine's, ``_PADDLE_NAMES``); polyamp's extra keys
+are written only where they differ from the other library's fixed behaviour, so default checkpoints
+are exactly paddle's and torch's.
 """
 
 from __future__ import annotations
