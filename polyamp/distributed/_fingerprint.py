@@ -331,13 +331,10 @@ def describe(sums: np.ndarray, ranks: int, mine: Fingerprint, encoding: Encoding
     word_differs = np.any(digits * digits != ranks * squares, axis=1)
     others, others_sq = digits - own, squares - own * own  # each digit summed over the other ranks
     weights = 2 ** (encoding.digit_bits * np.arange(per_word, dtype=np.int64))
-    word_values = []
-    for i in range(N_WORDS):
-        agree = np.all(others[i] * others[i] == (ranks - 1) * others_sq[i])
-        word_values.append(int(np.dot(others[i] // max(ranks - 1, 1), weights)) if agree else None)
-    value = dict(zip(FIELDS, _joined(word_values)))
-    starts = np.cumsum((0, *WORDS))
-    differs = [bool(np.any(word_differs[a:b])) for a, b in zip(starts[:-1], starts[1:])]
+    agree = np.all(others * others == (ranks - 1) * others_sq, axis=1)  # per word, among the others
+    value = dict(zip(FIELDS, _joined([int(np.dot(others[i] // max(ranks - 1, 1), weights)) if agree[i]
+                                      else None for i in range(N_WORDS)])))
+    differs = [bool(np.any(word_differs[a:a + n])) for a, n in zip(_OFFSETS, WORDS)]
     parts = []
     if any(differs[FIELDS.index(f)] for f in ("iteration", "collective", "sequence")):
         parts.append(_position(mine, value))
