@@ -206,13 +206,9 @@ BFLOAT16_NOTE = ("bfloat16 has float32's exponent range (8 bits), so these gradi
 def summary(results: list[RunResult]) -> str:
     """One line per low-precision run: within tolerance of float32 or not (bfloat16: and why)."""
     reference = results[0]
-    lines = []
-    for run in results[1:]:
-        ok = within_tolerance(run, reference)
-        lines.append(
-            f"{run.label}: {'matches' if ok else 'does NOT match'} float32 (tolerance: loss within "
-            f"{LOSS_TOLERANCE}, test accuracy within {100 * ACCURACY_TOLERANCE:.0f} point)"
-        )
+    lines = [f"{run.label}: {'matches' if within_tolerance(run, reference) else 'does NOT match'} float32 "
+             f"(tolerance: loss within {LOSS_TOLERANCE}, test accuracy within {100 * ACCURACY_TOLERANCE:.0f} "
+             "point)" for run in results[1:]]
     if reference is not results[-1] and results[-1].dtype == "bfloat16":
         lines.append(BFLOAT16_NOTE)
     return "\n".join(lines)
