@@ -178,6 +178,14 @@ class _Plan:
         self.amax = [j for j, b in enumerate(bounds) if b.scale == "amax"]
         self.scales = {j: scale if b.scale == "loss" else float(b.scale) for j, b in enumerate(bounds)
                        if j in self.known}
+        self.known_limits: dict[str, np.ndarray] = {}  # per dtype name: the known targets' limits
+
+    def of_known(self, name: str) -> np.ndarray:
+        """:meth:`limits` of the targets with a known scale, once per dtype."""
+        found = self.known_limits.get(name)
+        if found is None:
+            found = self.known_limits[name] = self.limits(name, self.known, self.scales)
+        return found
 
     def limits(self, name: str, targets: Sequence[int], scales: dict[int, float]) -> np.ndarray:
         """Per target of ``targets``: its three limits (underflow, subnormal, not overflow), as bits."""
@@ -205,7 +213,7 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
     bits = g.view(kind)
     data = g.view(np.uint16) if name in ("float16", "bfloat16") else g
     scalar = np.float64(inv) if name == "float64" else inv
-    limits = plan.limits(name, plan.known, plan.scales)
+    limits = plan.of_known(name)
     fused = _kernels[name]
     mask, infinity = kind(absmask), kind(inf)
     parts = min(workers, g.nbytes // k.PARALLEL_BYTES)
@@ -220,7 +228,7 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
             return bool(fused(data[a:b], bits[a:b], scalar, mask, infinity, limits, outs[i], exts[i], BLOCK))
 
     bad = _on_threads(run, len(spans), workers)
-    out = np.sum(outs, axis=0)
+    out = outs[0] if len(outs) == 1 else np.sum(outs, axis=0)
     top, low = max(int(e[0]) for e in exts), min(int(e[1]) for e in exts)
     amax, amin = value(top, name), (value(low, name) if low != inf else None)
     le = {j: out[2 + 3 * i:5 + 3 * i].tolist() for i, j in enumerate(plan.known)}
@@ -263,8 +271,8 @@ def _flat(g: np.ndarray) -> np.ndarray | None:
     return g.reshape(-1) if _kernels is not None and k._name(g.dtype) in _kernels else None
 
 
-def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float | None, found_inf: np.ndarray,
-                      bounds: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float | None,
+                      found_inf: np.ndarray, bounds: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
     """``_numpy_kernels.unscale_and_check_`` and ``_precision_counts.count`` of the results (``scale``:
     the loss scale as a float, for "loss" targets), fused per gradient where the kernel takes it.
     ``(counts int64, extremes float64)`` as the count lays them out."""

@@ -220,7 +220,8 @@ def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any
 
 
 @hookspec
-def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: Sequence[Any]) -> tuple[Any, Any]:
+def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any,
+                      bounds: Sequence[Any]) -> tuple[Any, Any]:
     """:func:`unscale_and_check`, and :func:`precision_counts` of the unscaled values for ``bounds``,
     in the same pass over each gradient (optional; a :class:`polyamp.PrecisionMeter`'s sample step).
 

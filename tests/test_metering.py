@@ -147,8 +147,9 @@ def test_the_torch_facade_names_parameters_where_known_else_by_index():
 
 def _calls(monkeypatch):
     """Every call of the NumPy fused kernel and of the unfused counts, by step (spies: both run)."""
-    from polyamp import _precision_counts
     from polyamp.backends import _numpy_counts
+
+    from polyamp import _precision_counts
 
     seen = []
     for module, name in ((_numpy_counts, "unscale_and_count"), (_precision_counts, "count")):

@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 import pytest
+from polyamp.backends import _numpy_counts, _numpy_kernels
 
 import polyamp
-from polyamp.backends import _numpy_counts, _numpy_kernels
 from polyamp.precision import PrecisionMeter
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -120,7 +120,9 @@ def test_the_limits_are_the_last_bits_whose_float64_product_passes():
     for name in ("float32", "float16", "bfloat16", "float64"):
         for s, t, strict in ((3.0, 2.0**-25, False), (2.0**13, 65520.0, True), (1e300, 1.0, True)):
             b = _numpy_counts.limit(name, s, t, strict)
-            ok = (lambda v: v < t) if strict else (lambda v: v <= t)
+            def ok(v, t=t, strict=strict):
+                return v < t if strict else v <= t
+
             assert ok(_numpy_counts.value(b, name) * s)
             assert b == {"float32": 0x7F7FFFFF, "float64": 0x7FEFFFFFFFFFFFFF}.get(name, -1) or not ok(
                 _numpy_counts.value(b + 1, name) * s)
@@ -146,6 +148,7 @@ def test_torch_cpu_counts_and_unscales_as_its_two_passes(dtype):
     got, flag2 = [g.clone() for g in grads], torch.zeros(())
     counts, extremes = backend.unscale_and_count(got, scale, flag2, ALL.bounds())
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-    assert all(torch.equal(a.view(bits[a.element_size()]), b.view(bits[b.element_size()])) for a, b in zip(want, got))
+    assert all(torch.equal(a.view(bits[a.element_size()]), b.view(bits[b.element_size()]))
+               for a, b in zip(want, got))
     assert float(flag2) == float(flag) == 1.0
     assert counts.tolist() == ref.counts.tolist() and extremes.tolist() == ref.extremes.tolist()
