@@ -57,6 +57,9 @@ compiled_error: str | None = None
 _forced: str | None = None
 _forced_threads: int | None = None
 _compiled: dict[str, Callable[..., bool]] | None = None
+#: The compiled numba kernels themselves by dtype name (16-bit ones take uint16 views), for other
+#: compiled kernels to call block by block (``_numpy_counts``); filled with ``_compiled``.
+dispatchers: dict[str, Any] = {}
 _compile_tried = False
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None  # concurrent.futures is imported with the first pool
@@ -318,9 +321,11 @@ def _jit_kernels(cache: bool) -> dict[str, Callable[..., bool]]:
             kbf16(x.view(np.uint16), inv, scale) if inv == inv else _blocked(x, inv, scale)
         ),
     }
+    dispatchers.update(float32=k32, float64=k64, bfloat16=kbf16)
     if _native_half():
         k16 = jit("b1(u2[::1], f4, b1)", _scale_check_f16)
         kernels["float16"] = lambda x, inv, scale: k16(x.view(np.uint16), inv, scale)
+        dispatchers["float16"] = k16
     return kernels
 
 

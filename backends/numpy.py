@@ -65,6 +65,14 @@ def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any
 
 
 @hookimpl
+def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: Sequence[Any]) -> Any:
+    from . import _numpy_counts
+
+    inv = np.float32(1.0 / np.float64(scale))
+    return _numpy_counts.unscale_and_count(grads, inv, float(scale), found_inf, bounds)
+
+
+@hookimpl
 def sum_of_squares(arrays: Sequence[Any]) -> Any:
     from . import _numpy_squares
 

@@ -153,6 +153,43 @@ def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any
     return sum_of_squares(grads)
 
 
+@hookimpl
+def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: Sequence[Any]) -> Any:
+    """Unscale and a meter's precision counts: float32/float64/float16 CPU gradients in ONE pass over
+    each (the NumPy backend's compiled kernel on their memory, reached through DLPack: the same
+    products as torch's kernel; no value of a device is read); else torch's unscale, then the counts'
+    array-API passes."""
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
+    views = _count_views(torch, grads, scale, found_inf)
+    if views is not None:
+        from . import _numpy_counts
+
+        host_scale = np.from_dlpack(scale.detach()).reshape(())  # CPU memory: no sync
+        inv = np.float32(1.0 / np.float64(host_scale))
+        counts, extremes = _numpy_counts.unscale_and_count(views, inv, float(host_scale),
+                                                           np.from_dlpack(found_inf), bounds)
+        return torch.from_numpy(counts), torch.from_numpy(extremes)
+    from .array_api import precision_counts
+
+    unscale_and_check(grads, scale, found_inf)
+    return precision_counts(grads, scale, bounds)
+
+
+def _count_views(torch: Any, grads: Sequence[Any], scale: Any, found_inf: Any) -> list[Any] | None:
+    """NumPy views (through DLPack) of plain contiguous CPU gradients of the dtypes the compiled
+    fused counts take, when they all are and the kernel runs here; else None (torch's passes)."""
+    from . import _numpy_counts
+
+    if (not grads or found_inf.device.type != "cpu" or scale.device.type != "cpu"
+            or not _numpy_counts.fused_available()):
+        return None
+    for g in grads:
+        if (type(g) is not torch.Tensor or g.dtype not in (torch.float32, torch.float64, torch.float16)
+                or g.device.type != "cpu" or g.layout != torch.strided or not g.is_contiguous()):
+            return None
+    return [np.from_dlpack(g.detach()) for g in grads]
+
+
 def _numpy_views(torch: Any, grads: Sequence[Any], found_inf: Any) -> list[Any] | None:
     """NumPy views of plain, contiguous float32 CPU gradients when the compiled fused kernel can run
     on them all, else None (other dtypes, devices, layouts or tensor subclasses: torch's passes)."""

@@ -38,7 +38,7 @@ ARRAY_HOOKS = ("is_host", "host_view", "to_numpy", "from_host", "finite_flags", 
                "sum_of_squares", "pack", "precision_counts")
 # Optional kernels without a generic default: None on the Backend where the plugin lacks them (the
 # core then calls the unfused hooks).
-FUSED_HOOKS = ("unscale_and_squares", "axis_max")
+FUSED_HOOKS = ("unscale_and_squares", "unscale_and_count", "axis_max")
 # Optional, asked of every plugin in turn (not bound on a Backend): the trainer's model steps, and
 # the containers of a library's own pytree registry (polyamp.functional).
 MODEL_HOOKS = ("model_steps", "map_tree")
@@ -216,6 +216,20 @@ def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any
 
     The gradients end bitwise as :func:`unscale_and_check` leaves them. Where a plugin lacks it,
     polyamp calls ``unscale_and_check`` then ``sum_of_squares``.
+    """
+
+
+@hookspec
+def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any,
+                      bounds: Sequence[Any]) -> tuple[Any, Any]:
+    """:func:`unscale_and_check`, and :func:`precision_counts` of the unscaled values for ``bounds``,
+    in the same pass over each gradient (optional; a :class:`polyamp.PrecisionMeter`'s sample step).
+
+    ``scale`` is both the divisor and the "loss" targets' scale. The gradients end bitwise as
+    :func:`unscale_and_check` leaves them and ``(counts, extremes)`` are bitwise
+    :func:`precision_counts`' of them, with no host read (a device kernel reads ``scale`` on the
+    device). An "amax" target may take a second, read-only pass. Where a plugin lacks it, polyamp
+    calls ``unscale_and_check`` then ``precision_counts`` (the default, two passes).
     """
 
 

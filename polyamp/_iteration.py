@@ -166,13 +166,17 @@ class Iteration:
             list(grads) if self.diagnose or self.metering.active else grads, None)  # read twice: named too
         arrays = self.scaling.gradients(given, where, owned)  # refuses bad gradients before any state changes
         squares = self.guarding is not None and self.guarding.guard.watches_norm
-        found, sumsq = self.scaling.unscale(arrays, check_only=check_only, keep=self.diagnose,
-                                            squares=squares)
-        checks = self.checks
+        checks, counted = self.checks, None
+        if self.metering.active and self.metering.fuses(checks, self.steps, self.scaling, arrays,
+                                                        not (check_only or self.diagnose or squares)):
+            (found, counted), sumsq = self.scaling.unscale_counted(arrays, self.metering.meter.bounds()), None
+        else:
+            found, sumsq = self.scaling.unscale(arrays, check_only=check_only, keep=self.diagnose,
+                                                squares=squares)
         measured = checks.measured if sumsq is None else checks.measured.plus(sumsq=sumsq)
         checked = checks.checked
         metered = self.metering.active and self.metering.count(
-            checks, self.steps, self.scaling, given, names, not check_only and arrays) or None
+            checks, self.steps, self.scaling, given, names, not check_only and arrays, counted) or None
         if self.diagnose:
             checked += tuple(overflow.name_gradients(given, names, len(checked)))
         self.checks = checks._replace(found=found if checks.found is None else checks.found + found,

@@ -68,11 +68,20 @@ class Metering:
             return False
         return self.meter.samples(steps) if not unscaled else sample is not None
 
+    def fuses(self, checks: Any, steps: int, scaling: Any, arrays: list[Any], plain: bool) -> bool:
+        """Whether the next unscale of ``arrays`` counts them in its own pass: a ``plain`` unscale
+        (not check-only, kept or fused with squares) of gradients :meth:`due` to be counted, on a
+        backend with ``unscale_and_count``. Else the unscale runs as without a meter."""
+        return (plain and bool(arrays) and scaling.state is not None and scaling.backend is not None
+                and scaling.backend.unscale_and_count is not None
+                and self.due(checks.unscaled, steps, checks.metered))
+
     def count(self, checks: Any, steps: int, scaling: Any, given: Sequence[Any], names: list[str] | None,
-              arrays: list[Any] | bool) -> Sample | None:
+              arrays: list[Any] | bool, counted: Any = None) -> Sample | None:
         """``checks.metered`` (an iteration's :class:`~polyamp._iteration.Checks`) with the unscaled
         ``arrays`` counted when :meth:`due` (``given`` named as the overflow report names them; False:
-        only checked, still scaled, so not counted), else as it is. No host read."""
+        only checked, still scaled, so not counted; ``counted``: their ``(counts, extremes)`` from the
+        fused unscale), else as it is. No host read."""
         sample = checks.metered
         if not self.due(checks.unscaled, steps, sample):
             return sample
@@ -81,7 +90,7 @@ class Metering:
         if not arrays:
             return sample
         named = tuple(n for n, _ in name_gradients(list(given), names, len(sample.names)))
-        measured = self.meter.count(backend, arrays, scale)
+        measured = self.meter.count(backend, arrays, scale) if counted is None else _measured(*counted)
         return sample._replace(names=sample.names + named, parts=(*sample.parts, measured))
 
     def vector(self, sample: Sample) -> Any:
@@ -128,6 +137,12 @@ class Metering:
         counted = sum(math.prod(tuple(p.counts.shape)) for p in sample.parts)
         counts = host[:counted].astype(np.int64)
         self.last = self.meter.report(sample.step, float(host[-1]), sample.names, counts, host[counted:-1])
+
+
+def _measured(counts: Any, extremes: Any) -> Any:
+    from ._precision_counts import Measured  # loaded with the meter, not with polyamp
+
+    return Measured(counts, extremes)
 
 
 def _ordered(parts: tuple[Any, ...]) -> list[Any]:

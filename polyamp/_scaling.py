@@ -98,6 +98,14 @@ class Scaling:
         (backend.unscale_and_check_keep if keep else backend.unscale_and_check)(arrays, by, found)
         return found, backend.sum_of_squares(arrays) if squares else None
 
+    def unscale_counted(self, arrays: list[Any], bounds: Any) -> tuple[Any, Any]:
+        """Divide ``arrays`` (non-empty, of the bound backend) by the scale in place and count them
+        for a meter's ``bounds`` in the same pass (the backend's ``unscale_and_count``, which it has):
+        (their device flag, ``(counts, extremes)``). No sync."""
+        backend, state = self.backend, self.state
+        found = backend.full(0.0, "float32", state.scale)
+        return found, backend.unscale_and_count(arrays, state.scale, found, bounds)
+
     def flag_array(self, flag: Any) -> Any:
         """``flag`` (a host bool, None: 0, or a device flag) as a float32 flag array. No sync."""
         if flag is not None and not isinstance(flag, bool):

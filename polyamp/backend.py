@@ -46,6 +46,7 @@ class Backend:
     pack: Callable[[Sequence[Any], Any], Any]
     precision_counts: Callable[[Sequence[Any], Any, Sequence[Any]], tuple[Any, Any]]
     unscale_and_squares: Callable[[Sequence[Any], Any, Any], Any] | None = None  # None: not fused here
+    unscale_and_count: Callable[[Sequence[Any], Any, Any, Sequence[Any]], tuple[Any, Any]] | None = None
     axis_max: Callable[[Any, Any], Any] | None = None  # None: no named mapped axes (only JAX has them)
 
     def __repr__(self) -> str:

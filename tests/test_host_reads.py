@@ -158,3 +158,33 @@ def test_a_guarded_step_reads_once_without_a_reducer(host_reads):
     scaler = LossScaler(LossScaleConfig(init_scale=8.0, growth_interval=2), guard=_guard())
     counts = _guarded_reads(host_reads, scaler)
     assert counts == [(1, 0, None)] * 5 + [(1, 0, "grad_norm_limit")]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["fused", "unfused"])
+@pytest.mark.parametrize("reducer", [False, True], ids=["alone", "reducer"])
+def test_a_metered_sample_step_reads_once_more_and_other_steps_as_without_a_meter(
+        host_reads, device_side, reducer, dtype):
+    """Issue 33, item 5: a sample step (steps 0 and 3) makes one extra host read (the report's), a
+    non-sample step none. float32/float64 CPU gradients take the fused kernel (on their memory
+    through DLPack, where a CPU tensor's values need no read), bfloat16 torch's unscale and the
+    counts' array-API passes."""
+    from polyamp import PrecisionMeter
+
+    kind = getattr(torch, dtype)
+    config = LossScaleConfig(init_scale=8.0, growth_interval=2)
+    plain = LossScaler(config, reducer=Alone() if reducer else None)
+    metered = LossScaler(config, reducer=Alone() if reducer else None, meter=PrecisionMeter(every=3))
+    counts = {}
+    for name, scaler in (("plain", plain), ("metered", metered)):
+        counts[name] = []
+        for _ in range(6):
+            grads = [g.to(kind) for g in _grads()]
+            with host_reads() as counter:
+                assert scaler.step(grads, lambda: None)
+                scaler.update()
+            counts[name].append(counter.count)
+    assert counts["plain"] == [1] * 6
+    # with a reducer the first sample step also announces its longer message (the agreement's check
+    # that every rank sends as many values, once per change of length): one read more, that step only
+    assert counts["metered"] == [3 if reducer else 2, 1, 1, 2, 1, 1]
+    assert metered.last_precision.step == 3 and metered.last_precision.tensors[0].numel == 3

@@ -143,3 +143,53 @@ def test_the_torch_facade_names_parameters_where_known_else_by_index():
         GradScaler("cpu", meter="float16")
     with pytest.raises(NotImplementedError, match="ShardedGradScaler.meter=.... is not supported yet"):
         ShardedGradScaler("cpu", meter=meter)
+
+
+def _calls(monkeypatch):
+    """Every call of the NumPy fused kernel and of the unfused counts, by step (spies: both run)."""
+    from polyamp.backends import _numpy_counts
+
+    from polyamp import _precision_counts
+
+    seen = []
+    for module, name in ((_numpy_counts, "unscale_and_count"), (_precision_counts, "count")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def test_a_sample_step_counts_in_the_unscale_pass_and_other_steps_run_no_count(monkeypatch):
+    from polyamp.backends import _numpy_counts
+
+    if not _numpy_counts.fused_available():
+        pytest.skip("no numba: the unfused passes count")
+    seen = _calls(monkeypatch)
+    meter = polyamp.PrecisionMeter(every=EVERY)
+    scaler = polyamp.LossScaler(init_scale=2.0**6, meter=meter)
+    per_step = []
+    for step in range(2 * EVERY):
+        grads = grads_at(step, scaler.get_scale())
+        scaler.step(grads, lambda: None)
+        scaler.update()
+        per_step.append(seen[:])
+        seen.clear()
+    assert per_step == [["unscale_and_count"] if s % EVERY == 0 else [] for s in range(2 * EVERY)]
+
+
+@pytest.mark.parametrize("kind", ["diagnose", "norm guard"])
+def test_a_kept_or_norm_fused_unscale_counts_in_its_own_passes_and_reports_alike(monkeypatch, kind):
+    seen = _calls(monkeypatch)
+    meter = polyamp.PrecisionMeter(every=1)
+    extra = {"diagnose": True} if kind == "diagnose" else {
+        "guard": polyamp.StepGuard(max_grad_norm=1e6)}
+    scaler = polyamp.LossScaler(init_scale=2.0**6, meter=meter, **extra)
+    grads = grads_at(0, 2.0**6)
+    scaler.step(grads, lambda: None)
+    scaler.update()
+    assert seen == ["count"]
+    assert scaler.last_precision == direct(meter, "numpy", grads, 0, 2.0**6)

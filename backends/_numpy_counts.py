@@ -1,0 +1,317 @@
+"""NumPy unscale, check and precision counts in ONE pass over each gradient (a meter's sample step).
+
+The counts are :mod:`polyamp._precision_counts`'s, bit for bit, without float64 arithmetic per value:
+``v = |g| * s`` rounded in float64 is monotonic in ``|g|``, so each test ``v <= t`` (or ``v < t``)
+holds exactly for the non-negative values of the gradient's dtype up to one bit pattern, found once
+per (dtype, s, t) by bisection on the host with the same float64 product. Per value the kernel then
+compares its bits ``b = bits & ~sign`` (ordered as the values are, inf and NaN above every finite one)
+with those patterns. Per block of ``BLOCK`` values (cache-sized): ``_numpy_kernels``' compiled unscale
+of the block, then the counts of the unscaled block while it is still in cache, so memory sees one
+read and one write. An ``"amax"`` target's scale needs the gradient's amax first: its counts take a
+second, read-only pass.
+
+numba only (the compiled kernels of ``_numpy_kernels``, which must be the requested path); a
+gradient the kernel cannot take (no numba, a non-contiguous or read-only one, float16 without
+hardware conversions) is unscaled and counted by the unfused passes. Importing it imports only NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+#: Values per block: the unscale and the counts of a block share one trip through memory.
+BLOCK = 16384
+_FLOAT64_MAX = 1.7976931348623157e308
+
+# per dtype name: (bits dtype, |bits| mask, the bits of +inf, largest finite bits). Signed: |bits|
+# is never negative, and numba mixing unsigned with signed integers would compare in float64.
+_BITS = {
+    "float32": (np.int32, 0x7FFFFFFF, 0x7F800000, 0x7F7FFFFF),
+    "float64": (np.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, 0x7FEFFFFFFFFFFFFF),
+    "float16": (np.int16, 0x7FFF, 0x7C00, 0x7BFF),
+    "bfloat16": (np.int16, 0x7FFF, 0x7F80, 0x7F7F),
+}
+_kernels: dict[str, Callable[..., bool]] | None = None
+_count_le: Callable[..., None] | None = None
+_tried = False
+_limits: dict[tuple[str, float, float, bool], int] = {}  # (dtype, s, t, strict) -> the last bits that pass
+
+
+def value(bits: int, name: str) -> float:
+    """The float a non-negative bit pattern of dtype ``name`` stands for (exactly, as a Python float)."""
+    if name == "float64":
+        return struct.unpack("<d", struct.pack("<Q", bits))[0]
+    if name == "float16":
+        return struct.unpack("<e", struct.pack("<H", bits))[0]
+    return struct.unpack("<f", struct.pack("<I", bits << 16 if name == "bfloat16" else bits))[0]
+
+
+def limit(name: str, s: float, t: float, strict: bool) -> int:
+    """The largest finite non-negative bits ``b`` of dtype ``name`` with ``value(b) * s <= t`` (``< t``
+    when ``strict``), the product rounded in float64; 0 passes always (``t > 0``). Remembered."""
+    key = (name, s, t, strict)
+    found = _limits.get(key)
+    if found is not None:
+        return found
+
+    def passes(b: int) -> bool:
+        v = value(b, name) * s
+        return v < t if strict else v <= t
+
+    lo, hi = 0, _BITS[name][3]
+    if passes(hi):
+        lo = hi
+    while hi - lo > 1:  # passes(lo), not passes(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if passes(mid) else (lo, mid)
+    if len(_limits) > 4096:  # a scale that keeps changing: forget the old ones
+        _limits.clear()
+    _limits[key] = lo
+    return lo
+
+
+# ----------------------------------------------------------------------------- compiled kernels
+def _counts(bits: Any, absmask: Any, inf: Any, limits: Any, out: Any, ext: Any) -> None:  # numba
+    """Add one block's counts to ``out``: zeros, non-finite, then per limit #(|bits| <= limit); keep
+    in ``ext`` the largest finite |bits| and the smallest non-zero finite |bits| (``inf``: none).
+
+    A limit at or above the block's largest finite value counts every finite value, one below its
+    smallest non-zero value only the zeros: only a limit inside the block's range is compared."""
+    zeros = nonfinite = np.int32(0)  # a block's counts fit (BLOCK < 2**31)
+    top, low = absmask & 0, absmask
+    for i in range(bits.size):  # the usual block: no zero, no inf or nan, two reductions tell
+        b = bits[i] & absmask
+        top = max(top, b)
+        low = min(low, b)
+    if low == 0 or top >= inf:
+        top, low = absmask & 0, inf
+        for i in range(bits.size):
+            b = bits[i] & absmask
+            zeros += np.int32(b == 0)
+            nonfinite += np.int32(b >= inf)
+            finite = b < inf
+            top = max(top, b if finite else absmask & 0)
+            low = min(low, b if finite and b != 0 else inf)
+    out[0] += zeros
+    out[1] += nonfinite
+    ext[0], ext[1] = max(ext[0], top), min(ext[1], low)
+    for j in range(limits.size):
+        t = limits[j]
+        if top <= t:
+            out[2 + j] += bits.size - nonfinite
+        elif low > t:
+            out[2 + j] += zeros
+        else:
+            c = np.int32(0)
+            for i in range(bits.size):
+                c += np.int32((bits[i] & absmask) <= t)
+            out[2 + j] += c
+
+
+def _le(bits: Any, absmask: Any, limits: Any, out: Any) -> None:  # numba
+    """``out[2 + j] += #(|bits| <= limits[j])``, one vectorised loop per limit."""
+    for j in range(limits.size):
+        t = limits[j]
+        c = 0
+        for i in range(bits.size):
+            c += (bits[i] & absmask) <= t
+        out[2 + j] += c
+
+
+def _fused_source(check: Any, counts: Any) -> Callable[..., bool]:
+    """One gradient's fused kernel: per block, ``check`` (a ``_numpy_kernels`` dispatcher) unscales
+    it, then ``counts`` counts it in cache; True if an input value was inf/nan."""
+
+    def fused(g: Any, bits: Any, inv: Any, absmask: Any, inf: Any, limits: Any, out: Any, ext: Any,
+              block: int) -> bool:
+        bad = False
+        for start in range(0, g.size, block):
+            stop = min(g.size, start + block)
+            bad |= check(g[start:stop], inv, True)
+            counts(bits[start:stop], absmask, inf, limits, out, ext)
+        return bad
+
+    return fused
+
+
+def _load() -> dict[str, Callable[..., bool]] | None:
+    """The fused kernels by dtype name (compiled once per process), or None without numba."""
+    global _kernels, _count_le, _tried
+    if _tried:
+        return _kernels
+    _tried = True
+    from . import _numpy_kernels as k
+
+    if k._load_compiled() is None:
+        return None
+    try:
+        import numba
+
+        _count_le = numba.njit(nogil=True, cache=True)(_le)
+        counts = numba.njit(nogil=True, cache=True)(_counts)
+        _kernels = {name: numba.njit(nogil=True)(_fused_source(check, counts))
+                    for name, check in k.dispatchers.items()}
+    except Exception:  # noqa: BLE001 - numba cannot compile here: the unfused passes
+        _kernels = None
+    return _kernels
+
+
+def fused_available() -> bool:
+    """Whether the compiled fused kernels run here (numba, and the compiled NumPy kernels requested)."""
+    from . import _numpy_kernels as k
+
+    return k._requested() == "compiled" and _load() is not None
+
+
+# ----------------------------------------------------------------------------- one gradient
+class _Plan:
+    """One step's targets: the limits of the targets with a known scale, and where the "amax" ones sit."""
+
+    def __init__(self, bounds: Sequence[Any], scale: float | None) -> None:
+        self.bounds = tuple(bounds)
+        self.known = [j for j, b in enumerate(bounds) if b.scale != "amax"]
+        self.amax = [j for j, b in enumerate(bounds) if b.scale == "amax"]
+        self.scales = {j: scale if b.scale == "loss" else float(b.scale) for j, b in enumerate(bounds)
+                       if j in self.known}
+        self.known_limits: dict[str, np.ndarray] = {}  # per dtype name: the known targets' limits
+
+    def of_known(self, name: str) -> np.ndarray:
+        """:meth:`limits` of the targets with a known scale, once per dtype."""
+        found = self.known_limits.get(name)
+        if found is None:
+            found = self.known_limits[name] = self.limits(name, self.known, self.scales)
+        return found
+
+    def limits(self, name: str, targets: Sequence[int], scales: dict[int, float]) -> np.ndarray:
+        """Per target of ``targets``: its three limits (underflow, subnormal, not overflow), as bits."""
+        found = []
+        for j in targets:
+            b, s = self.bounds[j], scales[j]
+            found += [limit(name, s, b.underflow_max, False), limit(name, s, b.subnormal_below, True),
+                      limit(name, s, b.overflow_from, True)]
+        return np.asarray(found, _BITS[name][0])
+
+
+def _amax_scale(bound: Any, amax: float) -> float:
+    """The "amax" target's multiplier as :func:`polyamp._precision_counts._target_scale` makes it."""
+    s = bound.max_finite / (amax if amax > 0 else bound.max_finite)
+    return s if math.isfinite(s) else _FLOAT64_MAX
+
+
+def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[bool, list[int], float, float]:
+    """Unscale, check and count one flat, writable, contiguous gradient: (bad, its counts in the
+    layout's order, amax, -amin)."""
+    from . import _numpy_kernels as k
+
+    name = k._name(g.dtype)
+    kind, absmask, inf, _ = _BITS[name]
+    bits = g.view(kind)
+    data = g.view(np.uint16) if name in ("float16", "bfloat16") else g
+    scalar = np.float64(inv) if name == "float64" else inv
+    limits = plan.of_known(name)
+    fused = _kernels[name]
+    mask, infinity = kind(absmask), kind(inf)
+    parts = min(workers, g.nbytes // k.PARALLEL_BYTES)
+    step = max(1, g.size if parts < 2 else -(-g.size // parts // 64) * 64)
+    spans = [(i, min(g.size, i + step)) for i in range(0, g.size, step)] or [(0, 0)]
+    outs = [np.zeros(2 + limits.size, np.int64) for _ in spans]
+    exts = [np.asarray([0, inf], kind) for _ in spans]
+
+    def run(i: int) -> bool:
+        a, b = spans[i]
+        with np.errstate(all="ignore"):
+            return bool(fused(data[a:b], bits[a:b], scalar, mask, infinity, limits, outs[i], exts[i], BLOCK))
+
+    bad = _on_threads(run, len(spans), workers)
+    out = outs[0] if len(outs) == 1 else np.sum(outs, axis=0)
+    top, low = max(int(e[0]) for e in exts), min(int(e[1]) for e in exts)
+    amax, amin = value(top, name), (value(low, name) if low != inf else None)
+    le = {j: out[2 + 3 * i:5 + 3 * i].tolist() for i, j in enumerate(plan.known)}
+    if plan.amax:  # their scale needs the amax: a second, read-only pass
+        scales = {j: _amax_scale(plan.bounds[j], amax) for j in plan.amax}
+        extra = np.zeros(2 + 3 * len(plan.amax), np.int64)
+        _count_le(bits, mask, plan.limits(name, plan.amax, scales), extra)
+        le.update({j: extra[2 + 3 * i:5 + 3 * i].tolist() for i, j in enumerate(plan.amax)})
+    numel, zeros, nonfinite = g.size, int(out[0]), int(out[1])
+    row = [numel, zeros, nonfinite]
+    for j in range(len(plan.bounds)):
+        under, sub, kept = le[j]
+        row += [under - zeros, sub - under, numel - kept - nonfinite]
+    return bad, row, amax, (-amin if amin is not None else -math.inf)
+
+
+def _on_threads(run: Callable[[int], bool], parts: int, workers: int) -> bool:
+    """``run(i)`` for each part, the first on this thread, the others on ``_numpy_kernels``' pool."""
+    if parts < 2:
+        return run(0)
+    from concurrent.futures import wait
+
+    from . import _numpy_kernels as k
+
+    pool = k._executor(workers)
+    futures = [pool.submit(run, i) for i in range(1, parts)]
+    try:
+        bad = run(0)
+    finally:
+        wait(futures)  # never return while a thread still writes the gradient
+    return bad | any([f.result() for f in futures])
+
+
+def _flat(g: np.ndarray) -> np.ndarray | None:
+    """A flat view the fused kernel takes: C-contiguous, aligned, native, writable, of a compiled dtype."""
+    from . import _numpy_kernels as k
+
+    if not (g.flags.c_contiguous and g.flags.aligned and g.flags.writeable and g.dtype.isnative):
+        return None
+    return g.reshape(-1) if _kernels is not None and k._name(g.dtype) in _kernels else None
+
+
+def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float | None,
+                      found_inf: np.ndarray, bounds: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``_numpy_kernels.unscale_and_check_`` and ``_precision_counts.count`` of the results (``scale``:
+    the loss scale as a float, for "loss" targets), fused per gradient where the kernel takes it.
+    ``(counts int64, extremes float64)`` as the count lays them out."""
+    from polyamp import _precision_counts as precision
+
+    from . import _numpy_kernels as k
+
+    for g in grads:  # refused before any gradient changes, as the unfused kernel refuses them
+        k._check_dtype(g)
+        if not g.flags.writeable and not inv == 1.0:
+            raise ValueError("gradient is read-only")
+    fused = fused_available() and inv == inv
+    plan, workers = _Plan(bounds, scale), k.threads()
+    counts: list[int] = []
+    amaxes: list[float] = []
+    neg_amins: list[float] = []
+    bad = False
+    for g in grads:
+        flat = _flat(g) if fused else None
+        if flat is not None:
+            part_bad, row, amax, neg_amin = _one(flat, inv, plan, workers)
+        else:  # the unfused passes, on this gradient alone
+            flag = np.zeros((), np.float32)
+            k.unscale_and_check_([g], np.asarray(inv), flag)
+            xp = _numpy_namespace()
+            one = precision.count(xp, [g], scale if scale is not None else 1.0, bounds,
+                                  precision.Kinds(xp.float64, xp.int64, "cpu"))
+            part_bad, row = bool(flag), one.counts.tolist()
+            amax, neg_amin = float(one.extremes[0]), float(one.extremes[1])
+        bad |= part_bad
+        counts += row
+        amaxes.append(amax)
+        neg_amins.append(neg_amin)
+    if bad:
+        found_inf[...] = 1.0
+    return np.asarray(counts, np.int64), np.asarray(amaxes + neg_amins, np.float64)
+
+
+def _numpy_namespace() -> Any:
+    import array_api_compat.numpy as xp
+
+    return xp
