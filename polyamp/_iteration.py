@@ -166,13 +166,10 @@ class Iteration:
             list(grads) if self.diagnose or self.metering.active else grads, None)  # read twice: named too
         arrays = self.scaling.gradients(given, where, owned)  # refuses bad gradients before any state changes
         squares = self.guarding is not None and self.guarding.guard.watches_norm
-        checks, counted = self.checks, None
-        if self.metering.active and self.metering.fuses(checks, self.steps, self.scaling, arrays,
-                                                        not (check_only or self.diagnose or squares)):
-            (found, counted), sumsq = self.scaling.unscale_counted(arrays, self.metering.meter.bounds()), None
-        else:
-            found, sumsq = self.scaling.unscale(arrays, check_only=check_only, keep=self.diagnose,
-                                                squares=squares)
+        checks, plain = self.checks, not (check_only or self.diagnose or squares)
+        found, sumsq, counted = self.metering.active and self.metering.unscale(  # a sample's counts, fused
+            checks, self.steps, self.scaling, arrays, plain) or (*self.scaling.unscale(
+                arrays, check_only=check_only, keep=self.diagnose, squares=squares), None)
         measured = checks.measured if sumsq is None else checks.measured.plus(sumsq=sumsq)
         checked = checks.checked
         metered = self.metering.active and self.metering.count(
@@ -272,9 +269,8 @@ class Iteration:
 
     def squares(self, arrays: list[Any]) -> Any:
         """One group's sum of squares when a norm rule is set, else None (no sync)."""
-        if self.guarding is None or not self.guarding.guard.watches_norm or not arrays:
-            return None
-        return self.scaling.ready()[0].sum_of_squares(arrays)
+        watches = self.guarding is not None and self.guarding.guard.watches_norm and bool(arrays)
+        return self.scaling.ready()[0].sum_of_squares(arrays) if watches else None
 
     def whose(self, whose: int, group: int = 0) -> int:
         """The identity a collective names: ``whose`` and the guard's settings, loss and history."""

@@ -76,6 +76,14 @@ class Metering:
                 and scaling.backend.unscale_and_count is not None
                 and self.due(checks.unscaled, steps, checks.metered))
 
+    def unscale(self, checks: Any, steps: int, scaling: Any, arrays: list[Any], plain: bool) -> Any:
+        """``(found, None, (counts, extremes))`` of ``arrays`` unscaled and counted in one pass where
+        :meth:`fuses`, else None (the caller unscales as without a meter). No sync."""
+        if not self.fuses(checks, steps, scaling, arrays, plain):
+            return None
+        found, counted = scaling.unscale_counted(arrays, self.meter.bounds())
+        return found, None, counted
+
     def count(self, checks: Any, steps: int, scaling: Any, given: Sequence[Any], names: list[str] | None,
               arrays: list[Any] | bool, counted: Any = None) -> Sample | None:
         """``checks.metered`` (an iteration's :class:`~polyamp._iteration.Checks`) with the unscaled
