@@ -42,6 +42,20 @@ UNSCALE_KERNELS = {
     "bfloat16": "polyamp_unscale_bfloat16",
 }
 UPDATE_KERNEL = "polyamp_update_scale"
+#: Unscale and a precision meter's counts (polyamp._precision_counts) in one kernel per dtype.
+COUNT_KERNELS = {
+    "float32": "polyamp_unscale_count_float32",
+    "float64": "polyamp_unscale_count_float64",
+    "float16": "polyamp_unscale_count_float16",
+    "bfloat16": "polyamp_unscale_count_bfloat16",
+}
+#: The count kernels' ``targets``: per target these float64 values; ``kind`` 0 the loss scale,
+#: 1 the number ``scale``, 2 ``max_finite / amax`` (polyamp._precision_targets.Bounds).
+TARGET_SLOTS = ("kind", "scale", "underflow_max", "subnormal_below", "overflow_from", "max_finite")
+#: The count kernels' ``raw`` per tensor: nonfinite, zeros, then per target #(v <= m/2),
+#: #(v < n - m/2), #(v >= M + ulp/2); ``extremes`` per tensor: amax's bits, amin's bits.
+RAW_FIELDS = 2
+INF_BITS = 0x7FF0000000000000
 # update_scale's flags argument; the last three are polyamp.policy.RuleParams
 HAS_MIN, HAS_MAX, FLOAT32_PRODUCT = 1, 2, 4
 KEEPS_COUNT, FINITE_REFILLS, GROWTH_DELAY = 8, 16, 32
@@ -165,6 +179,209 @@ __host__ __device__ inline void publish_flag(bool block_bad, bool leader, float*
 #endif
 """
 
+_COUNT = r"""
+// polyamp cupy backend: unscale and a precision meter's counts, fused (polyamp._precision_counts).
+// Phase 0 unscales each chunk as unscale_range does (16-byte vectors), counts its stored values
+// (nonfinite, zeros, amax, amin), then, while the chunk is in L1/L2, each target not scaled by
+// amax; phase 1 (a second launch, only with such targets) counts the amax targets, their scale
+// M / amax read from phase 0's amax. Counts are exact: v = |g| * s in float64 per value.
+namespace polyamp {
+
+struct Base {
+  u64 nonfinite, zeros;
+  double amax, amin;
+};
+struct Three {
+  u64 low, below, over;
+};
+
+__host__ __device__ inline u64 bits_of(double v) {
+#ifdef __CUDA_ARCH__
+  return (u64)__double_as_longlong(v);
+#else
+  u64 b;
+  __builtin_memcpy(&b, &v, sizeof b);
+  return b;
+#endif
+}
+__host__ __device__ inline double double_of(u64 b) {
+#ifdef __CUDA_ARCH__
+  return __longlong_as_double((i64)b);
+#else
+  double v;
+  __builtin_memcpy(&v, &b, sizeof v);
+  return v;
+#endif
+}
+
+__host__ __device__ inline void tally(Base& c, double y) {
+  const bool fin = is_finite(y);
+  const double a = fin ? (y < 0.0 ? -y : y) : 0.0;
+  c.nonfinite += !fin;
+  c.zeros += fin && a == 0.0;
+  if (a > c.amax) c.amax = a;
+  if (a > 0.0 && a < c.amin) c.amin = a;
+}
+
+template <typename T>
+__host__ __device__ inline bool unscale_count_one(T& x, float inv, bool multiply, bool store,
+                                                  Base& c) {
+  const bool bad = unscale_one<T>(x, inv, multiply, store);
+  tally(c, (double)Elem<T>::load(x));
+  return bad;
+}
+
+// unscale_range with each stored value counted.
+template <typename T>
+__host__ __device__ inline bool unscale_count_range(T* data, i64 start, i64 stop, float inv,
+                                                    bool multiply, bool store, i64 thread,
+                                                    i64 n_threads, Base& c) {
+  const int kVec = 16 / sizeof(T);
+  const int kUnroll = 1;  // the counts take registers: one load in flight, no spills
+  bool bad = false;
+  i64 scalar_from = start;
+  if ((((u64)(data + start)) & 15) == 0) {
+    const i64 n_vec = (stop - start) / kVec;
+    Pack<T>* vec = reinterpret_cast<Pack<T>*>(data + start);
+    for (i64 base = thread; base < n_vec; base += n_threads * kUnroll) {
+      Pack<T> p[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const i64 i = base + u * n_threads;
+        if (i < n_vec) p[u] = vec[i];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const i64 i = base + u * n_threads;
+        if (i < n_vec) {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) bad |= unscale_count_one<T>(p[u].v[k], inv, multiply, store, c);
+          if (store) vec[i] = p[u];
+        }
+      }
+    }
+    scalar_from = start + n_vec * kVec;
+  }
+  for (i64 i = scalar_from + thread; i < stop; i += n_threads) {
+    bad |= unscale_count_one<T>(data[i], inv, multiply, store, c);
+  }
+  return bad;
+}
+
+// A target's multiplier s in float64: the loss scale, the number, or M / amax (1 when amax is 0,
+// the largest float64 where the quotient overflows).
+__host__ __device__ inline double target_scale(const double* target, const float* scale,
+                                               double amax) {
+  if (target[0] == 0.0) return (double)*scale;
+  if (target[0] == 1.0) return target[1];
+  const double s = target[5] / (amax > 0.0 ? amax : target[5]);
+  return is_finite(s) ? s : 1.7976931348623157e+308;
+}
+
+// One target's counts over [start, stop) of one tensor, strided over a block's threads.
+template <typename T>
+__host__ __device__ inline void count_target_range(const T* data, i64 start, i64 stop, double s,
+                                                   const double* target, i64 thread,
+                                                   i64 n_threads, Three& c) {
+  const double under = target[2], below = target[3], over = target[4];
+  for (i64 i = start + thread; i < stop; i += n_threads) {
+    const double y = (double)Elem<T>::load(data[i]);
+    const double v = (is_finite(y) ? (y < 0.0 ? -y : y) : 0.0) * s;
+    c.low += v <= under;
+    c.below += v < below;
+    c.over += v >= over;
+  }
+}
+
+// Whether target j is counted in ``phase`` (0: all but the amax targets; 1: the amax targets).
+__host__ __device__ inline bool in_phase(const double* targets, int j, int phase) {
+  return (targets[@SLOTS@ * j] == 2.0) == (phase == 1);
+}
+
+}  // namespace polyamp
+
+#ifndef POLYAMP_HOST_ONLY
+namespace polyamp {
+template <typename T>
+__device__ inline void unscale_count_kernel(const i64* table, int n_tensors, i64 n_chunks,
+                                            int chunk, const float* scale, float* found_inf,
+                                            const double* targets, int n_targets, int phase,
+                                            u64* raw, u64* extremes) {
+  __shared__ u64 sums[3];
+  __shared__ u64 top, low;
+  const float inv = inv_scale_of(scale);
+  const bool multiply = inv != 1.0f;
+  const bool store = multiply || !Elem<T>::kExactStore;
+  const int per = @RAW@ + 3 * n_targets;
+  const i64* sizes = table + n_tensors;
+  const i64* chunks = table + 2 * (i64)n_tensors;
+  bool bad = false;
+  for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const i64 entry = chunks[c];
+    const int t = (int)(entry >> 32);
+    const i64 start = (entry & 0xffffffffLL) * chunk;
+    const i64 stop = start + chunk < sizes[t] ? start + chunk : sizes[t];
+    T* data = reinterpret_cast<T*>(table[t]);
+    if (phase == 0) {
+      if (threadIdx.x == 0) {
+        sums[0] = sums[1] = 0;
+        top = 0;
+        low = @INF_BITS@ULL;
+      }
+      __syncthreads();
+      Base b = {0, 0, 0.0, double_of(@INF_BITS@ULL)};
+      bad |= unscale_count_range<T>(data, start, stop, inv, multiply, store, threadIdx.x,
+                                    blockDim.x, b);
+      atomicAdd(&sums[0], (unsigned long long)b.nonfinite);
+      atomicAdd(&sums[1], (unsigned long long)b.zeros);
+      atomicMax(&top, (unsigned long long)bits_of(b.amax));
+      atomicMin(&low, (unsigned long long)bits_of(b.amin));
+      __syncthreads();  // the sums, and the block's stores seen by the target passes below
+      if (threadIdx.x == 0) {
+        atomicAdd(&raw[(i64)t * per], (unsigned long long)sums[0]);
+        atomicAdd(&raw[(i64)t * per + 1], (unsigned long long)sums[1]);
+        atomicMax(&extremes[2 * (i64)t], (unsigned long long)top);
+        atomicMin(&extremes[2 * (i64)t + 1], (unsigned long long)low);
+      }
+    }
+    for (int j = 0; j < n_targets; ++j) {
+      if (!in_phase(targets, j, phase)) continue;  // the same for every thread of the block
+      const double* target = targets + @SLOTS@ * j;
+      const double s = target_scale(target, scale, phase == 1 ? double_of(extremes[2 * (i64)t]) : 0.0);
+      __syncthreads();
+      if (threadIdx.x == 0) sums[0] = sums[1] = sums[2] = 0;
+      __syncthreads();
+      Three k = {0, 0, 0};
+      count_target_range<T>(data, start, stop, s, target, threadIdx.x, blockDim.x, k);
+      atomicAdd(&sums[0], (unsigned long long)k.low);
+      atomicAdd(&sums[1], (unsigned long long)k.below);
+      atomicAdd(&sums[2], (unsigned long long)k.over);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        u64* row = raw + (i64)t * per + @RAW@ + 3 * j;
+        atomicAdd(&row[0], (unsigned long long)sums[0]);
+        atomicAdd(&row[1], (unsigned long long)sums[1]);
+        atomicAdd(&row[2], (unsigned long long)sums[2]);
+      }
+    }
+    __syncthreads();
+  }
+  if (phase == 0) publish_flag(__syncthreads_or(bad), threadIdx.x == 0, found_inf);
+}
+}  // namespace polyamp
+#define POLYAMP_COUNT_KERNEL(NAME, T)                                                       \
+  extern "C" __global__ void __launch_bounds__(@BLOCK@) NAME(                                 \
+      const long long* table, int n_tensors, long long n_chunks, int chunk,                 \
+      const float* scale, float* found_inf, const double* targets, int n_targets,           \
+      int phase, unsigned long long* raw, unsigned long long* extremes) {                   \
+    polyamp::unscale_count_kernel<T>(table, n_tensors, n_chunks, chunk, scale, found_inf,   \
+                                     targets, n_targets, phase, raw, extremes);             \
+  }
+#else
+#define POLYAMP_COUNT_KERNEL(NAME, T)
+#endif
+"""
+
 _FLOAT32_FLOAT64 = r"""
 namespace polyamp {
 template <> struct Elem<float> {
@@ -182,6 +399,8 @@ template <> struct Elem<double> {
 }  // namespace polyamp
 POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float32, float)
 POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float64, double)
+POLYAMP_COUNT_KERNEL(polyamp_unscale_count_float32, float)
+POLYAMP_COUNT_KERNEL(polyamp_unscale_count_float64, double)
 """
 
 _FLOAT16 = r"""
@@ -195,6 +414,7 @@ template <> struct Elem<__half> {
 };
 }  // namespace polyamp
 POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float16, __half)
+POLYAMP_COUNT_KERNEL(polyamp_unscale_count_float16, __half)
 """
 
 _BFLOAT16 = r"""
@@ -208,6 +428,7 @@ template <> struct Elem<__nv_bfloat16> {
 };
 }  // namespace polyamp
 POLYAMP_UNSCALE_KERNEL(polyamp_unscale_bfloat16, __nv_bfloat16)
+POLYAMP_COUNT_KERNEL(polyamp_unscale_count_bfloat16, __nv_bfloat16)
 """
 
 _UPDATE = r"""
@@ -283,6 +504,7 @@ def _fill(source: str) -> str:
         "@HAS_MAX@": HAS_MAX, "@FLOAT32_PRODUCT@": FLOAT32_PRODUCT, "@KEEPS_COUNT@": KEEPS_COUNT,
         "@FINITE_REFILLS@": FINITE_REFILLS, "@GROWTH_DELAY@": GROWTH_DELAY,
         "@SCALE_FLOOR@": f"{SCALE_FLOOR!r}f",  # 2**-126: its shortest repr rounds back exactly
+        "@SLOTS@": len(TARGET_SLOTS), "@RAW@": RAW_FIELDS, "@INF_BITS@": hex(INF_BITS),
     }
     for key, value in values.items():
         source = source.replace(key, str(value))
@@ -291,18 +513,19 @@ def _fill(source: str) -> str:
 
 # Two NVRTC modules: bfloat16 apart, so a toolkit without cuda_bf16.h still runs the rest.
 MODULE_SOURCES: dict[str, str] = {
-    "main": _fill(_COMMON + _FLOAT32_FLOAT64 + _FLOAT16 + _UPDATE),
-    "bfloat16": _fill(_COMMON + _BFLOAT16),
+    "main": _fill(_COMMON + _COUNT + _FLOAT32_FLOAT64 + _FLOAT16 + _UPDATE),
+    "bfloat16": _fill(_COMMON + _COUNT + _BFLOAT16),
 }
 MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "main": (
         UNSCALE_KERNELS["float32"], UNSCALE_KERNELS["float64"],
-        UNSCALE_KERNELS["float16"], UPDATE_KERNEL,
+        UNSCALE_KERNELS["float16"], UPDATE_KERNEL, COUNT_KERNELS["float32"],
+        COUNT_KERNELS["float64"], COUNT_KERNELS["float16"],
     ),
-    "bfloat16": (UNSCALE_KERNELS["bfloat16"],),
+    "bfloat16": (UNSCALE_KERNELS["bfloat16"], COUNT_KERNELS["bfloat16"]),
 }
 # Every kernel in one translation unit: what the nvcc check and the host-emulation tests build.
-ALL_SOURCE = _fill(_COMMON + _FLOAT32_FLOAT64 + _FLOAT16 + _BFLOAT16 + _UPDATE)
+ALL_SOURCE = _fill(_COMMON + _COUNT + _FLOAT32_FLOAT64 + _FLOAT16 + _BFLOAT16 + _UPDATE)
 _MODULE_OF = {name: mod for mod, names in MODULE_KERNELS.items() for name in names}
 
 

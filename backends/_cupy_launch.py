@@ -25,13 +25,16 @@ from polyamp.policy import rule_params
 from ._cupy_kernels import (
     BLOCK_THREADS,
     CHUNK,
+    COUNT_KERNELS,
     FINITE_REFILLS,
     FLOAT32_PRODUCT,
     GROWTH_DELAY,
     HAS_MAX,
     HAS_MIN,
+    INF_BITS,
     KEEPS_COUNT,
     MAX_BLOCKS_PER_SM,
+    RAW_FIELDS,
     UNSCALE_KERNELS,
     UPDATE_KERNEL,
     build_table,
@@ -233,6 +236,73 @@ def _run(plan: Plan, scale: Any, found_inf: Any, check_only: bool) -> None:
                 np.int32(CHUNK), scale, found_inf, np.int32(check_only),
             )
             fn((launch.grid,), (BLOCK_THREADS,), args)
+
+
+def target_table(bounds: Sequence[Any]) -> np.ndarray:
+    """The count kernels' ``targets`` (``_cupy_kernels.TARGET_SLOTS`` per target) from
+    ``polyamp._precision_targets.Bounds``."""
+    rows = []
+    for b in bounds:
+        kind = 0.0 if b.scale == "loss" else 2.0 if b.scale == "amax" else 1.0
+        rows.append([kind, float(b.scale) if kind == 1.0 else 0.0, b.underflow_max, b.subnormal_below,
+                     b.overflow_from, b.max_finite])
+    return np.asarray(rows, np.float64).reshape(-1)
+
+
+def empty_counts(xp: Any, tensors: int, targets: int) -> tuple[Any, Any]:
+    """Zeroed ``raw`` (uint64, one row per tensor) and ``extremes`` (amax bits 0, amin bits +inf)
+    for the count kernels, in namespace ``xp`` (cupy; NumPy for the host emulation)."""
+    raw = xp.zeros((tensors, RAW_FIELDS + 3 * targets), dtype=xp.uint64)
+    extremes = xp.zeros((tensors, 2), dtype=xp.uint64)
+    extremes[:, 1] = INF_BITS
+    return raw, extremes
+
+
+def finish_counts(xp: Any, raw: Any, extremes: Any, sizes: Any, targets: int) -> tuple[Any, Any]:
+    """``(counts, extremes)`` as ``polyamp._precision_counts.count`` lays them out, from the kernels'
+    ``raw`` and ``extremes`` and the tensors' ``sizes`` (int64), by array operations (no host read)."""
+    raw = raw.view(xp.int64)
+    nonfinite, zeros = raw[:, 0], raw[:, 1]
+    columns = [sizes, zeros, nonfinite]
+    for j in range(targets):
+        low, below, over = (raw[:, RAW_FIELDS + 3 * j + k] for k in range(3))
+        columns += [low - zeros - nonfinite, below - low, over]
+    wide = extremes.view(xp.float64)
+    return xp.stack(columns, axis=1).reshape(-1), xp.concatenate([wide[:, 0], -wide[:, 1]])
+
+
+def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any,
+                      bounds: Sequence[Any]) -> tuple[Any, Any]:
+    """Unscale ``grads`` and count them for a precision meter: one launch per dtype (two with an
+    ``"amax"`` target), ``(counts, extremes)`` on their device, no sync."""
+    import cupy
+
+    views, copies, _ = _views(grads)
+    plan = _plan(views)
+    _check_same_device(plan, scale, found_inf)
+    n, targets = len(views), len(bounds)
+    phases = (0, 1) if any(b.scale == "amax" for b in bounds) else (0,)
+    positions: dict[str, list[int]] = {}
+    for i, (_, kind) in enumerate(views):
+        positions.setdefault(kind, []).append(i)
+    with cupy.cuda.Device(plan.device):
+        table = cupy.asarray(target_table(bounds))
+        raw, extremes = empty_counts(cupy, n, targets)
+        for launch in plan.launches:
+            where = positions[launch.kind]
+            part_raw, part_extremes = empty_counts(cupy, len(where), targets)
+            fn = kernel(COUNT_KERNELS[launch.kind], plan.device)
+            for phase in phases:
+                fn((launch.grid,), (BLOCK_THREADS,), (
+                    launch.table, np.int32(launch.n_tensors), np.int64(launch.n_chunks), np.int32(CHUNK),
+                    scale, found_inf, table, np.int32(targets), np.int32(phase), part_raw, part_extremes,
+                ))
+            index = cupy.asarray(np.asarray(where, np.int64))
+            raw[index], extremes[index] = part_raw, part_extremes
+        for tmp, strided in copies:
+            strided[...] = tmp
+        sizes = cupy.asarray(np.asarray([v.size for v, _ in views], np.int64))
+        return finish_counts(cupy, raw, extremes, sizes, targets)
 
 
 def all_finite(arrays: Sequence[Any]) -> Any:

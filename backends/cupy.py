@@ -130,6 +130,13 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
 
 
 @hookimpl
+def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any,
+                      bounds: Sequence[Any]) -> tuple[Any, Any]:
+    """The fused CUDA kernel: unscaled as :func:`unscale_and_check` and counted in the same pass."""
+    return _cupy_launch.unscale_and_count(grads, scale, found_inf, bounds)
+
+
+@hookimpl
 def all_finite(arrays: Sequence[Any]) -> Any:
     return _cupy_launch.all_finite(arrays)
 

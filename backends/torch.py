@@ -157,8 +157,9 @@ def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any
 def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: Sequence[Any]) -> Any:
     """Unscale and a meter's precision counts: float32/float64/float16 CPU gradients in ONE pass over
     each (the NumPy backend's compiled kernel on their memory, reached through DLPack: the same
-    products as torch's kernel; no value of a device is read); else torch's unscale, then the counts'
-    array-API passes."""
+    products as torch's kernel; no value of a device is read); CUDA gradients through the cupy
+    backend's fused CUDA kernel where cupy runs (zero-copy views, on torch's current stream); else
+    torch's unscale, then the counts' array-API passes."""
     torch = _TORCH_MODULE or _torch()  # a global read after the first call
     views = _count_views(torch, grads, scale, found_inf)
     if views is not None:
@@ -169,10 +170,49 @@ def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: 
         counts, extremes = _numpy_counts.unscale_and_count(views, inv, float(host_scale),
                                                            np.from_dlpack(found_inf), bounds)
         return torch.from_numpy(counts), torch.from_numpy(extremes)
+    if _on_cupy(grads, scale, found_inf):
+        return _cupy_counts(torch, grads, scale, found_inf, bounds)
     from .array_api import precision_counts
 
     unscale_and_check(grads, scale, found_inf)
     return precision_counts(grads, scale, bounds)
+
+
+def _on_cupy(grads: Sequence[Any], scale: Any, found_inf: Any) -> bool:
+    """Whether the cupy backend's fused kernel takes these gradients: dense CUDA tensors of its
+    dtypes on the flag's device, and cupy with a device and NVRTC here (asked once)."""
+    global _CUPY_RUNS
+    device = found_inf.device
+    if device.type != "cuda" or scale.device != device or not grads or any(
+            g.device != device or g.is_sparse or str(g.dtype).rpartition(".")[2] not in _CUPY_DTYPES
+            for g in grads):
+        return False
+    if _CUPY_RUNS is None:
+        from . import cupy as plugin
+
+        try:
+            _CUPY_RUNS = bool(plugin.backend_info()["available"])
+        except Exception:  # noqa: BLE001 - a broken cupy install: torch's own passes
+            _CUPY_RUNS = False
+    return _CUPY_RUNS
+
+
+_CUPY_RUNS: bool | None = None  # whether cupy runs here (asked at the first CUDA sample step)
+_CUPY_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def _cupy_counts(torch: Any, grads: Sequence[Any], scale: Any, found_inf: Any, bounds: Sequence[Any]) -> Any:
+    """The cupy backend's fused kernel on torch's CUDA tensors, on torch's current stream: the counts
+    as torch tensors (zero-copy), no host read."""
+    import cupy
+
+    from . import _cupy_launch
+
+    stream = torch.cuda.current_stream(found_inf.device)
+    with cupy.cuda.Device(found_inf.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        counts, extremes = _cupy_launch.unscale_and_count(
+            list(grads), _cupy_launch.as_cupy(scale), _cupy_launch.as_cupy(found_inf), bounds)
+    return torch.from_dlpack(counts), torch.from_dlpack(extremes)
 
 
 def _count_views(torch: Any, grads: Sequence[Any], scale: Any, found_inf: Any) -> list[Any] | None:

@@ -6,8 +6,8 @@ Needs no GPU and no cupy: the sources are plain strings in ``polyamp.backends._c
 * it includes only headers NVRTC can find (``cuda_fp16.h``, ``cuda_bf16.h``);
 * a cubin builds for every ``--arch`` (ptxas included; warnings are errors) and no kernel
   spills registers to local memory;
-* the PTX defines every kernel the Python side launches, and each unscale kernel moves its
-  data with 16-byte vector loads and stores (what the bandwidth target relies on).
+* the PTX defines every kernel the Python side launches, and each unscale (and unscale-and-count)
+  kernel moves its data with 16-byte vector loads and stores (what the bandwidth target relies on).
 
 Two compilers, the first found unless ``--compiler`` picks one: a CUDA toolkit's ``nvcc``
 (``--nvcc``, PATH, $CUDA_HOME, $CUDA_PATH), else NVIDIA's PyPI wheels, which CI installs pinned
@@ -290,7 +290,7 @@ def run_checks(kern: ModuleType, compiler: Nvcc | WheelCompiler | str, archs: li
                work: Path) -> tuple[list, list]:
     """Every check on every module, compiler runs in parallel; (log lines, errors)."""
     nvcc = _compiler(compiler)
-    unscale = set(kern.UNSCALE_KERNELS.values())
+    unscale = set(kern.UNSCALE_KERNELS.values()) | set(getattr(kern, "COUNT_KERNELS", {}).values())
     lines: list[str] = []
     errors: list[str] = []
     jobs = []

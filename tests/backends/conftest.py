@@ -79,6 +79,9 @@ def cupy_host_lib(nvcc, tmp_path_factory):
     lib.polyamp_host_unscale.argtypes = [ctypes.c_int, p, ctypes.c_int, i64, ctypes.c_int, p, p,
                                          ctypes.c_int, i64, i64]
     lib.polyamp_host_unscale.restype = ctypes.c_int
+    lib.polyamp_host_unscale_count.argtypes = [ctypes.c_int, p, ctypes.c_int, i64, ctypes.c_int, p, p,
+                                               p, ctypes.c_int, ctypes.c_int, p, p, i64, i64]
+    lib.polyamp_host_unscale_count.restype = ctypes.c_int
     lib.polyamp_host_update.argtypes = [p, p, p, p, ctypes.c_double, ctypes.c_double,
                                         ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                         ctypes.c_float, ctypes.c_int]
