@@ -19,7 +19,8 @@ def facade_state(scaler: Any) -> dict[str, Any]:
     backend = engine.backend
     state["_engine"] = {"backend": backend.name if backend else None, "state_dict": engine.state_now(),
                         "reducer": engine.reducer, "last_overflow": engine.last_overflow,
-                        "guard": engine.guard}
+                        "guard": engine.guard, "meter": scaler._iteration.metering.meter,
+                        "precision": scaler._iteration.metering.last}
     if flag is not None and not isinstance(flag, bool):
         flag = bool(backend.read_flag(flag)) if scaler._stages else None  # stale once stages clear
     state["_found_inf"] = flag
@@ -32,10 +33,11 @@ def restore_facade(scaler: Any, state: dict[str, Any]) -> None:
     saved = state.pop("_engine")
     diagnose = bool(state["_diagnose"]) and state.get("_enable", True)
     iteration = make_iteration(None, saved["backend"], reducer=saved["reducer"], diagnose=diagnose,
-                               guard=saved["guard"])
+                               guard=saved["guard"], meter=saved.get("meter"))
     engine = LossScaler.over(iteration)
     engine.load_state_dict(saved["state_dict"])
     iteration.last_overflow = saved["last_overflow"]
+    iteration.metering.last = saved.get("precision")
     scaler.__dict__.update(state, _engine=engine, _iteration=iteration)
 
 

@@ -28,6 +28,13 @@ def param_grad_pairs(optimizer: Any) -> list[tuple[Any, Any]]:
     return pairs
 
 
+def named_by_param(pairs: list[tuple[Any, Any]], grads: list[Any]) -> Any:
+    """``grads`` (of ``pairs``, in order) keyed by each parameter's ``param.name`` (``params[i]`` where
+    it has none) when those names are distinct, else ``grads`` as they are (then named by index)."""
+    names = [getattr(param, "name", None) or f"params[{i}]" for i, (param, _) in enumerate(pairs)]
+    return dict(zip(names, grads)) if len(set(names)) == len(names) else grads
+
+
 def apply_optimizer(optimizer: Any, args: tuple, kwargs: dict) -> Any:
     """``optimizer.minimize(*args, **kwargs)``'s result as it is (paddle's is a pair), or, where
     there is no ``minimize``, ``step()`` and paddle's pair ``([], [(param, grad), ...])``."""

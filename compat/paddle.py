@@ -6,8 +6,9 @@ and the ``state_dict`` keys follow paddle 3.3's ``paddle/amp/grad_scaler.py``. A
 the scaler keeps one overflow flag: ``step`` uses the last ``unscale_`` of any optimizer, and
 ``update`` the last ``step``. Extra keyword-only arguments: ``backend``, ``min_scale``,
 ``max_scale``, ``reducer``, ``diagnose`` (overflow forensics: ``explain(obj)``, and after a
-skipped step ``last_overflow``, gradients named by ``param.name``). Importing this module
-imports no framework.
+skipped step ``last_overflow``, gradients named by ``param.name``), ``guard`` and ``meter`` (a
+:class:`polyamp.PrecisionMeter`: ``last_precision`` after each sample step, gradients named by
+``param.name``). Importing this module imports no framework.
 
 ``reducer=`` (a ``polyamp.distributed.reducer`` argument: a torch process group, ``"torch"``,
 an mpi4py communicator, ``"mpi"``, ...) agrees each ``step``/``minimize`` across ranks, as
@@ -44,6 +45,7 @@ from typing import Any
 
 from polyamp import _guard_values as guard_values
 from polyamp import metrics, schedule
+from polyamp._metering import check_meter
 from polyamp.config import FIXED_ONE
 from polyamp.engine import LossScaler, make_iteration
 from polyamp.guard import StepGuard
@@ -66,7 +68,7 @@ from ._paddle_state import (
     to_paddle_state,
     to_torch_state_dict,
 )
-from ._paddle_steps import OptimizerState, apply_optimizer, describe_change, param_grad_pairs
+from ._paddle_steps import OptimizerState, apply_optimizer, describe_change, named_by_param, param_grad_pairs
 from ._stages import check_step, check_unscale
 from ._torch_state import is_array, refuse_empty
 
@@ -106,8 +108,10 @@ class AmpScaler:
         reducer: Any = None,
         diagnose: bool = False,
         guard: StepGuard | None = None,
+        meter: Any = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
+        meter = check_meter(meter)  # also when disabled: a disabled scaler counts nothing
         config = FIXED_ONE if self._guard_only else make_config(
             init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps, decr_every_n_nan_or_inf,
             use_dynamic_loss_scaling, min_scale=min_scale, max_scale=max_scale,
@@ -116,7 +120,8 @@ class AmpScaler:
         enabled = self._enable  # a disabled scaler steps on every rank: nothing to agree
         self._iteration = make_iteration(
             config, backend if enabled else None, reducer=reducer if enabled else None,
-            diagnose=self._diagnose and enabled, guard=guard if enabled else None)
+            diagnose=self._diagnose and enabled, guard=guard if enabled else None,
+            meter=meter if enabled else None)
         self._engine = LossScaler.over(self._iteration)
         self._stages: dict[int, OptimizerState] = {}
         self._decided: dict[int, tuple[bool, Any]] = {}  # this iteration's decisions, by id(optimizer)
@@ -163,9 +168,13 @@ class AmpScaler:
         self._iteration.require_loss(None, f"{type(self).__name__} step/minimize",
                                      "scale the loss (one value) with scaler.scale(loss) first")
         pairs = param_grad_pairs(optimizer)
-        grads = [grad for _, grad in pairs]
-        engine = self._engine  # no arrays seen yet and none here: let nothing choose the backend
-        self._found_inf = self._iteration.unscale(grads) if grads or engine.state is not None else None
+        grads: Any = [grad for _, grad in pairs]
+        iteration, engine = self._iteration, self._engine
+        metering, checks = iteration.metering, iteration.checks
+        if metering.active and metering.due(checks.unscaled, iteration.steps, checks.metered):
+            grads = named_by_param(pairs, grads)  # a sample step: its report names param.name
+        # no arrays seen yet and none here: let nothing choose the backend
+        self._found_inf = iteration.unscale(grads) if grads or engine.state is not None else None
         self._stages[id(optimizer)] = OptimizerState.UNSCALED
         if grads and writes_zeros(self._iteration.scaling.backend, self._diagnose):
             self._zeroing.update(id(param) for param, _ in pairs)
@@ -187,8 +196,9 @@ class AmpScaler:
         flag = local = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
         iteration = self._iteration
         named = lambda: paddle_named_grads(optimizer)  # noqa: E731  # only for a report
-        if iteration.guarding is not None:  # the flag and the guard's values: one collective, one read
-            found, flag = self._guarded(named, local)
+        metered = iteration.agreement is not None and iteration.checks.metered is not None
+        if iteration.guarding is not None or metered:  # the flag, the guard's values and a sample
+            found, flag = self._guarded(named, local)  # step's counts: one collective, one read
         else:
             if iteration.agreement is not None:
                 flag = self._agreed(flag)
@@ -215,7 +225,9 @@ class AmpScaler:
 
     def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
         """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
-        the last overflow's top tensors) as plain numbers (:mod:`polyamp.metrics`). One host read."""
+        the last overflow's top tensors; with ``meter=``, after a sample step, the last report's
+        ``underflow_fraction/...``, ``subnormal_fraction/...`` and ``overflow_fraction/...``) as plain
+        numbers (:mod:`polyamp.metrics`). One host read."""
         iteration = self._iteration
         return metrics.measure(iteration, iteration.steps, self.skipped_steps, diagnose=diagnose)
 
@@ -225,6 +237,12 @@ class AmpScaler:
         """With ``diagnose=True``, the report on the last skipped step's gradients; None after an
         applied step (and always with ``diagnose=False``)."""
         return self._engine.last_overflow
+
+    @property
+    def last_precision(self) -> Any:
+        """With ``meter=``, the :class:`polyamp.PrecisionReport` of the last sample step (gradients
+        named by ``param.name``), else None."""
+        return self._iteration.metering.last
 
     def explain(self, obj: Any, *, names: Any = None, loss: Any = None) -> OverflowReport:
         """:func:`polyamp.explain_overflow` on a Layer's, an optimizer's (names from
@@ -383,12 +401,13 @@ class GradScaler(AmpScaler):
         reducer: Any = None,
         diagnose: bool = False,
         guard: StepGuard | None = None,
+        meter: Any = None,
     ) -> None:
         super().__init__(
             enable, init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps,
             decr_every_n_nan_or_inf, use_dynamic_loss_scaling,
             backend=backend, min_scale=min_scale, max_scale=max_scale, reducer=reducer,
-            diagnose=diagnose, guard=guard,
+            diagnose=diagnose, guard=guard, meter=meter,
         )
 
     def step(self, optimizer: Any) -> None:

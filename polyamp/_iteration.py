@@ -169,7 +169,9 @@ class Iteration:
         checks, plain = self.checks, not (check_only or self.diagnose or squares)
         found, sumsq, counted = self.metering.active and self.metering.unscale(  # a sample's counts, fused
             checks, self.steps, self.scaling, arrays, plain) or (*self.scaling.unscale(
-                arrays, check_only=check_only, keep=self.diagnose, squares=squares), None)
+                arrays, check_only=check_only, squares=squares, keep=self.diagnose or  # a sample keeps
+                self.metering.active and self.metering.due(checks.unscaled, self.steps, checks.metered)),
+            None)  # the values to count: no unscale kernel's grad * 0 on an overflow
         measured = checks.measured if sumsq is None else checks.measured.plus(sumsq=sumsq)
         checked = checks.checked
         metered = self.metering.active and self.metering.count(

@@ -101,8 +101,11 @@ class Metering:
         measured = self.meter.count(backend, arrays, scale) if counted is None else _measured(*counted)
         return sample._replace(names=sample.names + named, parts=(*sample.parts, measured))
 
-    def vector(self, sample: Sample) -> Any:
-        """``[counts..., amaxes..., -amins..., scale]`` in float64 on the gradients' device (no read)."""
+    def vector(self, sample: Sample, backend: Any = None) -> Any:
+        """``[counts..., amaxes..., -amins..., scale]`` in float64 on the gradients' device (no read);
+        arrays array-api-compat does not know (paddle's) are packed by ``backend``."""
+        if not array_api_compat.is_array_api_obj(sample.scale):
+            return backend.pack([*_ordered(sample.parts), sample.scale], sample.scale)
         xp = array_api_compat.array_namespace(sample.scale)
         flat = [xp.reshape(xp.astype(a, xp.float64), (-1,)) for a in _ordered(sample.parts)]
         return xp.concat([*flat, xp.reshape(xp.astype(sample.scale, xp.float64), (1,))])
@@ -123,24 +126,24 @@ class Metering:
         config, state, whose = scaling.config, scaling.fingerprinted, self.whose(whose)
         if sample is None:
             return agreement.flag_and_extra(found, both, config, state, whose=whose, maxed=maxed), None
-        mine = self.vector(sample)
-        xp = array_api_compat.array_namespace(mine)
+        mine = self.vector(sample, scaling.backend)
+        xp = array_api_compat.array_namespace(mine) if array_api_compat.is_array_api_obj(mine) else None
         head = 0 if both is None else math.prod(tuple(both.shape))
-        sent = mine if both is None else xp.concat([xp.reshape(xp.astype(both, xp.float64), (-1,)), mine])
+        sent = mine if both is None else (scaling.backend.pack([both, mine], mine) if xp is None else
+                                          xp.concat([xp.reshape(xp.astype(both, xp.float64), (-1,)), mine]))
         counted = sum(math.prod(tuple(p.counts.shape)) for p in sample.parts)
         rules = (*maxed, *(False,) * (head - len(maxed)), *(False,) * counted,
                  *(True,) * (mine.shape[0] - counted))
         agreed = agreement.flag_and_extra(found, sent, config, state, whose=whose, maxed=rules,
                                           metered=mine.shape[0])
-        rest = None if both is None else xp.reshape(xp.astype(agreed.extra[:head], both.dtype),
-                                                    tuple(both.shape))
+        rest = None if both is None else _shaped(xp, agreed.extra[:head], both)
         return Agreed(agreed.found_inf, rest), sample._replace(agreed=agreed.extra[head:])
 
     def commit(self, sample: Sample | None, backend: Any) -> None:
         """After the decision: :attr:`last` from ``sample`` (ONE host read), if this step sampled."""
         if sample is None:
             return
-        vector = self.vector(sample) if sample.agreed is None else sample.agreed
+        vector = self.vector(sample, backend) if sample.agreed is None else sample.agreed
         host = np.asarray(backend.to_numpy(vector), np.float64).reshape(-1)
         counted = sum(math.prod(tuple(p.counts.shape)) for p in sample.parts)
         counts = host[:counted].astype(np.int64)
@@ -151,6 +154,13 @@ def _measured(counts: Any, extremes: Any) -> Any:
     from ._precision_counts import Measured  # loaded with the meter, not with polyamp
 
     return Measured(counts, extremes)
+
+
+def _shaped(xp: Any, values: Any, like: Any) -> Any:
+    """``values`` in ``like``'s dtype and shape (``xp`` None: a paddle tensor, by its methods)."""
+    if xp is None:
+        return values.astype(like.dtype).reshape(list(like.shape))
+    return xp.reshape(xp.astype(values, like.dtype), tuple(like.shape))
 
 
 def _ordered(parts: tuple[Any, ...]) -> list[Any]:

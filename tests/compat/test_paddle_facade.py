@@ -46,7 +46,7 @@ def test_signature_matches_paddles_plus_keyword_only_extras(name):
     assert positional == [(p.name, p.default) for p in theirs.values()]
     extras = {p.name: p.default for p in ours.values() if p.kind is p.KEYWORD_ONLY}
     assert extras == {"backend": None, "min_scale": None, "max_scale": None, "reducer": None,
-                      "diagnose": False, "guard": None}
+                      "diagnose": False, "guard": None, "meter": None}
 
 
 def test_defaults_of_both_classes():
