@@ -300,9 +300,12 @@ class GradBuffer(FlatArrays):
         """Record that a backward pass of a scaled loss wrote the gradients (norms now refuse them)."""
         self._scaled = True
 
-    def unscale_(self, scaler: Any) -> Any:
-        """Unscale through ``scaler.unscale_`` in one call on ``flat``; return its overflow flag."""
-        found_inf = scaler.unscale_([self.flat])
+    def unscale_(self, scaler: Any, *, names: Sequence[str] | None = None) -> Any:
+        """Unscale through ``scaler.unscale_`` in one call on ``flat``; return its overflow flag.
+
+        ``names`` (one per view): the views instead, as a dict keyed by them (the same values, still one
+        call), so that a precision meter's report names each gradient."""
+        found_inf = scaler.unscale_([self.flat] if names is None else dict(zip(names, self.views)))
         self._scaled = False
         return found_inf
 

@@ -22,7 +22,7 @@ collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import array_api_compat
 import numpy as np
@@ -34,6 +34,7 @@ from ._errors import ConfigError
 from ._guard_values import loss_check
 from ._iteration import Iteration
 from ._masters import check_masters
+from ._metering import check_meter
 from ._registry import model_steps
 from .adapters import iter_params
 from .config import FIXED_ONE, LossScaleConfig
@@ -43,6 +44,9 @@ from .guard import StepGuard, Verdict, check_guard, why
 from .noop import NoOpLossScaler
 from .overflow import OverflowReport, build_report, check_diagnose
 from .parameter import Parameter
+
+if TYPE_CHECKING:  # annotations only: `import polyamp` loads the meter on first use
+    from .precision import PrecisionMeter, PrecisionReport
 
 __all__ = ["ArrayLossFn", "ArrayModel", "MixedPrecisionTrainer", "StepMetrics"]
 
@@ -117,6 +121,12 @@ class MixedPrecisionTrainer:
 
     ``diagnose=True`` puts an :class:`polyamp.OverflowReport` in ``StepMetrics.overflow`` on
     skipped steps (gradients named by the model's ``named_parameters()``, else ``params[i]``).
+
+    ``meter`` (a :class:`polyamp.PrecisionMeter`) counts the unscaled master gradients of each sample
+    step, named as ``diagnose`` names them: :attr:`last_precision`, and the fractions in
+    ``scaler.metrics()``. With ``loss_scaling=False`` it counts at a scale fixed at 1 (the scaler is
+    then a :class:`polyamp.LossScaler` at 1, as with a guard). With ``reducer=`` it counts the summed
+    gradients (the same on every rank); ranks whose meters differ raise ``RankMismatchError``.
     """
 
     def __init__(
@@ -132,18 +142,19 @@ class MixedPrecisionTrainer:
         reducer: Any = None,
         diagnose: bool = False,
         guard: StepGuard | None = None,
+        meter: PrecisionMeter | None = None,
     ) -> None:
         self._diagnose = check_diagnose(diagnose)
-        guard = check_guard(guard)
+        guard, meter = check_guard(guard), check_meter(meter)
         self._dtype = _dtypes.compute_dtype_name(compute_dtype)
         if max_grad_norm is not None:
             _check_max_norm(max_grad_norm)
         self._model, self._optimizer, self._max_grad_norm = model, optimizer, max_grad_norm
         self._clip_id = 0 if max_grad_norm is None else content_digest(repr(float(max_grad_norm)).encode())
-        if loss_scaling or guard is not None:  # with a guard and no scaling: guard-only, the scale fixed at 1
+        if loss_scaling or guard is not None or meter is not None:  # no scaling: the scale fixed at 1
             config = config if loss_scaling else FIXED_ONE
             # the one iteration: gradients summed, decided, updated
-            self._iteration = make_iteration(config, backend, reducer=reducer, guard=guard)
+            self._iteration = make_iteration(config, backend, reducer=reducer, guard=guard, meter=meter)
             self._scaler: Any = LossScaler.over(self._iteration)
         else:  # no scaling: a fixed scale of 1 to fingerprint, and the decision on a non-finite norm
             self._scaler = NoOpLossScaler(config, backend)
@@ -206,6 +217,11 @@ class MixedPrecisionTrainer:
         """How many steps ran (applied or skipped)."""
         return self._scaler.steps
 
+    @property
+    def last_precision(self) -> PrecisionReport | None:
+        """With ``meter=``, the :class:`polyamp.PrecisionReport` of the last sample step, else None."""
+        return self._iteration.metering.last
+
     # -- the step -----------------------------------------------------------------------
     def train_step(self, input: Any, target: Any, loss_fn: Any) -> StepMetrics:
         """One step: forward and backward in the compute dtype, masters updated unless inf/nan.
@@ -226,7 +242,9 @@ class MixedPrecisionTrainer:
             grads.mark_scaled()
         if reducer is not None:
             self._sum_over_ranks(grads, loss / ranks if self._loss_slot else None)
-        grads.unscale_(scaler)
+        metering = self._iteration.metering
+        sampled = metering.active and metering.due(False, self._iteration.steps, None)
+        grads.unscale_(scaler, names=self._names() if sampled else None)  # a sample step: named
         if self._scaler.enabled and self._scaler.guard is not None:
             self._iteration.take_loss(self._summed_loss() if self._loss_slot else loss, "train_step()")
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
@@ -242,12 +260,16 @@ class MixedPrecisionTrainer:
         report = self._explain(loss, scale) if skipped and self._diagnose else None
         return StepMetrics(loss, scale, skipped, float(norm), report, result.verdict if finite else None)
 
-    def _explain(self, loss: float, scale: float) -> OverflowReport:
-        """The report on a skipped step: each parameter's gradient (a view of the buffer), the loss."""
-        params = self._steps.params
+    def _names(self) -> list[str]:
+        """Each trained parameter's name: the model's ``named_parameters()``, else ``params[i]``."""
         named = getattr(self._model, "named_parameters", None)
         by_id = {id(p): n for n, p in named()} if callable(named) else {}
-        grads = [(by_id.get(id(p), f"params[{i}]"), p.grad) for i, p in enumerate(params)]
+        names = [by_id.get(id(p), f"params[{i}]") for i, p in enumerate(self._steps.params)]
+        return names if len(set(names)) == len(names) else [f"params[{i}]" for i in range(len(names))]
+
+    def _explain(self, loss: float, scale: float) -> OverflowReport:
+        """The report on a skipped step: each parameter's gradient (a view of the buffer), the loss."""
+        grads = [(name, p.grad) for name, p in zip(self._names(), self._steps.params)]
         return build_report([(n, g) for n, g in grads if g is not None], loss=loss, scale=scale,
                             skipped=True)
 
@@ -272,7 +294,7 @@ class MixedPrecisionTrainer:
             size += 1
         # every rank must clip alike and guard alike: the clip setting, the guard's settings and
         # history are part of what is agreed
-        whose = self._iteration.whose(self._clip_id)
+        whose = self._iteration.metering.whose(self._iteration.whose(self._clip_id))  # and the meter's
         like = None if self._aligned_once else grads.flat
         self._iteration.sum_payload(grads.storage, size, whose=whose, like=like)
         self._aligned_once = True
