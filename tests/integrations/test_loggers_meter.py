@@ -6,7 +6,6 @@ CPU; each test skips, naming the package, where its framework is absent."""
 from __future__ import annotations
 
 import csv
-import math
 import warnings
 from pathlib import Path
 
@@ -19,10 +18,10 @@ KEYS = ("underflow_fraction/float16@loss", "overflow_fraction/float16@loss",
 
 
 def metered_scaler():
-    """A torch-facade scaler sampling every step, at a scale whose gradients overflow in float16 at
-    first (so the overflow fraction is non-zero at the first logged step)."""
-    import polyamp
+    """A torch-facade scaler whose meter samples every step."""
     from polyamp.compat.torch import GradScaler
+
+    import polyamp
 
     return GradScaler("cpu", init_scale=2.0**10, growth_interval=100, meter=polyamp.PrecisionMeter(every=1))
 
