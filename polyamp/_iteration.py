@@ -166,12 +166,10 @@ class Iteration:
             list(grads) if self.diagnose or self.metering.active else grads, None)  # read twice: named too
         arrays = self.scaling.gradients(given, where, owned)  # refuses bad gradients before any state changes
         squares = self.guarding is not None and self.guarding.guard.watches_norm
-        checks, plain = self.checks, not (check_only or self.diagnose or squares)
-        found, sumsq, counted = self.metering.active and self.metering.unscale(  # a sample's counts, fused
-            checks, self.steps, self.scaling, arrays, plain) or (*self.scaling.unscale(
-                arrays, check_only=check_only, squares=squares, keep=self.diagnose or  # a sample keeps
-                self.metering.active and self.metering.due(checks.unscaled, self.steps, checks.metered)),
-            None)  # the values to count: no unscale kernel's grad * 0 on an overflow
+        checks, keep = self.checks, self.diagnose  # with a meter: a sample's counts (fused, or kept to count)
+        found, sumsq, counted = self.metering.active and self.metering.unscale(
+            checks, self.steps, self.scaling, arrays, check_only, keep, squares) or (
+            *self.scaling.unscale(arrays, check_only=check_only, keep=keep, squares=squares), None)
         measured = checks.measured if sumsq is None else checks.measured.plus(sumsq=sumsq)
         checked = checks.checked
         metered = self.metering.active and self.metering.count(

@@ -76,13 +76,17 @@ class Metering:
                 and scaling.backend.unscale_and_count is not None
                 and self.due(checks.unscaled, steps, checks.metered))
 
-    def unscale(self, checks: Any, steps: int, scaling: Any, arrays: list[Any], plain: bool) -> Any:
-        """``(found, None, (counts, extremes))`` of ``arrays`` unscaled and counted in one pass where
-        :meth:`fuses`, else None (the caller unscales as without a meter). No sync."""
-        if not self.fuses(checks, steps, scaling, arrays, plain):
-            return None
-        found, counted = scaling.unscale_counted(arrays, self.meter.bounds())
-        return found, None, counted
+    def unscale(self, checks: Any, steps: int, scaling: Any, arrays: list[Any], check_only: bool, keep: bool,
+                squares: bool) -> tuple[Any, Any, Any]:
+        """``(found, sumsq, counted)`` of :meth:`polyamp._scaling.Scaling.unscale`: on a sample step
+        counted in the same pass where :meth:`fuses` (``counted``: ``(counts, extremes)``), else
+        unscaled keeping the values to count (an unscale kernel may write ``grad * 0`` on an
+        overflow: paddle's). No sync."""
+        if self.fuses(checks, steps, scaling, arrays, not (check_only or keep or squares)):
+            found, counted = scaling.unscale_counted(arrays, self.meter.bounds())
+            return found, None, counted
+        keep = keep or self.due(checks.unscaled, steps, checks.metered)
+        return (*scaling.unscale(arrays, check_only=check_only, keep=keep, squares=squares), None)
 
     def count(self, checks: Any, steps: int, scaling: Any, given: Sequence[Any], names: list[str] | None,
               arrays: list[Any] | bool, counted: Any = None) -> Sample | None:
