@@ -38,7 +38,6 @@ from polyamp import metrics, schedule
 from polyamp._agreement import Agreement
 from polyamp._errors import ConfigError
 from polyamp._inputs import scale_value
-from polyamp._metering import check_meter
 from polyamp.config import FIXED_ONE, short_repr
 from polyamp.distributed import Reducer
 from polyamp.engine import LossScaler, make_iteration
@@ -107,11 +106,6 @@ class UnscaleCall:
 
 
 _UNDECIDED = object()  # _last_skipped while _maybe_opt_step runs: did the default decide?
-_SHARDED_METER = (
-    "ShardedGradScaler(meter=...) is not supported yet: its flags are agreed per optimizer, and the "
-    "meter's counts must ride in one agreement to give every rank the same report. Fix: leave meter "
-    "out, or use polyamp.LossScaler(reducer=..., meter=...), which agrees them in the step's collective."
-)
 _GIVE_LOSS = "scale the loss (a tensor holding one value) with scaler.scale(loss) before backward()"
 # Attributes pickled through the engine's state dict rather than as they are.
 _INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_iteration", "_records",
@@ -745,12 +739,10 @@ class ShardedGradScaler(GradScaler):
         guard: Any = None,
         meter: Any = None,
     ) -> None:
-        if check_meter(meter) is not None:
-            raise NotImplementedError(_SHARDED_METER)
         super().__init__(  # GradScaler's order: growth_factor first
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled,
             backend=backend, backoff_interval=backoff_interval, min_scale=min_scale,
-            max_scale=max_scale, diagnose=diagnose, guard=guard,
+            max_scale=max_scale, diagnose=diagnose, guard=guard, meter=meter,
         )
         self.process_group = process_group
 
@@ -793,9 +785,10 @@ class ShardedGradScaler(GradScaler):
                                    "scale the loss (a tensor holding one value) with scaler.scale(loss)")
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
         whose = self._places.identity(optimizer, agreement.reducer)
-        if iteration.guarding is None:
+        if iteration.guarding is None and iteration.checks.metered is None:
             return iteration.agree_flag(found, whose=whose)
-        # the guard's values (the loss, these shards' squares) ride in the same collective
+        # the guard's values (the loss, these shards' squares) and a sample step's counts (all of this
+        # iteration's so far: the last optimizer's collective carries the step's totals) ride in it
         agreed = iteration.agree_group(found, iteration.squares(grads), self._group_of(optimizer),
                                        whose=whose)
         self._record(optimizer).values = agreed.extra

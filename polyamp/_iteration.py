@@ -216,8 +216,9 @@ class Iteration:
         """One group's flag summed over the ranks (one collective; None sends 0); checks untouched."""
         if self.agreement is None:
             return found_inf
-        found_inf = self.scaling.flag_array(found_inf)
-        return self.agreement.flag(found_inf, self.scaling.config, self.scaling.state, whose=whose)
+        scaling = self.scaling  # a meter's settings folded into whose
+        return self.agreement.flag(scaling.flag_array(found_inf), scaling.config, scaling.state,
+                                   whose=self.metering.whose(whose))
 
     def agree_group(self, found: Any, squares: Any, group: int, *, whose: int = 0) -> Agreed:
         """One group's flag and guard values agreed in ONE collective (per optimizer: torch facades)."""
@@ -225,8 +226,10 @@ class Iteration:
         sent = self._sent(self.checks.measured._replace(sumsq=squares))
         if self.agreement is None:
             return Agreed(found, sent)
-        return self.agreement.flag_and_extra(found, sent, self.scaling.config, self.scaling.state,
-                                             whose=self.whose(whose, group), maxed=_maxed(self.guarding, 0))
+        agreed, metered = self.metering.agree(self.agreement, found, sent, _maxed(self.guarding, 0),
+                                              self.checks.metered, self.scaling, self.whose(whose, group))
+        self.checks = self.checks._replace(metered=metered)
+        return agreed
 
     def sum_payload(self, storage: Any, payload: int, *, whose: int = 0, like: Any = None) -> None:
         """Sum ``storage`` (``payload`` values, the fingerprint after them) over the ranks: ONE
@@ -311,10 +314,9 @@ class Iteration:
             self.agree_found()
             flag = self.checks.flag
         flag = False if flag is None else flag
-        scaling = self.scaling
-        backend = scaling.backend
+        backend = self.scaling.backend
         if backend is None and not isinstance(flag, bool):
-            backend = scaling.bind(flag)
+            backend = self.scaling.bind(flag)
         if self.guarding is None or not (own or values is not None):
             skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
             return Decision(skipped, flag, exact=own)
@@ -345,10 +347,7 @@ class Iteration:
             self.agree_found()
         flag = self.checks.flag if found_inf is None else found_inf
         if flag is None:
-            raise ScalerStateError(
-                "update() found no inf checks recorded this iteration. Fix: call "
-                "unscale_(grads) or step(grads, step_fn) first, or pass found_inf=."
-            )
+            raise ScalerStateError(_NO_CHECKS)
         decisions = self.checks.decisions
         if len(decisions) == 1:  # one step (the engine's, paddle's, one optimizer's)
             one = decisions[0]
@@ -461,6 +460,10 @@ _AFTER_AGREEMENT = (
     "non-finite gradients)."
 )
 
+
+#: The error of an update() with nothing checked.
+_NO_CHECKS = ("update() found no inf checks recorded this iteration. Fix: call unscale_(grads) or "
+              "step(grads, step_fn) first, or pass found_inf=.")
 
 #: The error of a copy taken inside an iteration.
 _IN_ITERATION = ("a LossScaler can be copied or pickled only between update() and the next "

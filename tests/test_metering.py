@@ -141,8 +141,8 @@ def test_the_torch_facade_names_parameters_where_known_else_by_index():
                     "underflow_fraction/float16@loss"]
     with pytest.raises(TypeError, match="meter must be"):
         GradScaler("cpu", meter="float16")
-    with pytest.raises(NotImplementedError, match="ShardedGradScaler.meter=.... is not supported yet"):
-        ShardedGradScaler("cpu", meter=meter)
+    with pytest.raises(TypeError, match="meter must be"):
+        ShardedGradScaler("cpu", meter="float16")
 
 
 def _calls(monkeypatch):
