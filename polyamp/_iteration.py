@@ -216,9 +216,8 @@ class Iteration:
         """One group's flag summed over the ranks (one collective; None sends 0); checks untouched."""
         if self.agreement is None:
             return found_inf
-        scaling = self.scaling  # a meter's settings folded into whose
-        return self.agreement.flag(scaling.flag_array(found_inf), scaling.config, scaling.state,
-                                   whose=self.metering.whose(whose))
+        return self.agreement.flag(self.scaling.flag_array(found_inf), self.scaling.config,
+                                   self.scaling.state, whose=self.whose(whose))
 
     def agree_group(self, found: Any, squares: Any, group: int, *, whose: int = 0) -> Agreed:
         """One group's flag and guard values agreed in ONE collective (per optimizer: torch facades)."""
@@ -276,9 +275,10 @@ class Iteration:
         return self.scaling.ready()[0].sum_of_squares(arrays) if watches else None
 
     def whose(self, whose: int, group: int = 0) -> int:
-        """The identity a collective names: ``whose`` and the guard's settings, loss and history."""
+        """The identity a collective names: ``whose``, the guard's settings, loss and history, the meter's."""
         given = self.checks.loss is not None
-        return whose if self.guarding is None else self.guarding.whose(whose, group, given)
+        whose = whose if self.guarding is None else self.guarding.whose(whose, group, given)
+        return self.metering.whose(whose, self.steps)  # and the meter's settings and sampling phase
 
     def _sent(self, measured: GuardValues) -> Any:
         """This rank's guard values to agree (None without a guard)."""

@@ -58,7 +58,7 @@ class Metering:
         self.meter = meter
         self.last: PrecisionReport | None = None
         self._digest = b"" if meter is None else to_bytes(meter.digest())
-        self._whose: dict[int, int] = {}  # a caller's whose -> it with the meter's digest folded in
+        self._whose: dict[tuple[int, int], int] = {}  # (a caller's whose, phase) -> folded
         self.active = meter is not None  # a plain attribute: the iteration reads it on every step
 
     def due(self, unscaled: bool, steps: int, sample: Sample | None) -> bool:
@@ -114,20 +114,24 @@ class Metering:
         flat = [xp.reshape(xp.astype(a, xp.float64), (-1,)) for a in _ordered(sample.parts)]
         return xp.concat([*flat, xp.reshape(xp.astype(sample.scale, xp.float64), (1,))])
 
-    def whose(self, whose: int) -> int:
-        """``whose`` with the meter's settings folded in (a rank whose meter differs is misaligned)."""
+    def whose(self, whose: int, steps: int) -> int:
+        """``whose`` with the meter's settings and sampling phase (``steps`` taken modulo ``every``)
+        folded in: a rank whose meter differs, or that samples at other steps, is misaligned."""
         if self.meter is None:
             return whose
-        folded = self._whose.get(whose)
+        key = (whose, steps % self.meter.every)
+        folded = self._whose.get(key)
         if folded is None:
-            folded = self._whose[whose] = content_digest(to_bytes(whose), self._digest)
+            if len(self._whose) >= 1024:
+                self._whose.clear()
+            folded = self._whose[key] = content_digest(to_bytes(whose), self._digest, to_bytes(key[1]))
         return folded
 
     def agree(self, agreement: Any, found: Any, both: Any, maxed: tuple[bool, ...], sample: Sample | None,
               scaling: Any, whose: int) -> tuple[Agreed, Sample | None]:
         """``found`` and ``both`` (the user's and the guard's values) agreed in ONE collective, the
         sample's vector after them on a sample step; ``both`` comes back in its dtype and shape."""
-        config, state, whose = scaling.config, scaling.fingerprinted, self.whose(whose)
+        config, state = scaling.config, scaling.fingerprinted  # ``whose``: :meth:`whose` folded in
         if sample is None:
             return agreement.flag_and_extra(found, both, config, state, whose=whose, maxed=maxed), None
         mine = self.vector(sample, scaling.backend)

@@ -294,7 +294,7 @@ class MixedPrecisionTrainer:
             size += 1
         # every rank must clip alike and guard alike: the clip setting, the guard's settings and
         # history are part of what is agreed
-        whose = self._iteration.metering.whose(self._iteration.whose(self._clip_id))  # and the meter's
+        whose = self._iteration.whose(self._clip_id)  # the guard's and the meter's folded in
         like = None if self._aligned_once else grads.flat
         self._iteration.sum_payload(grads.storage, size, whose=whose, like=like)
         self._aligned_once = True

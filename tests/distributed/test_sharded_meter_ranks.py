@@ -112,3 +112,26 @@ def test_ranks_whose_meters_differ_raise_on_every_rank_before_any_applies(run_gl
     for r in run_gloo(mismatch_run, 2, kind).results():
         assert r["error"] == "RankMismatchError", r
         assert r["weights"] == [0.0, 0.0]
+
+
+def phase_run(rank: int, size: int, group: str) -> dict:
+    """Each rank resumes from a checkpoint taken at another step (1 and 2 steps taken, every=3): the
+    first step samples on neither rank, but their sampling phases differ."""
+    import polyamp
+    from polyamp.distributed import reducer
+
+    meter = polyamp.PrecisionMeter(every=3)
+    scaler = polyamp.LossScaler(init_scale=2.0**8, reducer=reducer(group), meter=meter)
+    scaler.load_state_dict({**scaler.state_dict(), "steps": 1 + rank})
+    applied: list[int] = []
+    try:
+        scaler.step({k: np.ones(2, np.float32) for k in NAMES}, lambda: applied.append(1))
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported per rank
+        error = type(exc).__name__
+    return {"error": error, "applied": applied}
+
+
+def test_ranks_whose_sampling_phase_differs_raise_at_once_on_every_rank(run_gloo):
+    for r in run_gloo(phase_run, 2, "torch").results():
+        assert r == {"error": "RankMismatchError", "applied": []}, r
