@@ -87,3 +87,7 @@ def check(results: list[dict], size: int) -> None:
 @pytest.mark.parametrize("size", [2, 3])
 def test_every_rank_gets_the_global_report_in_the_steps_one_collective(run_gloo, size):
     check(run_gloo(meter_run, size, "torch").results(), size)
+
+
+def test_every_rank_gets_the_global_report_in_the_steps_one_collective_mpi(run_mpi):
+    check(run_mpi(meter_run, 3, "mpi").results(), 3)
