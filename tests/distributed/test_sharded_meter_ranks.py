@@ -27,13 +27,13 @@ def full_grads(step: int) -> dict[str, np.ndarray]:
     return grads
 
 
-def _build(rank: int, size: int, meter) -> tuple:
+def _build(rank: int, size: int, meter, guard=None) -> tuple:
     import torch
     from polyamp.compat.torch import ShardedGradScaler
 
     params = {k: torch.nn.Parameter(torch.zeros(len(range(N)[shard_of(rank, size)]))) for k in NAMES}
     opts = [torch.optim.SGD([params[k]], lr=1.0) for k in NAMES]  # one optimizer per tensor
-    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, meter=meter)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, meter=meter, guard=guard)
     scaler.scale(torch.ones(()))  # creates the scale state, as a backward pass would
     return params, opts, scaler
 
@@ -42,6 +42,7 @@ def _step(scaler, params, opts, grads: dict[str, np.ndarray], rank: int, size: i
     import torch
 
     scale = np.float32(scaler.get_scale())
+    scaler.scale(torch.ones(()))  # the loss a guard judges (the same on every step)
     for k, p in params.items():
         p.grad = torch.from_numpy((grads[k][shard_of(rank, size)] * scale).astype(np.float32))
     for opt in opts:
@@ -49,12 +50,13 @@ def _step(scaler, params, opts, grads: dict[str, np.ndarray], rank: int, size: i
     scaler.update()
 
 
-def sharded_meter_run(rank: int, size: int) -> dict:
+def sharded_meter_run(rank: int, size: int, guarded: bool = False) -> dict:
     import polyamp
 
     out: dict = {}
     for name, meter in (("plain", None), ("metered", polyamp.PrecisionMeter(every=EVERY))):
-        params, opts, scaler = _build(rank, size, meter)
+        guard = polyamp.StepGuard(loss_zscore=6.0, grad_norm_zscore=6.0) if guarded else None
+        params, opts, scaler = _build(rank, size, meter, guard)
         counts, reports, weights = [], [], []
         for step in range(STEPS):
             before = scaler.reducer.collectives if step else 0
@@ -80,11 +82,11 @@ def mismatch_run(rank: int, size: int, kind: str) -> dict:
     return {"error": error, "weights": [float(p.detach().abs().sum()) for p in params.values()]}
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_every_rank_gets_the_global_report_in_each_optimizers_collective(run_gloo, size):
+@pytest.mark.parametrize(("size", "guarded"), [(2, False), (3, False), (2, True)])
+def test_every_rank_gets_the_global_report_in_each_optimizers_collective(run_gloo, size, guarded):
     import polyamp
 
-    results = run_gloo(sharded_meter_run, size).results()
+    results = run_gloo(sharded_meter_run, size, guarded).results()
     meter = polyamp.PrecisionMeter(every=EVERY)
     numpy = polyamp.get_backend("numpy")
     for step in range(STEPS):
@@ -101,8 +103,10 @@ def test_every_rank_gets_the_global_report_in_each_optimizers_collective(run_glo
         assert got[0] == want, step
     assert results[0]["metered"]["reports"][2].tensors[1].nonfinite == 1  # counted though skipped
     for r in results:
-        assert r["plain"]["counts"] == [2] * STEPS  # one collective per optimizer
-        assert r["metered"]["counts"] == [3] + [2] * (STEPS - 1)  # + the meter's one announcement
+        first = 2 + guarded  # one collective per optimizer (+ the guard's announcement of its values)
+        assert r["plain"]["counts"] == [first] + [2] * (STEPS - 1)
+        # + one announcement of the metered message's length (the guard's values named in the same one)
+        assert r["metered"]["counts"] == [3] + [2] * (STEPS - 1)
         for a, b in zip(r["plain"]["weights"], r["metered"]["weights"]):  # the meter changes no step
             assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
