@@ -38,9 +38,11 @@ class StateDictKeyError(StateDictError, KeyError):
         return str(self.args[0])
 
 
-def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory]) -> dict[str, Any]:
+def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory], metered: bool = False
+                   ) -> dict[str, Any]:
     """The engine's state in torch's GradScaler format (a device sync); trackers fitted to the
-    config (``polyamp.policy.fit_to_config``), so the dict loads."""
+    config (``polyamp.policy.fit_to_config``), so the dict loads. ``metered``: a meter is set, so
+    ``"steps"`` (its sampling phase) is written too."""
     config = engine.config
     host = fit_to_config(engine.host_state(), config)
     state: dict[str, Any] = {
@@ -60,6 +62,8 @@ def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory]) ->
     if engine.guard is not None:  # polyamp's: each optimizer's StepGuard history, in step order
         groups = range(max(histories, default=-1) + 1)
         state["guard"] = [histories.get(g, GuardHistory()).to_dict() for g in groups]
+    if metered:  # polyamp's: the steps taken, so a resumed meter samples where it would have
+        state["steps"] = engine.steps
     return state
 
 
@@ -128,6 +132,11 @@ def _engine_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[str, Any
         growth_tracker=_tracker(state, "_growth_tracker", "growth_interval", growth_interval),
         backoff_tracker=_tracker(state, "_backoff_tracker", "backoff_interval", backoff_interval),
     )
+    if "steps" in state:  # polyamp's (written with a meter): the steps taken, the meter's phase
+        steps = _integer(state, "steps")
+        if not 0 <= steps < checkpoint.COUNTER_LIMIT:
+            raise StateDictError(f"steps must be an int in [0, 2**63), got steps={short_repr(steps)}")
+        full.update(steps=steps, skipped_steps=min(full["skipped_steps"], steps))
     return full
 
 

@@ -661,7 +661,7 @@ class GradScaler:
     # -- checkpoints and copies ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys; polyamp's extra keys only where the config goes beyond torch."""
-        return to_torch_state(self._engine, self._iteration.histories)
+        return to_torch_state(self._engine, self._iteration.histories, self._iteration.metering.active)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's (or polyamp's) GradScaler state dict; validated before anything changes."""
