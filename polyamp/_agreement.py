@@ -127,6 +127,10 @@ class Agreement:
         """Whether this iteration sent a message that was checked on the device only (GPU arrays)."""
         return bool(self._sent)
 
+    def forget_meter(self) -> None:
+        """A loaded checkpoint may move a meter's phase: its next sample is announced again."""
+        self._metered = False
+
     def end_iteration(self) -> None:
         """The scaler's update() ended an iteration: the next agreement is its first."""
         self.iteration += 1

@@ -115,11 +115,13 @@ class Metering:
         return xp.concat([*flat, xp.reshape(xp.astype(sample.scale, xp.float64), (1,))])
 
     def whose(self, whose: int, steps: int) -> int:
-        """``whose`` with the meter's settings and sampling phase (``steps`` taken modulo ``every``)
-        folded in: a rank whose meter differs, or that samples at other steps, is misaligned."""
+        """``whose`` with the meter's settings and sampling phase (``steps`` taken modulo ``every``;
+        at phase 0 ``steps`` itself, which a report names) folded in: a rank whose meter differs, or
+        that samples at other steps, is misaligned."""
         if self.meter is None:
             return whose
-        key = (whose, steps % self.meter.every)
+        phase = steps % self.meter.every
+        key = (whose, phase or steps)
         folded = self._whose.get(key)
         if folded is None:
             if len(self._whose) >= 1024:

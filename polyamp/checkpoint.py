@@ -132,6 +132,8 @@ def apply(iteration: Any, parts: tuple[LossScaleConfig, HostState, int, int, Gua
     config, host, steps, skipped, history = parts
     iteration.steps, iteration.skipped_steps = steps, skipped
     iteration.load(config, host)
+    if iteration.agreement is not None:  # the meter's phase may have moved: announced at its next sample
+        iteration.agreement.forget_meter()
     if iteration.guarding is not None:
         iteration.histories = {0: (history or GuardHistory()).fitted(iteration.guarding.guard.window)}
 
