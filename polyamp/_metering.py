@@ -92,11 +92,11 @@ class Metering:
               arrays: list[Any] | bool, counted: Any = None) -> Sample | None:
         """``checks.metered`` (an iteration's :class:`~polyamp._iteration.Checks`) with the unscaled
         ``arrays`` counted when :meth:`due` (``given`` named as the overflow report names them; False:
-        only checked, still scaled, so not counted; ``counted``: their ``(counts, extremes)`` from the
-        fused unscale), else as it is. No host read."""
+        only checked, still scaled, so not counted, and no sample begins with them; ``counted``: their
+        ``(counts, extremes)`` from the fused unscale), else as it is. No host read."""
         sample = checks.metered
-        if not self.due(checks.unscaled, steps, sample):
-            return sample
+        if not self.due(checks.unscaled, steps, sample) or arrays is False and sample is None:
+            return sample  # only checked, still scaled: no exact count, so no report of nothing
         backend, scale = scaling.backend, scaling.state.scale
         sample = Sample(steps, scale + 0) if sample is None else sample  # a copy: update() moves it
         if not arrays:

@@ -144,9 +144,14 @@ def _checked_format(i: int, fmt: FloatFormat) -> FloatFormat:
     ok = (isinstance(fmt.name, str) and fmt.name and isinstance(fmt.exponent_bits, int)
           and isinstance(fmt.mantissa_bits, int) and 2 <= fmt.exponent_bits <= 11
           and 1 <= fmt.mantissa_bits <= 52 and fmt.encoding in ("ieee", "fn", "fnuz"))
+    try:  # its largest value must be a float64 (11 exponent bits and "fn": 2**1024 is not)
+        ok = ok and math.isfinite(fmt.max)
+    except OverflowError:
+        ok = False
     if not ok:
         raise ConfigError(f"targets[{i}]'s FloatFormat must have a name, 2 to 11 exponent bits, 1 to 52 "
-                          f"mantissa bits and encoding 'ieee', 'fn' or 'fnuz', got {short_repr(fmt, 120)}. "
+                          f"mantissa bits and encoding 'ieee', 'fn' or 'fnuz', and a largest value float64 "
+                          f"holds, got {short_repr(fmt, 120)}. "
                           "Fix: e.g. FloatFormat('float8_e4m3fnuz', 4, 3, 'fnuz').")
     return fmt
 
