@@ -340,7 +340,8 @@ def _fix(what: str) -> str:
         return "Fix: every rank must train the same model (the same number of gradient values)."
     if "the flag of scaler/optimizer" in what:
         return ("Fix: every rank must step the same optimizers in the same order, build every rank's "
-                "StepGuard alike and give a loss on every rank or on none, give every rank the same "
+                "StepGuard and PrecisionMeter alike (or none: a meter's settings and sampling phase are part "
+                "of the flag's identity) and give a loss on every rank or on none, give every rank the same "
                 "StepGuard history (load the same checkpoint on every rank: a guard's histories of applied "
                 "steps and its streak are part of the flag's identity), build its scalers in "
                 "the same order, and give a data-parallel trainer the same max_grad_norm (two optimizers "
@@ -349,7 +350,8 @@ def _fix(what: str) -> str:
     if "extra values agreed" in what:
         return ("Fix: clip (global_norm / clip_grad_norm_ with scaler=) on every rank alike, or on none, and "
                 "build every rank's scaler with the same StepGuard (its values ride in the same message), "
-                "or with none.")
+                "or with none, and with the same PrecisionMeter or none (on its sample steps its counts "
+                "ride there too, per gradient: give every rank as many gradients, empty ones included).")
     return ("Fix: load the same checkpoint on every rank (or none), and call set_scale, load_state_dict "
             "or update(new_scale) on every rank alike.")
 

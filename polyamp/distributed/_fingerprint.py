@@ -359,7 +359,7 @@ def _field(name: str, mine: int, other: int | None) -> str:
         if name == "scale":
             return f"scale {scale_text(_from_bits(v))}"
         if name == "extras":
-            return f"{v} extra values agreed (e.g. a global-norm clip's sum of squares)"
+            return f"{v} extra values agreed (e.g. a global-norm clip's sum of squares, a meter's counts)"
         if name == "whose":
             return f"the flag of scaler/optimizer {v:#x}"
         if name == "config":
