@@ -378,7 +378,7 @@ class Iteration:
         reports = self.guarding.advance(decision.verdicts) if self.guarding is not None else ()
         try:
             if self.checks.metered is not None:  # after the decision: one read
-                self.metering.commit(self.checks.metered, self.scaling.backend)
+                self.metering.commit(self.checks, self.scaling.backend, self.agreement)
             if new_scale is not None:
                 self.scaling.set_scale(new_scale)
             elif rule:

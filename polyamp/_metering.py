@@ -149,9 +149,13 @@ class Metering:
         rest = None if both is None else _shaped(xp, agreed.extra[:head], both)
         return Agreed(agreed.found_inf, rest), sample._replace(agreed=agreed.extra[head:])
 
-    def commit(self, sample: Sample | None, backend: Any) -> None:
-        """After the decision: :attr:`last` from ``sample`` (ONE host read), if this step sampled."""
-        if sample is None:
+    def commit(self, checks: Any, backend: Any, agreement: Any = None) -> None:
+        """After the decision: :attr:`last` from ``checks.metered`` (ONE host read), if this step
+        sampled. With an ``agreement`` the counts must have been agreed, or summed with the gradients
+        (an iteration ended by ``update(found_inf=)`` or ``set_scale`` was not: no report, rather than
+        this rank's counts as if they were the step's)."""
+        sample = checks.metered
+        if sample is None or agreement is not None and sample.agreed is None and not checks.summed:
             return
         vector = self.vector(sample, backend) if sample.agreed is None else sample.agreed
         host = np.asarray(backend.to_numpy(vector), np.float64).reshape(-1)

@@ -44,3 +44,34 @@ def test_ranks_whose_meters_or_gradients_differ_raise_on_every_rank(run_gloo, si
     assert all("PrecisionMeter" in r["msg"] for r in results), results
     if case == "tensors":
         assert all("as many gradients" in r["msg"] for r in results), results
+
+
+def ended_without_agreement(rank: int, size: int, group: str, how: str) -> dict:
+    import polyamp
+    from polyamp.distributed import reducer
+
+    red = reducer(group)
+    scaler = polyamp.LossScaler(init_scale=4.0, reducer=red, meter=polyamp.PrecisionMeter(every=1))
+    grads = [np.full(3, 4.0 * (rank + 1), np.float32)]  # each rank its own gradients
+    scaler.unscale_(grads)
+    before = red.collectives
+    if how == "found_inf":
+        scaler.update(np.zeros((), np.float32))  # the user's own flag: no agreement this iteration
+    else:
+        scaler.set_scale(8.0)  # ends the iteration without an agreement
+    report = scaler.last_precision
+    after = red.collectives - before
+    scaler.step([np.full(3, 8.0, np.float32)], lambda: None)  # the next step agrees as usual
+    scaler.update()
+    return {"report": None if report is None else report.amax, "collectives": after,
+            "next": scaler.last_precision.amax}
+
+
+@pytest.mark.parametrize("how", ["found_inf", "set_scale"])
+def test_an_iteration_ended_without_agreement_gives_no_rank_a_local_report(run_gloo, how):
+    results = run_gloo(ended_without_agreement, 2, "torch", how, timeout=60).results()
+    # each rank's own counts dressed as the step's global report differed between the ranks (1.0, 2.0)
+    assert [r["report"] for r in results] == [None, None], results
+    assert [r["collectives"] for r in results] == [0, 0]
+    next_amax = 8.0 / (4.0 if how == "found_inf" else 8.0)  # the same on every rank: agreed
+    assert [r["next"] for r in results] == [next_amax, next_amax]
