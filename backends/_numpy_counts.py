@@ -280,10 +280,10 @@ def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float
 
     from . import _numpy_kernels as k
 
-    for g in grads:  # refused before any gradient changes, as the unfused kernel refuses them
+    for i, g in enumerate(grads):  # refused before any gradient changes, as the unfused kernel refuses them
         k._check_dtype(g)
         if not g.flags.writeable and not inv == 1.0:
-            raise ValueError("gradient is read-only")
+            raise ValueError(k.read_only(i, g))
     fused = fused_available() and inv == inv
     plan, workers = _Plan(bounds, scale), k.threads()
     counts: list[int] = []

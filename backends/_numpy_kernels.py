@@ -494,16 +494,23 @@ def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found
     inv = np.float32(np.asarray(inv_scale).reshape(())[()])
     scale = not inv == 1.0
     kernel, workers = _requested(), threads()
-    for g in grads:
+    for i, g in enumerate(grads):
         _check_dtype(g)
         if scale and not g.flags.writeable:
-            raise ValueError("gradient is read-only")
+            raise ValueError(read_only(i, g))
     bad = False
     with np.errstate(all="ignore"):  # torch is silent about inf/nan/overflow; so are we
         for g in grads:
             bad |= _process(g, inv, scale, kernel, workers)
     if bad:
         found_inf[...] = 1.0
+
+
+def read_only(i: int, g: np.ndarray) -> str:
+    """The refusal of a read-only gradient ``grads[i]``: unscaling writes it in place."""
+    return (f"grads[{i}] is a read-only array (numpy.ndarray, shape {g.shape}, dtype {g.dtype}, "
+            "flags.writeable is False), which cannot be unscaled in place; nothing was changed. Fix: pass "
+            "writable gradients (np.array(g) is a writable copy).")
 
 
 def all_finite(arrays: Sequence[np.ndarray]) -> bool:

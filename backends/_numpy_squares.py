@@ -142,10 +142,10 @@ def unscale_and_squares(grads: Sequence[np.ndarray], inv: np.float32, found_inf:
     contiguous writable float32 gradients on the compiled path, else the two passes."""
     from . import _numpy_kernels as k
 
-    for g in grads:  # refused before any gradient changes, as the unfused kernel refuses them
+    for i, g in enumerate(grads):  # refused before any gradient changes, as the unfused kernel refuses them
         k._check_dtype(g)
         if not g.flags.writeable and not inv == 1.0:
-            raise ValueError("gradient is read-only")
+            raise ValueError(k.read_only(i, g))
     fused = fused_available()
     total, bad, rest = 0.0, False, []
     for g in grads:

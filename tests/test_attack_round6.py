@@ -43,3 +43,20 @@ def test_the_torch_facade_with_a_fused_optimizer_makes_no_empty_report():
 def test_a_format_beyond_float64_is_a_config_error_naming_it(fmt):
     with pytest.raises(polyamp.ConfigError, match=rf"targets\[0\]'s FloatFormat.*{fmt.name}.*Fix:"):
         PrecisionMeter(targets=((fmt, 1.0),))
+
+
+# -- 3: a read-only NumPy gradient was refused as "gradient is read-only": no name, no fix ---------
+@pytest.mark.parametrize("meter", [None, PrecisionMeter(every=1)])
+@pytest.mark.parametrize("guard", [None, polyamp.StepGuard(max_grad_norm=1e9)])
+def test_a_read_only_gradient_is_refused_naming_it_and_the_fix_and_nothing_changes(meter, guard):
+    scaler = polyamp.LossScaler(init_scale=8.0, meter=meter, guard=guard)
+    writable, locked = np.full(4, 8.0, np.float32), np.full(4, 8.0, np.float32)
+    locked.flags.writeable = False
+    with pytest.raises(ValueError, match=r"grads\[1\] is a read-only array .*flags\.writeable is False.*"
+                                         r"Fix: .*np\.array\(g\)"):
+        scaler.step([writable, locked], lambda: None)
+    assert (writable == 8.0).all() and not scaler.has_pending_check and scaler.steps == 0
+    scaler.step([writable, locked.copy()], lambda: None)  # the next step runs as if nothing happened
+    scaler.update()
+    assert (writable == 1.0).all() and scaler.steps == 1
+    assert meter is None or scaler.last_precision.amax == 1.0
