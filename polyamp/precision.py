@@ -99,8 +99,13 @@ class PrecisionMeter:
 
 
 def _check_scale(scale: Any) -> None:
-    if hasattr(scale, "shape"):
-        return  # the step's own 0-d scale array: checked where it entered
+    if isinstance(scale, np.ndarray) and scale.ndim == 0 or isinstance(scale, np.generic):
+        scale = scale[()]  # a host number: checked as one (no device read)
+    elif hasattr(scale, "shape"):  # a device's 0-d array (the step's own scale): its shape only, no read
+        if math.prod(tuple(scale.shape)) != 1:
+            raise ConfigError(f"scale must be one number (a 0-d or 1-element array), got an array of shape "
+                              f"{tuple(scale.shape)}. Fix: pass the loss scale, e.g. scaler.get_scale().")
+        return
     value = _plain(scale, integral=False)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not fits_float(value) or not (
             math.isfinite(value) and value > 0):

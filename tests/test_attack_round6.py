@@ -60,3 +60,27 @@ def test_a_read_only_gradient_is_refused_naming_it_and_the_fix_and_nothing_chang
     scaler.update()
     assert (writable == 1.0).all() and scaler.steps == 1
     assert meter is None or scaler.last_precision.amax == 1.0
+
+
+# -- 4: a NumPy scalar scale skipped the scale check (NumPy scalars have .shape): nan, -2, 0 counted
+@pytest.mark.parametrize("scale", [np.float64(np.nan), np.float32(-2.0), np.array(0.0), np.float64(np.inf),
+                                   np.bool_(True), np.array([1.0, 2.0])])
+def test_count_and_measure_refuse_a_bad_numpy_scale_naming_scale(scale):
+    from polyamp import functional
+
+    meter = PrecisionMeter(every=1)
+    grads = [np.full(3, 1e-6, np.float32)]
+    with pytest.raises(polyamp.ConfigError, match=r"scale must be .*Fix:"):
+        meter.count(polyamp.get_backend("numpy"), grads, scale)
+    with pytest.raises(polyamp.ConfigError, match=r"scale must be .*Fix:"):
+        functional.measure(grads, scale, meter.targets)
+
+
+def test_count_takes_numpy_scalar_scales_as_numbers():
+    meter = PrecisionMeter(every=1)
+    grads = [np.full(3, 1e-6, np.float32)]
+    numpy = polyamp.get_backend("numpy")
+    want = meter.count(numpy, grads, 1024.0)
+    for scale in (np.float32(1024.0), np.int64(1024), np.array(1024.0), np.array([1024.0])):
+        got = meter.count(numpy, grads, scale)
+        assert np.array_equal(got.counts, want.counts) and np.array_equal(got.extremes, want.extremes)
