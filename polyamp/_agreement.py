@@ -109,7 +109,7 @@ class Agreement:
         self._owners: dict[int, int] = {}  # a caller's whose -> its digest with self.owner
         self._length = 0  # the extra values of the last message (a change is announced first)
         self._metered = False  # a meter's first sample was announced
-        self._host_wire: Any = None  # the wire of a flag alone in host memory, reused
+        self._wires: dict[tuple[type, int], Any] = {}  # (format, id(place)) -> its wire, reused
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -174,8 +174,6 @@ class Agreement:
         host = self._next(config, payload, extras, whose)
         like = found_inf if extra is None else extra
         on_host = _on_host(found_inf, extra, state)
-        if on_host and extra is None:
-            return self._agree_on_host(found_inf, host, state)
         if on_host:  # 0-d in host memory: reading it costs no sync; non-zero (NaN too) as read_flag
             found_inf = float(found_inf) != 0
             values = None if extra is None else _host(extra)
@@ -186,24 +184,6 @@ class Agreement:
         fields = self._fields(wire.place, host, state)
         message = self._reduce(wire, wire.send(fields, found_inf, values))
         return self._judge(wire, message, fields, state, like, extra)
-
-    def _agree_on_host(self, found_inf: Any, host: list[int], state: Any) -> Agreed:
-        """:meth:`_agree` of a flag alone with everything in host memory (a CPU step: the common
-        case), read at once. A flag of 0 that stays 0 is returned as it is (no new array)."""
-        local = found_inf if isinstance(found_inf, bool) else float(found_inf)
-        wire = self._host_wire
-        if wire is None:
-            red = self.reducer
-            wire = self._host_wire = self._wire.wire_for(red.size, 0)(self._host, red.rank, red.size, 0)
-        wire.key = host[3]
-        fields = self._fields(self._host, host, state)
-        message = self._reduce(wire, wire.send(fields, local != 0, None))
-        read = wire.read(message)
-        if not read.aligned:
-            self._explain(wire, message, fields, state)
-        if not read.flag and local == 0 and _is_plain_flag(found_inf):
-            return Agreed(found_inf, None)
-        return Agreed(_new_flag(found_inf, 1.0 if read.flag else 0.0), None)
 
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
                   whose: int, length: int, known: int = 0) -> None:
@@ -248,7 +228,12 @@ class Agreement:
             place = self._places.get((xp, device))
             if place is None:
                 place = self._places[(xp, device)] = fp.Place(xp, device)
-        return self._wire.wire_for(red.size, extras, payload)(place, red.rank, red.size, host[3])
+        kind = self._wire.wire_for(red.size, extras, payload)
+        wire = self._wires.get((kind, id(place)))  # places are kept: their ids stay theirs
+        if wire is None:
+            wire = self._wires[(kind, id(place))] = kind(place, red.rank, red.size, host[3])
+        wire.key, wire.maxed = host[3], ()
+        return wire
 
     @staticmethod
     def _fields(place: Any, host: list[int], state: Any) -> Any:
@@ -271,7 +256,12 @@ class Agreement:
         if wire.place.host:
             if not read.aligned:
                 self._explain(wire, message, fields, state)
-            flag = None if read.flag is None else _new_flag(like, 1.0 if read.flag else 0.0)
+            if read.flag is None:
+                flag = None
+            elif extra is None and not read.flag and _is_plain_flag(like) and float(like) == 0:
+                flag = like  # a 0 flag that stays 0 stands as the agreed one (no new array per step)
+            else:
+                flag = _new_flag(like, 1.0 if read.flag else 0.0)
             return Agreed(flag, None if extra is None else _new_like(extra, read.extra))
         xp = wire.place.xp
         self._sent.append(_Sent(wire, message, xp.reshape(read.aligned, (1,)), fields, state))
