@@ -98,7 +98,7 @@ class Agreement:
         # whose flags: the n-th agreement this process made on this group (ranks build their scalers
         # alike), so two scalers on one group whose steps are swapped on one rank are found
         self.owner = _next_owner(self.reducer.group_key())
-        self.iteration = 0  # iterations ended (update() calls) since this agreement was made
+        self.iterations = 0  # iterations ended (update() calls) since this agreement was made
         self.collective = 0  # agreements so far in this iteration
         self._fp, self._wire, self._mismatch = _fingerprint, _wire, RankMismatchError
         self._crc, self._host_read = config_fingerprint, to_host_array
@@ -133,7 +133,7 @@ class Agreement:
 
     def end_iteration(self) -> None:
         """The scaler's update() ended an iteration: the next agreement is its first."""
-        self.iteration += 1
+        self.iterations += 1
         self.collective = 0
         self._sent.clear()
 
@@ -306,7 +306,7 @@ class Agreement:
                 self._owners.clear()
             owner = self._owners[whose] = content_digest(to_bytes(whose), to_bytes(self.owner))
         crc = self._config[1]
-        return [crc, self.iteration, self.collective, self.reducer.collectives, payload, extras, owner]
+        return [crc, self.iterations, self.collective, self.reducer.collectives, payload, extras, owner]
 
 
 def check_extra(extra: Any, most: int = USER_EXTRA) -> None:

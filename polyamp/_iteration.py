@@ -121,6 +121,9 @@ class Checks(NamedTuple):
 #: ``decide()``'s default flag: the iteration's own (agreed first).
 OWN: Any = object()
 
+#: An iteration's checks before its first check (immutable: one for all).
+FRESH = Checks()
+
 
 class Iteration:
     """A scaler's state and its iteration's steps (see the module docstring); ``agreement`` may be
@@ -137,7 +140,7 @@ class Iteration:
         self.diagnose = diagnose
         self.log = SkipLog()  # the first skips one INFO line each, then a summary per window
         self.last_overflow: overflow.OverflowReport | None = None
-        self.checks = Checks()
+        self.checks = FRESH
         self.steps = self.skipped_steps = 0
         self.window = SkipWindow()  # the skips of the last steps, for metrics(); host-only
 
@@ -155,7 +158,7 @@ class Iteration:
         """Replace the config and the state; forget the checks (not the agreement's count)."""
         self.scaling.config = config
         self.scaling.load(host)
-        self.checks = Checks()
+        self.checks = FRESH
 
     # -- checking -------------------------------------------------------------------------
     def unscale(self, grads: Iterable[Any], *, check_only: bool = False, where: str = "unscale_()",
@@ -319,7 +322,7 @@ class Iteration:
             backend = self.scaling.bind(flag)
         if self.guarding is None or not (own or values is not None):
             skipped = flag if isinstance(flag, bool) else bool(backend.read_flag(flag))
-            return Decision(skipped, flag, exact=own)
+            return Decision(skipped, flag, own)
         checks = self.checks
         agreed = self.agreement is not None and (values is not None or checks.agreed is not None)
         if values is None:  # the iteration's: agreed with the flag, or this rank's (the trainer's are summed)
@@ -412,7 +415,7 @@ class Iteration:
 
     def end(self) -> None:
         """Forget this iteration's checks; the agreement's next collective opens a new iteration."""
-        self.checks = Checks()
+        self.checks = FRESH
         if self.agreement is not None:
             self.agreement.end_iteration()
 

@@ -345,13 +345,15 @@ def describe(sums: np.ndarray, ranks: int, mine: Fingerprint, encoding: Encoding
 
 
 def _position(mine: Fingerprint, other: dict[str, int | None]) -> str:
-    here = f"collective {mine.collective} of iteration {mine.iteration} (the reducer's collective " \
-           f"#{mine.sequence + 1}) on this rank"
-    if None in (other["collective"], other["iteration"], other["sequence"]):
-        return f"the ranks' collectives are not aligned: {here}, other positions on the other ranks"
-    there = (f"collective {other['collective']} of iteration {other['iteration']} (#"
-             f"{int(other['sequence']) + 1}) on the other ranks")  # type: ignore[arg-type]
-    return f"the ranks' collectives are not aligned: {here}, {there}"
+    """Where this rank's collective stands (a Fingerprint's fields), and the others' (as decoded)."""
+    def where(at: dict[str, Any], sequence: str) -> str:
+        number = int(at["sequence"]) + 1
+        return f"collective {at['collective']} of iteration {at['iteration']} ({sequence}{number})"
+
+    here = where(mine._asdict(), "the reducer's collective #")
+    known = None not in map(other.get, ("collective", "iteration", "sequence"))
+    there = where(other, "#") if known else "other positions"
+    return f"the ranks' collectives are not aligned: {here} on this rank, {there} on the other ranks"
 
 
 def _field(name: str, mine: int, other: int | None) -> str:
