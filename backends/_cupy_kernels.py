@@ -97,13 +97,12 @@ __host__ __device__ inline bool unscale_one(T& x, float inv, bool multiply, bool
   return bad;
 }
 
-// Elements [start, stop) of one tensor, strided over the threads of one block.
-template <typename T>
-__host__ __device__ inline bool unscale_range(T* data, i64 start, i64 stop, float inv,
-                                              bool multiply, bool store, i64 thread,
-                                              i64 n_threads) {
+// Elements [start, stop) of one tensor, strided over the threads of one block: any op(x) true.
+// 16-byte vector loads (kUnroll in flight per thread) and stores where aligned, else one by one.
+template <typename T, int kUnroll, typename Op>
+__host__ __device__ inline bool for_range(T* data, i64 start, i64 stop, bool store, i64 thread,
+                                          i64 n_threads, Op op) {
   const int kVec = 16 / sizeof(T);
-  const int kUnroll = @UNROLL@;
   bool bad = false;
   i64 scalar_from = start;
   if ((((u64)(data + start)) & 15) == 0) {
@@ -121,18 +120,24 @@ __host__ __device__ inline bool unscale_range(T* data, i64 start, i64 stop, floa
         const i64 i = base + u * n_threads;
         if (i < n_vec) {
 #pragma unroll
-          for (int k = 0; k < kVec; ++k) bad |= unscale_one<T>(p[u].v[k], inv, multiply, store);
+          for (int k = 0; k < kVec; ++k) bad |= op(p[u].v[k]);
           if (store) vec[i] = p[u];
         }
       }
     }
     scalar_from = start + n_vec * kVec;
   }
-  for (i64 i = scalar_from + thread; i < stop; i += n_threads) {
-    bad |= unscale_one<T>(data[i], inv, multiply, store);
-  }
+  for (i64 i = scalar_from + thread; i < stop; i += n_threads) bad |= op(data[i]);
   return bad;
 }
+
+struct Unscale {
+  float inv;
+  bool multiply, store;
+  template <typename T> __host__ __device__ bool operator()(T& x) const {
+    return unscale_one<T>(x, inv, multiply, store);
+  }
+};
 
 // One thread's whole share of a launch: chunks block, block + n_blocks, ... of the table.
 template <typename T>
@@ -152,7 +157,8 @@ __host__ __device__ inline bool unscale_thread(const i64* table, int n_tensors, 
     const i64 start = (entry & 0xffffffffLL) * chunk;
     const i64 stop = start + chunk < sizes[t] ? start + chunk : sizes[t];
     T* data = reinterpret_cast<T*>(table[t]);
-    bad |= unscale_range<T>(data, start, stop, inv, multiply, store, thread, n_threads);
+    bad |= for_range<T, @UNROLL@>(data, start, stop, store, thread, n_threads,
+                                  Unscale{inv, multiply, store});
   }
   return bad;
 }
@@ -181,7 +187,7 @@ __host__ __device__ inline void publish_flag(bool block_bad, bool leader, float*
 
 _COUNT = r"""
 // polyamp cupy backend: unscale and a precision meter's counts, fused (polyamp._precision_counts).
-// Phase 0 unscales each chunk as unscale_range does (16-byte vectors), counts its stored values
+// Phase 0 unscales each chunk as unscale_thread does (16-byte vectors), counts its stored values
 // (nonfinite, zeros, amax, amin), then, while the chunk is in L1/L2, each target not scaled by
 // amax; phase 1 (a second launch, only with such targets) counts the amax targets, their scale
 // M / amax read from phase 0's amax. Counts are exact: v = |g| * s in float64 per value.
@@ -223,50 +229,18 @@ __host__ __device__ inline void tally(Base& c, double y) {
   if (a > 0.0 && a < c.amin) c.amin = a;
 }
 
-template <typename T>
-__host__ __device__ inline bool unscale_count_one(T& x, float inv, bool multiply, bool store,
-                                                  Base& c) {
-  const bool bad = unscale_one<T>(x, inv, multiply, store);
-  tally(c, (double)Elem<T>::load(x));
-  return bad;
-}
-
-// unscale_range with each stored value counted.
-template <typename T>
-__host__ __device__ inline bool unscale_count_range(T* data, i64 start, i64 stop, float inv,
-                                                    bool multiply, bool store, i64 thread,
-                                                    i64 n_threads, Base& c) {
-  const int kVec = 16 / sizeof(T);
-  const int kUnroll = 1;  // the counts take registers: one load in flight, no spills
-  bool bad = false;
-  i64 scalar_from = start;
-  if ((((u64)(data + start)) & 15) == 0) {
-    const i64 n_vec = (stop - start) / kVec;
-    Pack<T>* vec = reinterpret_cast<Pack<T>*>(data + start);
-    for (i64 base = thread; base < n_vec; base += n_threads * kUnroll) {
-      Pack<T> p[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const i64 i = base + u * n_threads;
-        if (i < n_vec) p[u] = vec[i];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const i64 i = base + u * n_threads;
-        if (i < n_vec) {
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) bad |= unscale_count_one<T>(p[u].v[k], inv, multiply, store, c);
-          if (store) vec[i] = p[u];
-        }
-      }
-    }
-    scalar_from = start + n_vec * kVec;
+// unscale_one with the stored value counted; for_range with it takes one load in flight per
+// thread (the counts take registers: no spills).
+struct UnscaleCount {
+  float inv;
+  bool multiply, store;
+  Base& c;
+  template <typename T> __host__ __device__ bool operator()(T& x) const {
+    const bool bad = unscale_one<T>(x, inv, multiply, store);
+    tally(c, (double)Elem<T>::load(x));
+    return bad;
   }
-  for (i64 i = scalar_from + thread; i < stop; i += n_threads) {
-    bad |= unscale_count_one<T>(data[i], inv, multiply, store, c);
-  }
-  return bad;
-}
+};
 
 // A target's multiplier s in float64: the loss scale, the number, or M / amax (1 when amax is 0,
 // the largest float64 where the quotient overflows).
@@ -330,8 +304,8 @@ __device__ inline void unscale_count_kernel(const i64* table, int n_tensors, i64
       }
       __syncthreads();
       Base b = {0, 0, 0.0, double_of(@INF_BITS@ULL)};
-      bad |= unscale_count_range<T>(data, start, stop, inv, multiply, store, threadIdx.x,
-                                    blockDim.x, b);
+      bad |= for_range<T, 1>(data, start, stop, store, threadIdx.x, blockDim.x,
+                             UnscaleCount{inv, multiply, store, b});
       atomicAdd(&sums[0], (unsigned long long)b.nonfinite);
       atomicAdd(&sums[1], (unsigned long long)b.zeros);
       atomicMax(&top, (unsigned long long)bits_of(b.amax));

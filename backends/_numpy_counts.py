@@ -227,7 +227,7 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
         with np.errstate(all="ignore"):
             return bool(fused(data[a:b], bits[a:b], scalar, mask, infinity, limits, outs[i], exts[i], BLOCK))
 
-    bad = _on_threads(run, len(spans), workers)
+    bad = any(k.on_threads(run, len(spans), workers))
     out = outs[0] if len(outs) == 1 else np.sum(outs, axis=0)
     top, low = max(int(e[0]) for e in exts), min(int(e[1]) for e in exts)
     amax, amin = value(top, name), (value(low, name) if low != inf else None)
@@ -243,23 +243,6 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
         under, sub, kept = le[j]
         row += [under - zeros, sub - under, numel - kept - nonfinite]
     return bad, row, amax, (-amin if amin is not None else -math.inf)
-
-
-def _on_threads(run: Callable[[int], bool], parts: int, workers: int) -> bool:
-    """``run(i)`` for each part, the first on this thread, the others on ``_numpy_kernels``' pool."""
-    if parts < 2:
-        return run(0)
-    from concurrent.futures import wait
-
-    from . import _numpy_kernels as k
-
-    pool = k._executor(workers)
-    futures = [pool.submit(run, i) for i in range(1, parts)]
-    try:
-        bad = run(0)
-    finally:
-        wait(futures)  # never return while a thread still writes the gradient
-    return bad | any([f.result() for f in futures])
 
 
 def _flat(g: np.ndarray) -> np.ndarray | None:
@@ -280,10 +263,7 @@ def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float
 
     from . import _numpy_kernels as k
 
-    for i, g in enumerate(grads):  # refused before any gradient changes, as the unfused kernel refuses them
-        k._check_dtype(g)
-        if not g.flags.writeable and not inv == 1.0:
-            raise ValueError(k.read_only(i, g))
+    k.check_writable(grads, not inv == 1.0)
     fused = fused_available() and inv == inv
     plan, workers = _Plan(bounds, scale), k.threads()
     counts: list[int] = []
@@ -297,7 +277,7 @@ def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float
         else:  # the unfused passes, on this gradient alone
             flag = np.zeros((), np.float32)
             k.unscale_and_check_([g], np.asarray(inv), flag)
-            xp = _numpy_namespace()
+            import array_api_compat.numpy as xp
             one = precision.count(xp, [g], scale if scale is not None else 1.0, bounds,
                                   precision.Kinds(xp.float64, xp.int64, "cpu"))
             part_bad, row = bool(flag), one.counts.tolist()
@@ -310,8 +290,3 @@ def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float
         found_inf[...] = 1.0
     return np.asarray(counts, np.int64), np.asarray(amaxes + neg_amins, np.float64)
 
-
-def _numpy_namespace() -> Any:
-    import array_api_compat.numpy as xp
-
-    return xp

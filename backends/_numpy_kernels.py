@@ -101,10 +101,7 @@ def set_kernel(name: str | None) -> None:
 
 
 def _requested() -> str:
-    """The path asked for: ``set_kernel``, then ``$POLYAMP_NUMPY_KERNEL``, then ``compiled``.
-
-    Read on every call so a changed environment takes effect without a re-import.
-    """
+    """The path asked for, read on every call so a changed environment takes effect."""
     name = _forced or os.environ.get(ENV_VAR, "").strip().lower() or "compiled"
     if name not in KERNELS:
         raise ValueError(f"{ENV_VAR}={name!r}; expected one of {KERNELS}")
@@ -123,10 +120,7 @@ def set_threads(n: int | None) -> None:
 
 
 def threads() -> int:
-    """Threads a gradient of at least ``2 * PARALLEL_BYTES`` is cut across now.
-
-    ``set_threads``, then ``$POLYAMP_NUMPY_THREADS``, then the cpus this process may run on.
-    """
+    """Threads a gradient of at least ``2 * PARALLEL_BYTES`` is cut across now."""
     if _forced_threads is not None:
         return _forced_threads
     text = os.environ.get(THREADS_ENV_VAR, "").strip()
@@ -173,13 +167,6 @@ def compiled_available() -> bool:
     return _load_compiled() is not None
 
 
-def __getattr__(name: str) -> Any:
-    """Compute ``COMPILED_AVAILABLE`` on first access so importing the module stays cheap."""
-    if name == "COMPILED_AVAILABLE":
-        return compiled_available()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # ----------------------------------------------------------------------------- compiled path
 def _scale_check_f32(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
     """Multiply float32 ``g`` by ``inv`` in place (if ``scale``); True if any input was inf/nan.
@@ -196,10 +183,7 @@ def _scale_check_f32(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
 
 
 def _scale_check_f64(g: np.ndarray, inv: np.float64, scale: bool) -> bool:
-    """Multiply float64 ``g`` by ``inv`` in place (if ``scale``); True if any input was inf/nan.
-
-    Same exponent-carry trick as the float32 kernel, on 64-bit words.
-    """
+    """The float32 kernel on 64-bit words."""
     bits = g.view(np.uint64)
     acc = np.uint64(0)
     for i in range(g.size):
@@ -351,11 +335,8 @@ def _load_compiled() -> dict[str, Callable[..., bool]] | None:
 
 # ----------------------------------------------------------------------------- blocked path
 def _limits(dtype: np.dtype) -> tuple[type, type, np.integer, np.integer]:
-    """Signed and unsigned integer types of ``dtype``'s width, and their inf/nan thresholds.
-
-    A value is +inf/+nan iff its bits as a signed int are >= the exponent mask, and -inf/-nan
-    iff its bits as an unsigned int are >= sign bit | exponent mask.
-    """
+    """Integer types of ``dtype``'s width and their inf/nan thresholds: +inf/+nan's bits as a signed int
+    are >= the exponent mask, -inf/-nan's as an unsigned int >= sign bit | exponent mask."""
     bits = 8 * dtype.itemsize
     signed, unsigned = np.dtype(f"int{bits}").type, np.dtype(f"uint{bits}").type
     mask = _EXP_MASK[_name(dtype)]
@@ -387,10 +368,7 @@ def _blocked(x: np.ndarray, inv: np.float32, scale: bool) -> bool:
 
 # ----------------------------------------------------------------------------- dispatch
 def _naive(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
-    """Check then multiply the whole array (any layout); True if any input was inf/nan.
-
-    Two passes over memory plus a gradient-sized boolean temporary: the reference and fallback.
-    """
+    """Check then multiply the whole array (any layout): two passes and a boolean temporary."""
     bad = not bool(np.isfinite(g).all())
     if scale:
         np.multiply(g, inv, out=g)
@@ -398,10 +376,7 @@ def _naive(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
 
 
 def _flat(g: np.ndarray) -> np.ndarray | None:
-    """A flat 1-D view of ``g`` if the fast paths can take it, else ``None``.
-
-    Needs contiguous (C or F), aligned, native-order memory; anything else goes to ``_naive``.
-    """
+    """A flat 1-D view of contiguous (C or F), aligned, native-order ``g``, else ``None``."""
     if not (g.flags.aligned and g.dtype.isnative):
         return None
     if g.flags.c_contiguous:
@@ -412,10 +387,7 @@ def _flat(g: np.ndarray) -> np.ndarray | None:
 
 
 def _check_dtype(g: np.ndarray) -> None:
-    """Raise TypeError unless ``g`` holds float16, bfloat16, float32 or float64 (as torch does).
-
-    Cheap: a dtype-name lookup. np.matrix is refused: it stays 2-D under reshape(-1).
-    """
+    """Raise TypeError unless ``g`` is a float16/bfloat16/float32/float64 ndarray (np.matrix stays 2-D)."""
     if isinstance(g, np.matrix):
         raise TypeError("a gradient is a numpy.matrix; pass np.asarray(m), an ndarray view of its memory")
     if not isinstance(g, np.ndarray) or _name(g.dtype) not in _EXP_MASK:
@@ -458,6 +430,20 @@ def _quiet(fn: Callable[..., bool], x: np.ndarray, inv: np.float32, scale: bool)
         return bool(fn(x, inv, scale))
 
 
+def on_threads(run: Callable[[int], Any], parts: int, workers: int) -> list[Any]:
+    """``[run(0), ..., run(parts - 1)]``: the first on this thread, the others on the shared pool."""
+    if parts < 2:
+        return [run(0)]
+    from concurrent.futures import wait
+
+    futures = [_executor(workers).submit(run, i) for i in range(1, parts)]
+    try:
+        first = run(0)
+    finally:
+        wait(futures)  # never return while a thread still writes the gradient
+    return [first] + [f.result() for f in futures]
+
+
 def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str, workers: int) -> bool:
     """Check (and scale, if ``scale``) one gradient on the chosen path; True if it held inf/nan.
 
@@ -471,17 +457,21 @@ def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str, workers: 
     parts = min(workers, x.nbytes // PARALLEL_BYTES)
     if parts < 2:
         return bool(fn(x, inv, scale))
-    from concurrent.futures import wait
-
     line = 64 // x.dtype.itemsize
     step = -(-x.size // parts // line) * line
-    pool = _executor(workers)
-    futures = [pool.submit(_quiet, fn, x[i : i + step], inv, scale) for i in range(step, x.size, step)]
-    try:
-        bad = bool(fn(x[:step], inv, scale))
-    finally:
-        wait(futures)  # never return while a thread still writes the gradient
-    return bad | any([f.result() for f in futures])
+    part = lambda i: _quiet(fn, x[i * step:(i + 1) * step], inv, scale)  # noqa: E731
+    return any(on_threads(part, -(-x.size // step), workers))
+
+
+def check_writable(grads: Sequence[np.ndarray], scale: bool) -> None:
+    """Refuse, before any gradient changes, one of a wrong type or dtype, or a read-only one to scale."""
+    for i, g in enumerate(grads):
+        _check_dtype(g)
+        if scale and not g.flags.writeable:
+            raise ValueError(
+                f"grads[{i}] is a read-only array (numpy.ndarray, shape {g.shape}, dtype {g.dtype}, flags."
+                "writeable is False), which cannot be unscaled in place; nothing was changed. Fix: pass "
+                "writable gradients (np.array(g) is a writable copy).")
 
 
 def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found_inf: np.ndarray) -> None:
@@ -494,23 +484,13 @@ def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found
     inv = np.float32(np.asarray(inv_scale).reshape(())[()])
     scale = not inv == 1.0
     kernel, workers = _requested(), threads()
-    for i, g in enumerate(grads):
-        _check_dtype(g)
-        if scale and not g.flags.writeable:
-            raise ValueError(read_only(i, g))
+    check_writable(grads, scale)
     bad = False
     with np.errstate(all="ignore"):  # torch is silent about inf/nan/overflow; so are we
         for g in grads:
             bad |= _process(g, inv, scale, kernel, workers)
     if bad:
         found_inf[...] = 1.0
-
-
-def read_only(i: int, g: np.ndarray) -> str:
-    """The refusal of a read-only gradient ``grads[i]``: unscaling writes it in place."""
-    return (f"grads[{i}] is a read-only array (numpy.ndarray, shape {g.shape}, dtype {g.dtype}, "
-            "flags.writeable is False), which cannot be unscaled in place; nothing was changed. Fix: pass "
-            "writable gradients (np.array(g) is a writable copy).")
 
 
 def all_finite(arrays: Sequence[np.ndarray]) -> bool:

@@ -112,21 +112,9 @@ def _fused_parts(x: np.ndarray, inv: np.float32) -> tuple[bool, float]:
 
     workers = k.threads()
     parts = min(workers, x.nbytes // k.PARALLEL_BYTES)
-    if parts < 2:
-        return _fused(x, inv)
-    from concurrent.futures import wait
-
-    step = -(-x.size // parts // 16) * 16
-    pool = k._executor(workers)
-    futures = [pool.submit(_fused, x[i:i + step], inv) for i in range(step, x.size, step)]
-    try:
-        bad, total = _fused(x[:step], inv)
-    finally:
-        wait(futures)  # never return while a thread still writes the gradient
-    for f in futures:
-        part_bad, part = f.result()
-        bad, total = bad or part_bad, total + part
-    return bad, total
+    step = x.size if parts < 2 else -(-x.size // parts // 16) * 16
+    results = k.on_threads(lambda i: _fused(x[i * step:(i + 1) * step], inv), -(-x.size // step), workers)
+    return any(bad for bad, _ in results), sum(total for _, total in results)
 
 
 def fused_available() -> bool:
@@ -142,10 +130,7 @@ def unscale_and_squares(grads: Sequence[np.ndarray], inv: np.float32, found_inf:
     contiguous writable float32 gradients on the compiled path, else the two passes."""
     from . import _numpy_kernels as k
 
-    for i, g in enumerate(grads):  # refused before any gradient changes, as the unfused kernel refuses them
-        k._check_dtype(g)
-        if not g.flags.writeable and not inv == 1.0:
-            raise ValueError(k.read_only(i, g))
+    k.check_writable(grads, not inv == 1.0)
     fused = fused_available()
     total, bad, rest = 0.0, False, []
     for g in grads:

@@ -44,11 +44,8 @@ def full(value: Any, dtype: str, like: Any) -> Any:
 @hookimpl
 def scale_array(array: Any, scale: Any) -> Any:
     array = np.asarray(array)
-    return scale_in_own_dtype(array, scale, array.dtype.name, _multiply_f32)
-
-
-def _multiply_f32(array: Any, scale: Any) -> Any:
-    return np.multiply(array, scale, dtype=np.float32)
+    return scale_in_own_dtype(array, scale, array.dtype.name,
+                              lambda a, s: np.multiply(a, s, dtype=np.float32))
 
 
 @hookimpl
@@ -86,17 +83,11 @@ def all_finite(arrays: Sequence[Any]) -> Any:
 
 @hookimpl
 def cast(array: Any, dtype: str) -> Any:
-    return np.asarray(array).astype(_float_dtype(dtype))
-
-
-def _float_dtype(dtype: str) -> Any:
-    if dtype == "bfloat16":
-        return numpy_bfloat16()
-    if dtype not in ("float32", "float16", "float64"):
+    if dtype not in ("float32", "float16", "float64", "bfloat16"):
         raise ValueError(
             f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}"
         )
-    return _DTYPES[dtype]
+    return np.asarray(array).astype(numpy_bfloat16() if dtype == "bfloat16" else _DTYPES[dtype])
 
 
 @hookimpl
@@ -116,7 +107,6 @@ def read_flag(found_inf: Any) -> bool:
 @hookimpl
 def to_host(array: Any) -> float | int:
     return np.asarray(array).item()
-
 
 
 # -- what the core needs beside the kernels: NumPy arrays are host memory -----------------

@@ -310,16 +310,12 @@ def name_gradients(grads: list[Any], names: list[str] | None, offset: int = 0) -
 
 
 # -- array work: vectorised per tensor, never in place ---------------------------------
-def _is_float(array: Any) -> bool:
-    name = short_name(array.dtype)
-    return "float" in name or "complex" in name
-
-
 def _all_finite_flags(arrays: list[Any]) -> list[bool]:
     """Per array, whether every value is finite: flags read once per backend (``finite_flags``)."""
     groups: dict[str, tuple[Any, list[int]]] = {}
     for i, array in enumerate(arrays):
-        if _is_float(array) and math.prod(array.shape):
+        kind = short_name(array.dtype)
+        if ("float" in kind or "complex" in kind) and math.prod(array.shape):
             backend = backend_of(array)
             groups.setdefault(backend.name, (backend, []))[1].append(i)
     finite = [True] * len(arrays)

@@ -58,8 +58,8 @@ static void run_unscale_count(const long long* table, int n_tensors, long long n
       if (phase == 0) {
         for (long long th = 0; th < n_threads; ++th) {
           polyamp::Base base = {0, 0, 0.0, polyamp::double_of(0x7FF0000000000000ULL)};
-          bad |= polyamp::unscale_count_range<T>(data, start, stop, inv, multiply, store, th,
-                                                 n_threads, base);
+          bad |= polyamp::for_range<T, 1>(data, start, stop, store, th, n_threads,
+                                          polyamp::UnscaleCount{inv, multiply, store, base});
           raw[(long long)t * per] += base.nonfinite;
           raw[(long long)t * per + 1] += base.zeros;
           unsigned long long top = polyamp::bits_of(base.amax), low = polyamp::bits_of(base.amin);
