@@ -139,8 +139,11 @@ class Agreement:
 
     # -- the one collective ---------------------------------------------------------
     def flag(self, found_inf: Any, config: LossScaleConfig, state: Any, *, whose: int = 0) -> Any:
-        """A new 0-d float32 array: 1 when ``found_inf`` is non-zero on some rank, else 0 (one collective)."""
-        return self.flag_and_extra(found_inf, None, config, state, whose=whose).found_inf
+        """A 0-d float32 array: 1 when ``found_inf`` is non-zero on some rank, else 0 (one collective;
+        ``found_inf`` itself where it is a 0-d float32 0 in host memory that stays 0)."""
+        if self._length:  # :meth:`flag_and_extra` without extras: after a longer message, announced
+            return self.flag_and_extra(found_inf, None, config, state, whose=whose).found_inf
+        return self._agree(found_inf, None, config, state, 0, 0, whose).found_inf
 
     def flag_and_extra(
         self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0,
@@ -183,7 +186,7 @@ class Agreement:
         wire.maxed = maxed
         fields = self._fields(wire.place, host, state)
         message = self._reduce(wire, wire.send(fields, found_inf, values))
-        return self._judge(wire, message, fields, state, like, extra)
+        return self._judge(wire, message, fields, state, like, extra, found_inf is False)
 
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
                   whose: int, length: int, known: int = 0) -> None:
@@ -248,17 +251,18 @@ class Agreement:
         (red.allreduce_sum_ if wire.op == "sum" else red.allreduce_max_)(message)
         return message
 
-    def _judge(self, wire: Any, message: Any, fields: Any, state: Any, like: Any, extra: Any) -> Agreed:
+    def _judge(self, wire: Any, message: Any, fields: Any, state: Any, like: Any, extra: Any,
+               clean: bool = False) -> Agreed:
         """The reduced message's verdict, the same on every rank: on the host, RankMismatchError at
         once where the ranks differ; on a device, the difference added to the agreed flag (every
-        rank skips) and kept for :meth:`verify` (no host read)."""
+        rank skips) and kept for :meth:`verify` (no host read). ``clean``: ``like`` was read as 0."""
         read = wire.read(message)
         if wire.place.host:
             if not read.aligned:
                 self._explain(wire, message, fields, state)
             if read.flag is None:
                 flag = None
-            elif extra is None and not read.flag and _is_plain_flag(like) and float(like) == 0:
+            elif clean and extra is None and not read.flag and _is_plain_flag(like):
                 flag = like  # a 0 flag that stays 0 stands as the agreed one (no new array per step)
             else:
                 flag = _new_flag(like, 1.0 if read.flag else 0.0)

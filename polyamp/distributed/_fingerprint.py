@@ -10,7 +10,7 @@ same digit. :class:`Place` computes both once for host and device, with no host 
 from __future__ import annotations
 
 import hashlib
-from operator import itemgetter, mul
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import array_api_compat.numpy as np_xp
@@ -71,16 +71,17 @@ def _words_share(host: list[int], fields: tuple[int, ...], digest: Any) -> int:
     return total
 
 
-_DYNAMIC_PAIRS: dict[tuple[int, bool], list[int]] = {}
+_DYNAMIC_PAIRS: dict[tuple[int, bool], list[tuple[int, int]]] = {}
 
 
-def _dynamic_pairs(digest: Any, full: bool) -> list[int]:
-    """The weights of the dynamic fields' halves, in the order :meth:`Place.share` lists them."""
+def _dynamic_pairs(digest: Any, full: bool) -> list[tuple[int, int]]:
+    """The weights of the dynamic fields' (low, high) halves, in the order :meth:`Place.share` takes them."""
     pairs = _DYNAMIC_PAIRS.get((digest.prime, full))
     if pairs is None:
         fields = _DYNAMIC if full else tuple(i for i in _DYNAMIC if i < HOST_FIELDS)
+        weights = digest.pairs
         pairs = _DYNAMIC_PAIRS[(digest.prime, full)] = [
-            digest.pairs[2 * _OFFSETS[i] + h] for i in fields for h in (0, 1)]
+            (weights[2 * _OFFSETS[i]], weights[2 * _OFFSETS[i] + 1]) for i in fields]
     return pairs
 
 
@@ -240,12 +241,12 @@ class Place:
         (the same sum mod ``prime``: no array for sixteen numbers)."""
         host, prime = fields.host, digest.prime
         # config, payload, extras and whose (it changes with a guard's history): their share kept per value
-        static = self._static_share(digest, (prime, *_STATIC_OF(host)), host)
+        total = self._static_share(digest, (prime, *_STATIC_OF(host)), host)
         full = len(host) == len(FIELDS)
         dynamic = (_DYNAMIC_ALL if full else _DYNAMIC_HOST)(host)  # one word each
-        halves = [h for v in dynamic for h in (v & 0xFFFF, v >> 16)]
-        pairs = _dynamic_pairs(digest, full)
-        base = (static + sum(map(mul, pairs, halves))) % prime  # Python ints: exact, reduced once
+        for (low, high), word in zip(_dynamic_pairs(digest, full), dynamic):
+            total += low * (word & 0xFFFF) + high * (word >> 16)  # Python ints: exact, reduced once
+        base = total % prime
         n = HOST_WORDS
         if fields.state is None:
             return base
