@@ -105,12 +105,9 @@ class MixedPrecisionTrainer:
     decision and the norm on the host.
 
     ``reducer`` (see ``polyamp.distributed.reducer``: a torch process group, ``"torch"``, an
-    mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of
-    the batch and its loss is the mean over that shard. The loss's gradient is divided by the
-    number of ranks before the backward (so each sample's low-precision gradient is the one a
-    process on the whole batch computes, and the loss scale meets its magnitudes) and the float32
-    gradients are summed over the ranks after it. With equal shards that is the step of one
-    process on the whole batch; the float32 masters (started equal on every rank) stay equal.
+    mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of the
+    batch, the loss's gradient is divided by the number of ranks before the backward and the float32
+    gradients are summed after it: with equal shards, the step of one process on the whole batch.
     One collective per step, and one more at the first to check the ranks' scaler configs.
 
     ``diagnose=True`` puts an :class:`polyamp.OverflowReport` in ``StepMetrics.overflow`` on
