@@ -168,8 +168,10 @@ class AmpScaler:
         if iteration.guarding is not None or metered:  # the flag, the guard's values and a sample
             found, flag = self._guarded(named, local)  # step's counts: one collective, one read
         else:
-            if iteration.agreement is not None:
-                flag = self._agreed(flag)
+            if iteration.agreement is not None:  # one collective; with no device flag, a host bool
+                agreed = self._engine.agree_flag(flag)
+                host = flag is None or isinstance(flag, bool)
+                flag = iteration.scaling.read_flag(agreed) if host else agreed
             # the one host read, before the optimizer runs: ranks that differ raise (nothing applied),
             # and a report sees the gradients before paddle's kernel of a skipped step writes grad * 0
             found = iteration.decide(flag, named=named, local=local).skipped
@@ -218,13 +220,6 @@ class AmpScaler:
             return explain_overflow(obj, names=names, loss=loss, scale=scale)
         report = build_report(paddle_named_grads(obj), loss=loss, scale=scale)
         return zeroed_note(report, obj, self._zeroing)
-
-    def _agreed(self, flag: Any) -> Any:
-        """The flag agreed over the ranks (one collective); a host bool where ``flag`` was none or one."""
-        agreed = self._engine.agree_flag(flag)
-        if flag is None or isinstance(flag, bool):
-            return self._iteration.scaling.read_flag(agreed)
-        return agreed
 
     def _update(self) -> None:
         """One step of paddle's rule with the last step's flag; reads the scale only to log it."""
