@@ -53,14 +53,10 @@ def scale_array(array: Any, scale: Any) -> Any:
     return xp.astype(xp.astype(array, xp.float32) * xp.astype(scale, xp.float32), array.dtype)
 
 
-def _inv_scale(scale: Any) -> Any:
-    xp = _xp(scale)
-    return xp.astype(1.0 / xp.astype(scale, xp.float64), xp.float32)
-
-
 @hookimpl
 def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
-    inv = _inv_scale(scale)
+    xs = _xp(scale)
+    inv = xs.astype(1.0 / xs.astype(scale, xs.float64), xs.float32)
     for grad in grads:
         xp = _xp(grad)
         bad = ~xp.all(xp.isfinite(grad))
@@ -75,9 +71,7 @@ def all_finite(arrays: Sequence[Any]) -> Any:
         xp = _xp(array)
         ok = xp.all(xp.isfinite(array))
         result = ok if result is None else result & ok
-    if result is None:
-        return np.asarray(True)
-    return result
+    return np.asarray(True) if result is None else result
 
 
 @hookimpl
@@ -174,18 +168,14 @@ def precision_counts(grads: Sequence[Any], scale: Any, bounds: Sequence[Any]) ->
     return precision.count(xp, grads, scale, bounds, kinds)
 
 
-def group_by_device(arrays: Sequence[Any], device: Any) -> dict[str, list[int]]:
-    """``{device: [index, ...]}`` of ``arrays`` in their order; ``device(array)`` names one."""
+def read_flags(arrays: Sequence[Any], device: Any, flags_of: Any, read: Any) -> list[bool]:
+    """Per array a bool: ``flags_of(arrays of one device)`` (a 1-D bool array), ``read`` once each;
+    ``device(array)`` names an array's device."""
     groups: dict[str, list[int]] = {}
     for i, array in enumerate(arrays):
         groups.setdefault(str(device(array)), []).append(i)
-    return groups
-
-
-def read_flags(arrays: Sequence[Any], device: Any, flags_of: Any, read: Any) -> list[bool]:
-    """Per array a bool: ``flags_of(arrays of one device)`` (a 1-D bool array), ``read`` once each."""
     finite = [True] * len(arrays)
-    for indices in group_by_device(arrays, device).values():
+    for indices in groups.values():
         for i, ok in zip(indices, read(flags_of([arrays[i] for i in indices])).tolist()):
             finite[i] = bool(ok)
     return finite

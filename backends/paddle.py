@@ -162,46 +162,25 @@ class PaddleNamespace:
         self._paddle = _paddle()
         self._like = like
 
-    def where(self, cond: Any, a: Any, b: Any) -> Any:
-        return self._paddle.where(cond, a, b)
+    _SAME_AS_PADDLE = frozenset({"where", "zeros_like", "isfinite", "maximum", "minimum", "full_like",
+                                 "abs", "count_nonzero", "max", "min"})
 
-    def zeros_like(self, x: Any) -> Any:
-        return self._paddle.zeros_like(x)
+    def __getattr__(self, name: str) -> Any:
+        """paddle's own function where its signature is the array API's (``where``, ``max``, ...)."""
+        if name not in self._SAME_AS_PADDLE:
+            raise AttributeError(name)
+        return getattr(self._paddle, name)
 
     def astype(self, x: Any, dtype: str) -> Any:
         return x.astype(dtype)
-
-    def isfinite(self, x: Any) -> Any:
-        return self._paddle.isfinite(x)
-
-    def maximum(self, a: Any, b: Any) -> Any:
-        return self._paddle.maximum(a, b)
-
-    def minimum(self, a: Any, b: Any) -> Any:
-        return self._paddle.minimum(a, b)
 
     def asarray(self, value: Any, dtype: str, device: Any = None) -> Any:
         if device is not None:  # a 0-d constant on that place (the counts)
             return self._paddle.to_tensor(value, dtype=dtype, place=device)
         return self._paddle.full_like(self._like, value, dtype=dtype)
 
-    def full_like(self, x: Any, value: float) -> Any:
-        return self._paddle.full_like(x, value)
-
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
         return x.reshape(list(shape))
-
-    def abs(self, x: Any) -> Any:
-        return self._paddle.abs(x)
-
-    def count_nonzero(self, x: Any) -> Any:
-        return self._paddle.count_nonzero(x)
-
-    def max(self, x: Any) -> Any:
-        return self._paddle.max(x)
-
-    def min(self, x: Any) -> Any:
-        return self._paddle.min(x)
 
     def stack(self, arrays: Sequence[Any]) -> Any:
         return self._paddle.stack(list(arrays))
@@ -218,8 +197,7 @@ def precision_counts(grads: Sequence[Any], scale: Any, bounds: Sequence[Any]) ->
     """The counts' one algorithm over :class:`PaddleNamespace`, in float64."""
     from polyamp._precision_counts import Kinds, count
 
-    place = grads[0].place
-    kinds = Kinds("float64", "int64", place)
+    kinds = Kinds("float64", "int64", grads[0].place)
     return count(PaddleNamespace(grads[0]), grads, scale, bounds, kinds)
 
 

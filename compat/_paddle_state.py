@@ -58,10 +58,8 @@ def check_ratio(name: str, value: Any, above_one: bool) -> None:
     value = plain(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
-    if above_one and not value > 1.0:
-        raise PaddleConfigError(f"The {name} must be > 1.0. Got {name}={value!r}.")
-    if not above_one and not value < 1.0:
-        raise PaddleConfigError(f"The {name} must be < 1.0. Got {name}={value!r}.")
+    if not (value > 1.0 if above_one else value < 1.0):
+        raise PaddleConfigError(f"The {name} must be {'>' if above_one else '<'} 1.0. Got {name}={value!r}.")
 
 
 def make_config(

@@ -1,46 +1,17 @@
 """``paddle.amp.GradScaler`` and ``AmpScaler`` (paddle 3.x, dygraph) over any polyamp backend.
 
-Signatures, defaults, the INIT/UNSCALED/STEPPED state machine, exception types and messages,
-``minimize``'s return values, the update rule (products in float32, ``decr_every_n_nan_or_inf``)
-and the ``state_dict`` keys follow paddle 3.3's ``paddle/amp/grad_scaler.py``. As in paddle,
-the scaler keeps one overflow flag: ``step`` uses the last ``unscale_`` of any optimizer, and
-``update`` the last ``step``. Extra keyword-only arguments: ``backend``, ``min_scale``,
-``max_scale``, ``reducer``, ``diagnose`` (overflow forensics: ``explain(obj)``, and after a
-skipped step ``last_overflow``, gradients named by ``param.name``), ``guard`` and ``meter`` (a
-:class:`polyamp.PrecisionMeter`: ``last_precision`` after each sample step, gradients named by
-``param.name``). Importing this module imports no framework.
-
-``reducer=`` (a ``polyamp.distributed.reducer`` argument: a torch process group, ``"torch"``,
-an mpi4py communicator, ``"mpi"``, ...) agrees each ``step``/``minimize`` across ranks, as
-paddle fleet's distributed scaler does with an int32 MAX over the group: here one all-reduce of
-the flag and a digest (the same decision), one collective per call, which also finds misaligned ranks.
-
-State-dict keys: paddle's ``scale`` (a 1-element float32 array), ``incr_ratio``,
-``decr_ratio``, ``incr_every_n_steps``, ``decr_every_n_nan_or_inf``, ``incr_count``,
-``decr_count`` and ``use_dynamic_loss_scaling`` map to torch's ``scale``, ``growth_factor``,
-``backoff_factor``, ``growth_interval``, polyamp's ``backoff_interval``, ``_growth_tracker``,
-polyamp's ``_backoff_tracker`` and (no torch key: torch is always dynamic).
-``load_state_dict`` takes either format; :func:`to_torch_state_dict` and
-:func:`from_torch_state_dict` convert (the full table is in ``compat/_paddle_state.py``).
-
-Where polyamp differs from paddle, on purpose:
-
-* it works on CPU (paddle's disables itself off GPU/XPU) and over NumPy, torch and CuPy;
-* scale changes go to the ``polyamp`` logger (the first overflows at INFO, then one summary per
-  1000 steps; each step's line and growth at DEBUG), not ``print``;
-* ``scale()`` keeps its input's shape (paddle returns shape [1] for a 0-d loss) and never
-  turns itself off (paddle disables dynamic scaling when ``scale()`` runs outside
-  ``auto_cast(dtype='float16')``; pass ``enable=False`` for bfloat16);
-* a growth that would overflow float32 keeps the scale (paddle's dygraph update makes it inf);
-* bad arguments raise at once, also when disabled (paddle asserts only two, when enabled);
-* a disabled scaler's getters return the values it was given (paddle's raise AttributeError);
-* ``use_dynamic_loss_scaling`` and state-dict values are checked, not passed through ``bool()``;
-* ``pickle`` and ``copy.deepcopy`` copy a scaler with its state without pickling the engine.
+Signatures, defaults, the INIT/UNSCALED/STEPPED state machine, exceptions, ``minimize``'s return
+values, the update rule and the ``state_dict`` keys follow paddle 3.3's ``grad_scaler.py``; as in
+paddle, one overflow flag: ``step`` uses the last ``unscale_``, ``update`` the last ``step``.
+``reducer=`` agrees each ``step``/``minimize`` over the ranks in one collective (paddle fleet's
+int32 MAX). The key table and the differences from paddle, on purpose, are in
+docs/coming-from-paddle.md. Importing this module imports no framework.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from polyamp import _guard_values as guard_values
@@ -180,9 +151,7 @@ class AmpScaler:
             self._zeroing.update(id(param) for param, _ in pairs)
 
     def _run(self, optimizer: Any, call: Callable[[], Any]) -> tuple[bool, Any]:
-        """``(ran, call())``, not calling it if the last unscale saw inf/nan; paddle optimizers
-        take the flag as their ``found_inf`` auxiliary variable and decide themselves, as in paddle.
-        """
+        """``(ran, call())``, not calling it after an inf/nan (a paddle optimizer gets the flag)."""
         decided = self._decided.get(id(optimizer))  # a retry after the optimizer raised: decided once
         found, flag = decided if decided is not None else self._decide(optimizer)
         if callable(getattr(optimizer, "_set_auxiliary_var", None)):
@@ -191,8 +160,7 @@ class AmpScaler:
         return (False, None) if found else (True, call())
 
     def _decide(self, optimizer: Any) -> tuple[bool, Any]:
-        """The step's decision (the one host read), counted once: (skipped, the flag to give a paddle
-        optimizer)."""
+        """(skipped, the flag for a paddle optimizer): the step's one host read, counted once."""
         flag = local = self._found_inf  # a device flag, None (no gradients), or a copy's host bool
         iteration = self._iteration
         named = lambda: paddle_named_grads(optimizer)  # noqa: E731  # only for a report
@@ -200,8 +168,10 @@ class AmpScaler:
         if iteration.guarding is not None or metered:  # the flag, the guard's values and a sample
             found, flag = self._guarded(named, local)  # step's counts: one collective, one read
         else:
-            if iteration.agreement is not None:
-                flag = self._agreed(flag)
+            if iteration.agreement is not None:  # one collective; with no device flag, a host bool
+                agreed = self._engine.agree_flag(flag)
+                host = flag is None or isinstance(flag, bool)
+                flag = iteration.scaling.read_flag(agreed) if host else agreed
             # the one host read, before the optimizer runs: ranks that differ raise (nothing applied),
             # and a report sees the gradients before paddle's kernel of a skipped step writes grad * 0
             found = iteration.decide(flag, named=named, local=local).skipped
@@ -213,9 +183,7 @@ class AmpScaler:
         return found, flag
 
     def _guarded(self, named: Callable[[], Any], local: Any) -> tuple[bool, Any]:
-        """The guard's decision on this iteration's checks (the engine's path: the flag and the
-        values agreed in one collective, read in one host read); (skipped, the flag to give a
-        paddle optimizer: True when the guard skips a step with finite gradients)."""
+        """The guard's (or a sample step's) decision: one collective, one read; (skipped, the flag)."""
         iteration = self._iteration
         if iteration.checks.found is None:  # no gradients on this rank (or a copy's host flag): it takes part
             iteration.record(iteration.scaling.flag_array(bool(local)))
@@ -253,32 +221,19 @@ class AmpScaler:
         report = build_report(paddle_named_grads(obj), loss=loss, scale=scale)
         return zeroed_note(report, obj, self._zeroing)
 
-    def _agreed(self, flag: Any) -> Any:
-        """The flag agreed over the ranks (one collective). A rank without gradients sends 0 and
-        a copy its host bool; having no device flag of their own, they get a host bool (one read)."""
-        agreed = self._engine.agree_flag(flag)
-        if flag is None or isinstance(flag, bool):
-            return self._iteration.scaling.read_flag(agreed)
-        return agreed
-
     def _update(self) -> None:
-        """One step of paddle's rule with the last step's flag; reads the scale only to log it
-        (``polyamp._skip_log``: the first few overflows at INFO, then a summary; growth at DEBUG)."""
+        """One step of paddle's rule with the last step's flag; reads the scale only to log it."""
         iteration = self._iteration
         try:  # the scale moved: the iteration ends even if a log handler raises
             if self.is_use_dynamic_loss_scaling():
                 decision = iteration.concluded(bool(self._cache_found_inf))
-                iteration.finish(decision, describe=self._describe_change)
+                iteration.finish(decision, describe=partial(describe_change, config=self._engine.config))
             else:  # a fixed scale: only the checks end (and the guard's histories move on)
                 iteration.finish(iteration.decided(), rule=False)
         finally:
             self._stages.clear()
             self._decided.clear()
             self._zeroing.clear()
-
-    def _describe_change(self, found: bool, before: Any, after: Any) -> str | None:
-        """The log line of one update, in paddle's words (None: the scale did not move)."""
-        return describe_change(found, before, after, self._engine.config)
 
     def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
         """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped."""

@@ -266,14 +266,13 @@ def _refuse_special(path: str, name: str) -> None:
     try:
         kind = special_kind(os.stat(path).st_mode)
     except OSError:
-        return
-    if kind is None:
-        return
-    raise StateDictError(
-        f"load() got {name}, which is {kind}, not a regular file: polyamp reads checkpoints from "
-        "regular files (a pipe would block until something writes to it). Fix: pass the path of the "
-        "file LossScaler.save() wrote, or open the stream yourself and pass the binary file object."
-    )
+        kind = None
+    if kind is not None:
+        raise StateDictError(
+            f"load() got {name}, which is {kind}, not a regular file: polyamp reads checkpoints from "
+            "regular files (a pipe would block until something writes to it). Fix: pass the path of the "
+            "file LossScaler.save() wrote, or open the stream yourself and pass the binary file object."
+        )
 
 
 def regular_file(path: Any, *, path_fix: str, dir_fix: str, special_fix: str) -> str:

@@ -87,10 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train one MLP three ways (float32, float16 without loss scaling, float16 + "
         "polyamp) where float16 gradients underflow; print a table and write a plot.",
     )
-    from .demo.command import add_arguments
+    from .demo import command
 
-    add_arguments(demo)
-    demo.set_defaults(func=_demo)
+    command.add_arguments(demo)
+    demo.set_defaults(func=command.main)
     inspect = sub.add_parser(
         "inspect", help="show a checkpoint's format, scale, trackers, counters and config",
         description="Read a checkpoint (LossScaler.save(), .gz too; a torch- or paddle-facade "
@@ -155,12 +155,6 @@ def _advise(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps({"file": os.fspath(args.path), **found.to_dict()}, indent=2) if args.json else found)
     return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from .demo.command import main as demo_main
-
-    return demo_main(args)
 
 
 class _ReaderMayLeave:

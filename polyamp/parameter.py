@@ -14,11 +14,6 @@ def _is_array(value: object) -> bool:
     return hasattr(value, "__array_namespace__") or array_api_compat.is_array_api_obj(value)
 
 
-def _library(value: object) -> str:
-    """Top-level module name of ``value``'s type, e.g. ``numpy`` or ``torch``."""
-    return type(value).__module__.split(".")[0]
-
-
 class Parameter:
     """A trainable array plus its gradient: the unit an optimizer updates.
 
@@ -84,5 +79,5 @@ class Parameter:
         grad = "None" if self._grad is None else "set"
         return (
             f"Parameter(shape={self.shape}, dtype={self.dtype}, "
-            f"library={_library(self._data)}, grad={grad})"
+            f"library={type(self._data).__module__.split('.')[0]}, grad={grad})"
         )

@@ -10,13 +10,7 @@
 
 Torch models (``torch.nn.Module``) run under ``torch.autocast``; anything else follows the
 :class:`ArrayModel` protocol (NumPy, CuPy, any array-API library). torch is imported only
-when a torch model is given.
-
-With ``reducer=`` it trains data parallel: the gradient of each rank's loss is divided by the
-world size before the backward, and after it ONE all-reduce sums the flat float32 gradient
-buffer over the ranks: the mean. An inf/nan on any rank survives the sum, so every rank
-unscales the same buffer and reaches the same skip decision and the same norm with no further
-collective.
+when a torch model is given. ``reducer=`` trains data parallel (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -111,12 +105,9 @@ class MixedPrecisionTrainer:
     decision and the norm on the host.
 
     ``reducer`` (see ``polyamp.distributed.reducer``: a torch process group, ``"torch"``, an
-    mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of
-    the batch and its loss is the mean over that shard. The loss's gradient is divided by the
-    number of ranks before the backward (so each sample's low-precision gradient is the one a
-    process on the whole batch computes, and the loss scale meets its magnitudes) and the float32
-    gradients are summed over the ranks after it. With equal shards that is the step of one
-    process on the whole batch; the float32 masters (started equal on every rank) stay equal.
+    mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of the
+    batch, the loss's gradient is divided by the number of ranks before the backward and the float32
+    gradients are summed after it: with equal shards, the step of one process on the whole batch.
     One collective per step, and one more at the first to check the ranks' scaler configs.
 
     ``diagnose=True`` puts an :class:`polyamp.OverflowReport` in ``StepMetrics.overflow`` on
@@ -250,7 +241,7 @@ class MixedPrecisionTrainer:
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
         finite = self._check_norm(norm)
         try:
-            result = scaler.step([grads.flat], self._optimizer.step if finite else _no_step)
+            result = scaler.step([grads.flat], self._optimizer.step if finite else lambda: None)
         except BaseException:  # the optimizer raised (or Ctrl-C): the next train_step starts afresh
             self._iteration.end() if scaler.enabled else scaler.update()
             raise
@@ -275,18 +266,12 @@ class MixedPrecisionTrainer:
 
     def _summed_loss(self) -> Any:
         """The ranks' mean loss, summed with the gradients in the loss slot (a device view)."""
-        grads = self._grads
-        size = int(grads.flat.shape[0])
-        return grads.storage[size:size + 1]
+        size = int(self._grads.flat.shape[0])
+        return self._grads.storage[size:size + 1]
 
     def _sum_over_ranks(self, grads: GradBuffer, loss: Any = None) -> None:
-        """Sum the gradients over the ranks in place (already divided by their number): ONE
-        collective, which also carries the fingerprint of the scaler's config and state
-        (:meth:`polyamp._iteration.Iteration.sum_payload`; no loss scaling: a fixed scale of 1).
-
-        The first step first checks, in a message of fixed size, that every rank sums as many
-        values under the same config.
-        """
+        """Sum the gradients (and the loss slot) over the ranks in place: ONE collective, with the
+        fingerprint (:meth:`polyamp._iteration.Iteration.sum_payload`); the first also checks sizes."""
         size = int(grads.flat.shape[0])
         if loss is not None:  # the guard's loss slot rides with the gradients
             xp = array_api_compat.array_namespace(grads.storage)
@@ -300,12 +285,8 @@ class MixedPrecisionTrainer:
         self._aligned_once = True
 
     def _check_norm(self, norm: Any) -> bool:
-        """False when a non-finite norm must keep this step off the weights (loss scaling off).
-
-        With loss scaling, ``~isfinite(norm)`` joins the scaler's overflow check on the device
-        (the scaler skips and counts the step); without, the iteration decides on it here (one
-        read, as the metrics read the norm anyway) and the trainer skips and counts the step.
-        """
+        """False when a non-finite norm keeps this step off the weights: with loss scaling it joins the
+        scaler's check on the device; without, the iteration decides here (one read)."""
         xp = array_api_compat.array_namespace(norm)
         bad = xp.astype(~xp.isfinite(norm), xp.float32)
         if self._scaler.enabled:
@@ -315,9 +296,8 @@ class MixedPrecisionTrainer:
         iteration.record(bad)
         decision = iteration.decide()  # ranks found to differ on the device: raised here
         iteration.finish(decision, rule=False)
-        skipped = decision.skipped
-        self._unscaled_skips += skipped
-        return not skipped
+        self._unscaled_skips += decision.skipped
+        return not decision.skipped
 
     def __repr__(self) -> str:
         return (
@@ -357,16 +337,10 @@ class ArraySteps:
         return loss
 
 
-
-
 def _host_loss(loss: Any) -> float:
     """The loss as a Python float (one read); TypeError naming it unless it is one real value."""
     loss_check(loss, "train_step()")
     return float(loss.reshape(()) if hasattr(loss, "reshape") else loss)
-
-
-def _no_step() -> None:
-    """The optimizer step of a step that must not reach the weights."""
 
 
 def _check_optimizer_holds(optimizer: Any, params: list[Any]) -> None:

@@ -87,14 +87,11 @@ class MLP:
         self._cache = {}
 
     def predict(self, x: Any) -> Any:
-        """Class indices for float32 inputs ``x``, computed in float32 from the masters."""
-        act = _dtypes.cast(x, "float32")
-        params = [p.data for p in self._params]
-        for i in range(0, len(params), 2):
-            act = self._xp.matmul(act, params[i]) + params[i + 1]
-            if i < len(params) - 2:
-                act = self._xp.maximum(act, self._xp.zeros((), dtype=act.dtype))
-        return self._xp.argmax(act, axis=1)
+        """Class indices for inputs ``x``: the forward pass in float32 (a training step's cache kept)."""
+        cache = self._cache
+        logits = self.forward(x, "float32")
+        self._cache = cache
+        return self._xp.argmax(logits, axis=1)
 
 
 def softmax_cross_entropy(logits: Any, labels: Any, normalizer: int | None = None) -> tuple[Any, Any]:

@@ -1,16 +1,10 @@
 """``ScalerMetrics``: a Lightning ``Callback`` that logs the scaler's ``metrics()`` (needs ``lightning``).
 
-It logs after the first optimizer step, every ``trainer.log_every_n_steps`` steps through
-``pl_module.log``, and after the last step: a run shorter than the interval (Lightning's default
-is 50) still gets its first and last values. The first and last are written to ``trainer.loggers``
-directly (Lightning drops ``pl_module.log`` values between its intervals), at the step Lightning's
-own rows use (``global_step - 1``). ``log_every_n_steps=0`` turns it off, as it does Lightning's.
-
-The scaler is the one given, else the trainer's precision plugin's (``trainer.precision_plugin.scaler``:
-pass ``MixedPrecision("16-mixed", device, scaler=GradScaler(...))``, or use
-``polyamp.compat.torch.install()``). Where there is none (bf16, fp32, Lightning's ``"16-mixed"``
-turned into bf16 on CPU, torch's own scaler) it warns once at the start of training, naming the
-fix, instead of staying silent. Between logging steps nothing is read from the device.
+Logs after the first optimizer step, every ``trainer.log_every_n_steps`` steps (``pl_module.log``)
+and after the last; the first and last go to ``trainer.loggers`` directly, at Lightning's row
+(``global_step - 1``), since Lightning drops values logged between its intervals. Without a polyamp
+scaler (given, or the precision plugin's) it warns once at the start, naming the fix. Between logging
+steps nothing is read from the device (docs/integrations.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """``ScalerMetricsCallback``: a ``transformers.TrainerCallback`` that adds the scaler's ``metrics()``
-to the Trainer's logs (``on_log`` updates ``logs``, so every reporter and ``state.log_history`` get
-them; needs ``transformers``).
+to the Trainer's logs (``on_log`` updates ``logs``: every reporter and ``state.log_history`` get them).
 
-transformers passes callbacks no scaler, and calls them in order (the reporters of ``report_to``
-first, unless :meth:`ScalerMetricsCallback.attach` puts this one before them), so give the
-callback the scaler (``scaler=``) or the Trainer (``trainer=``: its ``accelerator.scaler`` is read
-at each log). One host read per log, none between logs.
+transformers gives callbacks no scaler: pass ``scaler=`` or ``trainer=`` (its ``accelerator.scaler``,
+read at each log); :meth:`ScalerMetricsCallback.attach` puts it before the ``report_to`` reporters.
+One host read per log, none between logs.
 """
 
 from __future__ import annotations

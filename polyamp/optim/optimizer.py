@@ -89,9 +89,6 @@ def _check_same_layout(saved: list[dict[str, Any]], groups: list[dict[str, Any]]
             )
 
 
-
-
-
 class Optimizer:
     """Base class as torch.optim.Optimizer (code and checkpoints carry over); subclasses define _update."""
 
