@@ -22,6 +22,7 @@ __all__ = ["Optimizer", "ParamsT"]
 
 ParamsT = Iterable[Parameter] | Iterable[dict[str, Any]]
 
+
 def _round_to_float32(value: float) -> float:
     """``value`` rounded to the nearest float32, as torch rounds scalar arguments."""
     return struct.unpack("f", struct.pack("f", value))[0]
