@@ -1,13 +1,9 @@
 """The across-ranks half of LossScaler: one all-reduce per step agrees the flag and checks the ranks.
 
-Every rank sends its flag (1 when it found an inf/nan) with a digest of what must be equal on every
-rank (config, position, scale and trackers; see :mod:`polyamp.distributed._fingerprint`), in the
-wire format ``polyamp.distributed._wire.wire_for`` picks (one int64 summed; two float64 and the
-``extra`` values' slots with MAX; or the trainer's gradients with the fingerprint's bits). All ranks
-see the same reduced values and reach the same verdict: skip together, or, when the digests differ,
-name the difference and raise ``RankMismatchError`` on every rank. :class:`Agreement` keeps the
-position, builds each message where its arrays live and judges it. ``polyamp.distributed`` is
-imported only when a reducer is given.
+Every rank sends its flag with a digest of what must be equal on every rank (config, position, scale
+and trackers: :mod:`polyamp.distributed._fingerprint`) in the format ``_wire.wire_for`` picks. All
+ranks reach the same verdict: skip together, or name the difference and raise ``RankMismatchError``
+on every rank. ``polyamp.distributed`` is imported only when a reducer is given.
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ if TYPE_CHECKING:  # the annotation only: importing polyamp must not import poly
 
 #: The loop every scaler message points to.
 LOOP = "stepped = scaler.step(grads, step_fn); scaler.update()"
-#: Extra values one agreement carries at most (each rank sends them in slots of its own): the
-#: user's (``agree_(extra=)``, at most USER_EXTRA: a clip's sum-of-squares pair) and then a StepGuard's
-#: (its ``GuardValues`` slots).
+#: Extra values one agreement carries at most: the user's (``agree_(extra=)``: a clip's pair), then
+#: a StepGuard's ``GuardValues`` slots.
 USER_EXTRA = 2
 MAX_EXTRA = USER_EXTRA + MOST
 
@@ -79,14 +74,8 @@ class _Sent(NamedTuple):
 class Agreement:
     """A reducer plus the position of the next agreement: what ``LossScaler(reducer=...)`` holds.
 
-    Every agreement is ONE all-reduce in one of the wire formats of
-    :mod:`polyamp.distributed._wire` (picked by its ``wire_for``); its digest covers what must be
-    equal on every rank (config, iteration, collective index, the reducer's collective count,
-    payload size, how many extra values, scale and trackers). When the digests differ, every rank
-    runs a second collective that names the difference and raises ``RankMismatchError`` before
-    anything is applied: at once where the message lives on the host; on a GPU the mismatch makes
-    the agreed flag 1 (so no rank can apply the step) and :meth:`verify` names it when the skip
-    decision has read the flag.
+    A mismatch raises at once where the message lives on the host; on a GPU it makes the agreed
+    flag 1 (no rank applies the step) and :meth:`verify` names it once the skip decision read the flag.
     """
 
     def __init__(self, group: Any) -> None:
@@ -139,9 +128,8 @@ class Agreement:
 
     # -- the one collective ---------------------------------------------------------
     def flag(self, found_inf: Any, config: LossScaleConfig, state: Any, *, whose: int = 0) -> Any:
-        """A 0-d float32 array: 1 when ``found_inf`` is non-zero on some rank, else 0 (one collective;
-        ``found_inf`` itself where it is a 0-d float32 0 in host memory that stays 0)."""
-        if self._length:  # :meth:`flag_and_extra` without extras: after a longer message, announced
+        """A 0-d float32 array: 1 when ``found_inf`` is non-zero on some rank, else 0 (one collective)."""
+        if self._length:  # after a longer message: announced
             return self.flag_and_extra(found_inf, None, config, state, whose=whose).found_inf
         return self._agree(found_inf, None, config, state, 0, 0, whose).found_inf
 
@@ -149,16 +137,13 @@ class Agreement:
         self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0,
         whose: int = 0, maxed: tuple[bool, ...] = (), metered: int = 0,
     ) -> Agreed:
-        """Whether some rank found an inf/nan, and ``extra`` (at most MAX_EXTRA values) summed over
-        ranks, in ONE collective.
+        """Whether some rank found an inf/nan, and ``extra`` (at most MAX_EXTRA values, plus
+        ``metered`` of a precision meter's) summed over ranks, in ONE collective.
 
-        ``state`` (the scaler's ``LossScaleState``, or a ``HostState``) is digested with the config,
-        the agreement's position, ``payload`` (a size every rank must share) and the number of extra
-        values. ``maxed``: per extra value, True where the ranks' values combine by their max. Returns
-        new arrays: the agreed flag (0 or 1) as float32 on ``extra``'s (else the flag's) device, 1
-        also when the ranks are misaligned where that is found on the device, and ``extra`` summed in
-        rank order, in its dtype and shape. ``metered``: how many of them are a precision meter's
-        (:mod:`polyamp._metering`), allowed beyond MAX_EXTRA.
+        ``state`` is digested with the config, the position, ``payload`` and the number of extras.
+        ``maxed``: per extra value, True where the ranks' values combine by their max. Returns new
+        arrays: the flag (0 or 1, also 1 on a device-found mismatch) as float32 on ``extra``'s (else
+        the flag's) device, and ``extra`` summed in its dtype and shape.
         """
         extras = 0 if extra is None else _size(extra)
         check_extra(extra, MAX_EXTRA + metered)
@@ -190,12 +175,9 @@ class Agreement:
 
     def _announce(self, like: Any, config: LossScaleConfig, state: Any, payload: int, extras: int,
                   whose: int, length: int, known: int = 0) -> None:
-        """Before the first message of a new length (``extras`` values: a guard's, a clip's), one
-        message of the LAST length (zeros: the one-value message at first) that names the new one in
-        its fingerprint, checked at once (one read on a GPU): ranks whose lengths differ (a guard or
-        a clip on some ranks only, guards of other shapes, a clip added or dropped on one rank later)
-        raise RankMismatchError on every rank, instead of meeting in collectives of different sizes,
-        which abort the transport."""
+        """Before the first message of a new length, one message of the LAST length naming the new
+        one, checked at once (one read on a GPU): ranks whose lengths differ raise RankMismatchError
+        on every rank instead of meeting in collectives of different sizes (which abort the transport)."""
         last, self._length = self._length, length  # ``length``: the extras outside a meter's schedule
         mark = len(self._sent)
         self._agree(_new_flag(like, 0.0), _zeros(like, last + known), config, state, payload, extras, whose)
@@ -204,13 +186,9 @@ class Agreement:
 
     def sum_payload_(self, storage: Any, payload: int, config: LossScaleConfig, state: Any, *,
                      whose: int = 0) -> Any:
-        """Sum ``storage`` in place: its first ``payload`` values and, after them, the fingerprint.
-
-        For data-parallel gradients (the trainer's flat buffer with ``BITS`` spare values at
-        its end): one SUM collective. Returns None when the check ran on the host (it raised if
-        the ranks differ), else a 0-d float32 device flag, 1 when they differ (add it to the step's
-        overflow check; :meth:`verify` names the difference after a skip).
-        """
+        """Sum ``storage`` (the trainer's flat gradients, ``BITS`` spare values after ``payload``) in
+        place, with the fingerprint: one SUM collective. Returns None when checked on the host (it
+        raised if the ranks differ), else a 0-d float32 device flag, 1 when they differ."""
         host = self._next(config, payload, 0, whose)
         view = _host_view(storage)
         on_host = view is not None and _on_host(None, None, state)
@@ -222,8 +200,7 @@ class Agreement:
         return self._judge(wire, message, fields, state, storage, None).found_inf
 
     def _wire_for(self, like: Any, host: list[int], extras: int, payload: bool = False) -> Any:
-        """The next collective's wire format (the one choice: ``_wire.wire_for``), built where
-        ``like`` lives (None: in host memory)."""
+        """The next collective's wire format, built where ``like`` lives (None: in host memory)."""
         fp, red = self._fp, self.reducer
         place = self._host
         if like is not None:
@@ -240,8 +217,7 @@ class Agreement:
 
     @staticmethod
     def _fields(place: Any, host: list[int], state: Any) -> Any:
-        """This rank's fingerprint where its message is built: the state read on the host where it
-        lives there (or is a HostState), else its words computed on its device."""
+        """This rank's fingerprint where its message is built (the state's words on its device)."""
         if place.host or isinstance(state, HostState):
             return place.fields([*host, *_host_state(state)])
         return place.fields(host, tuple(state))
@@ -253,9 +229,8 @@ class Agreement:
 
     def _judge(self, wire: Any, message: Any, fields: Any, state: Any, like: Any, extra: Any,
                clean: bool = False) -> Agreed:
-        """The reduced message's verdict, the same on every rank: on the host, RankMismatchError at
-        once where the ranks differ; on a device, the difference added to the agreed flag (every
-        rank skips) and kept for :meth:`verify` (no host read). ``clean``: ``like`` was read as 0."""
+        """The reduced message's verdict, the same on every rank (see the class docstring); ``clean``:
+        ``like`` was read as 0."""
         read = wire.read(message)
         if wire.place.host:
             if not read.aligned:
@@ -277,9 +252,8 @@ class Agreement:
 
     # -- checking -------------------------------------------------------------------
     def verify(self) -> None:
-        """After a skip decision said skip: RankMismatchError if this iteration's messages show
-        ranks that differ (reads them: a host sync, only on skipped steps; where a digest
-        differs, the second collective that names the difference, on every rank)."""
+        """After a skip: RankMismatchError if this iteration's messages show ranks that differ (a host
+        sync, only on skipped steps)."""
         for sent in self._sent:
             if not self._host_read(sent.aligned)[0]:
                 self._explain(sent.wire, sent.message, sent.fields, sent.state)
@@ -287,10 +261,8 @@ class Agreement:
     def _explain(self, wire: Any, message: Any, fields: Any, state: Any) -> NoReturn:
         """The ranks differ: the wire names what differs (on every rank), then RankMismatchError."""
         mine = list(fields.host) if fields.state is None else [*fields.host, *_host_state(state)]
-        self._raise(wire.explain(self.reducer, message, self._fp.Fingerprint(*mine)))
-
-    def _raise(self, what: str) -> NoReturn:
         red = self.reducer
+        what = wire.explain(red, message, self._fp.Fingerprint(*mine))
         red.retire(f"an agreement found the ranks misaligned ({what})")
         raise self._mismatch(
             f"{red.describe()}: the ranks are not aligned, so no rank applies this step: {what}. "
@@ -299,8 +271,7 @@ class Agreement:
         )
 
     def _next(self, config: LossScaleConfig, payload: int, extras: int, whose: int) -> list[int]:
-        """The host fields of the next agreement: config, iteration, collective, sequence, payload,
-        extras, and whose flag (this agreement's place among the process's, with the caller's ``whose``)."""
+        """The host fields of the next agreement (``_fingerprint.FIELDS`` up to ``whose``)."""
         if self._config is None or self._config[0] is not config:
             self._config = (config, self._crc(config))
         self.collective += 1
@@ -365,14 +336,11 @@ def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
 
 
 def _host_state(state: Any) -> tuple[int, int, int]:
-    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU, where only
-    :meth:`Agreement.verify`'s explanation reads them)."""
+    """(scale bits, growth tracker, backoff tracker) as host integers (a sync on a GPU)."""
     if isinstance(state, HostState):
         return scale_bits(state.scale), int(state.growth_tracker), int(state.backoff_tracker)
     scale, growth, backoff = map(float, state)  # 0-d arrays' __float__: a plain read in host memory
     return scale_bits(scale), int(growth), int(backoff)
-
-
 
 
 def _is_host(array: Any) -> bool:
@@ -392,8 +360,7 @@ def _host_view(array: Any) -> np.ndarray | None:
 
 
 def _host(array: Any) -> Any:
-    """Host values of a host array: a view where one is free, else its backend's ``to_numpy``
-    (a bfloat16 or requires-grad CPU tensor has no NumPy view)."""
+    """Host values of a host array: a free view, else ``to_numpy`` (e.g. a bfloat16 CPU tensor)."""
     view = _host_view(array)
     return view if view is not None else backend_of(array).to_numpy(array)
 
@@ -402,8 +369,7 @@ _FLOAT32: dict[type, Any] = {}  # array type -> its library's float32 dtype
 
 
 def _is_plain_flag(flag: Any) -> bool:
-    """Whether ``flag`` is a 0-d float32 array (as :func:`_new_flag` makes), so it may stand as an
-    agreed flag of the same value."""
+    """Whether ``flag`` is a 0-d float32 array, so it may stand as an agreed flag of its value."""
     kind = type(flag)
     dtype = _FLOAT32.get(kind)
     if dtype is None:
@@ -414,8 +380,7 @@ def _is_plain_flag(flag: Any) -> bool:
 
 
 def _new_flag(like: Any, value: float) -> Any:
-    """A new 0-d float32 array holding ``value``, in ``like``'s library, in host memory (its
-    backend's ``full``: the cheapest new scalar each library has)."""
+    """A new 0-d float32 array holding ``value``, in ``like``'s library, in host memory."""
     if isinstance(like, (np.ndarray, np.generic, bool)):
         return np.asarray(value, np.float32)
     return backend_of(like).full(value, "float32", like)
@@ -432,6 +397,5 @@ def _zeros(like: Any, count: int) -> Any:
 
 
 def _new_like(like: Any, values: Any) -> Any:
-    """A new array in ``like``'s library and device, of its shape and dtype, holding host ``values``
-    (its backend's ``from_host``)."""
+    """A new array like ``like`` (library, device, shape, dtype) holding host ``values``."""
     return backend_of(like).from_host(np.asarray(values).reshape(tuple(like.shape)), like, like.dtype)

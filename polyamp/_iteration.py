@@ -1,7 +1,6 @@
 """One iteration of a loss scaler, written once: unscale, check, agree, decide, report, update.
 
-Every scaler is a shell over :class:`Iteration` (the engine, the torch and paddle facades, the
-trainer); the shells keep their own order rules and messages, the work is here::
+Every scaler (engine, torch and paddle facades, trainer) is a shell over :class:`Iteration`::
 
     unscale(grads) / record(flag)   -> Checks.found     (device flags, no sync)
     agree() / agree_flag(flag)      -> Checks.agreed    (one collective with a reducer)
@@ -9,10 +8,7 @@ trainer); the shells keep their own order rules and messages, the work is here::
     finish(concluded())             -> the scale update, its log line, the floor warning, the guard
 
 Every way an iteration ends is :meth:`Iteration.finish` of a :class:`Decision`, so none can skip the
-guard's record or leave the iteration open. Its components: :class:`~polyamp._scaling.Scaling` (config,
-backend, scale state), :class:`~polyamp._guard_steps.GuardSteps` (the guard), an
-:class:`~polyamp._agreement.Agreement` (the ranks). What the iteration has checked so far is one
-immutable :class:`Checks`, replaced as it moves on.
+guard's record or leave the iteration open.
 """
 
 from __future__ import annotations
@@ -46,10 +42,9 @@ Named = Callable[[], "list[tuple[str, Any]]"]
 class Decision(NamedTuple):
     """One step's host decision (immutable), consumed by :meth:`Iteration.finish`.
 
-    ``skipped``: the step was skipped (None: no step was decided, an update without a step).
-    ``flag``: what the scale rule advances on (the agreed device flag, or a host bool). ``exact``:
-    ``skipped`` was read from this very flag, so the state after the update is the rule's on the
-    host state read before it. ``verdicts``: the guard's (group, verdict) pairs.
+    ``skipped``: None when no step was decided. ``flag``: what the scale rule advances on. ``exact``:
+    ``skipped`` was read from this very flag (the state after the update needs no read).
+    ``verdicts``: the guard's (group, verdict) pairs.
     """
 
     skipped: bool | None
@@ -81,14 +76,11 @@ class Decision(NamedTuple):
 class Checks(NamedTuple):
     """What one iteration has checked so far; replaced (never mutated) as it moves on.
 
-    ``found``: this rank's device flags, summed (None before the first check); ``agreed``: ``found``
-    agreed over the ranks; ``summed``: the gradients themselves were summed over the ranks
-    (:meth:`Iteration.sum_payload`), so later flags are the same on every rank; ``unscaled``: the
-    shell's single unscale ran; ``decisions``: the host decisions of its steps (one per optimizer for
-    the torch facade); ``checked``: (name, gradient) pairs for a report (``diagnose=True``);
-    ``measured``: the guard's device values; ``values``: what was agreed with the flag;
-    ``metered``: a sample step's precision counts (:class:`polyamp._metering.Sample`), else None;
-    ``loss_from``: the verb that gave the loss.
+    ``found``: this rank's device flags, summed; ``agreed``: ``found`` agreed over the ranks;
+    ``summed``: the gradients were summed over the ranks (:meth:`Iteration.sum_payload`);
+    ``decisions``: one per step; ``checked``: (name, gradient) pairs for a report; ``measured``: the
+    guard's device values; ``values``: those agreed with the flag; ``metered``: a sample step's
+    precision counts; ``loss_from``: the verb that gave the loss (a retried step() takes none).
     """
 
     found: Any = None
@@ -100,7 +92,7 @@ class Checks(NamedTuple):
     measured: GuardValues = GuardValues()
     values: Any = None
     metered: Any = None
-    loss_from: str | None = None  # the verb that took ``measured.loss`` (a retried step() takes none)
+    loss_from: str | None = None
 
     @property
     def skipped(self) -> bool | None:
@@ -135,7 +127,7 @@ class Iteration:
     ) -> None:
         self.scaling = Scaling(config, backend)
         self.guarding = None if step_guard is None else GuardSteps(step_guard)
-        self.metering = Metering(meter)  # the precision meter (a no-op without one)
+        self.metering = Metering(meter)
         self.agreement = agreement
         self.diagnose = diagnose
         self.log = SkipLog()  # the first skips one INFO line each, then a summary per window
@@ -235,8 +227,7 @@ class Iteration:
 
     def sum_payload(self, storage: Any, payload: int, *, whose: int = 0, like: Any = None) -> None:
         """Sum ``storage`` (``payload`` values, the fingerprint after them) over the ranks: ONE
-        collective. ``like`` (first steps): check first, in a fixed-size message on its device, that
-        every rank sums as many values (a differing model is named, not hung)."""
+        collective. ``like`` (first steps): first check that every rank sums as many values."""
         if self.agreement is None:
             raise ScalerStateError("sum_payload() needs a scaler built with reducer=. Fix: pass reducer=.")
         agreement, config, state = self.agreement, self.scaling.config, self.scaling.fingerprinted
@@ -296,8 +287,8 @@ class Iteration:
         local: Any = None, keep_report: bool = False,
     ) -> Decision:
         """The skip decision on ``flag`` (default: the iteration's; None: no gradients) and a guard's
-        ``values``, in the step's one host read, recorded in :attr:`checks`. A skip checks the ranks,
-        then reports (on ``named()``; ``local``: this rank's flag). A failure ends the iteration."""
+        ``values``, in the step's one host read. A skip checks the ranks, then reports (on
+        ``named()``; ``local``: this rank's flag). A failure ends the iteration."""
         try:
             decision = self._decision(flag, values, group)
             if decision.skipped and (not decision.verdicts or decision.verdicts[-1][1].reason == "overflow"):
@@ -343,9 +334,8 @@ class Iteration:
 
     # -- the end of an iteration ------------------------------------------------------------
     def concluded(self, found_inf: Any = None, *, skipped: bool | None = None) -> Decision:
-        """The decision for the update: the steps' decisions merged, advancing on ``found_inf``
-        (default: the iteration's flag). Without a step (``skipped``: the shell's answer) the flag is
-        read once where a report or a device-checked agreement needs it."""
+        """The decision for the update, advancing on ``found_inf`` (default: the iteration's flag).
+        Without a step, the flag is read once where a report or a device-checked agreement needs it."""
         if found_inf is None:
             self.agree_found()
         flag = self.checks.flag if found_inf is None else found_inf
@@ -376,8 +366,7 @@ class Iteration:
     def finish(self, decision: Decision, *, describe: Describe | None = None, rule: bool = True,
                new_scale: float | None = None) -> None:
         """End the iteration with ``decision``: the scale rule (``rule=False``: a fixed scale;
-        ``new_scale``: set instead), the log line, the floor warning, the guard's histories and a
-        streak's action. Reads the scale only when a line is due, not again when ``exact``."""
+        ``new_scale``: set instead), the log line, the floor warning and the guard's record."""
         reports = self.guarding.advance(decision.verdicts) if self.guarding is not None else ()
         try:
             if self.checks.metered is not None:  # after the decision: one read
@@ -407,7 +396,8 @@ class Iteration:
         if held:
             describe = self.guarding.describer(*next(gv for gv in decision.verdicts if gv[1].reason))
         if skipped is not None:
-            reason = _first_reason({v.reason for _, v in decision.verdicts}) if decision.verdicts else None
+            reasons = {v.reason for _, v in decision.verdicts}
+            reason = next((r for r in guard.REASONS if r in reasons), None)
             detail = "" if self.last_overflow is None else overflow.log_summary(self.last_overflow)
             log.after_update(skipped, before, read, describe or scaling.describe_change, detail, reason)
         if skipped and not held:
@@ -428,9 +418,8 @@ class Iteration:
 
 def _skip_report(iteration: Iteration, named: Named | None = None, local: Any = None
                  ) -> overflow.OverflowReport | None:
-    """The report on a skipped step's gradients (reads the scale, and with an agreement this rank's
-    own flag, to tell whether another rank overflowed); None and a WARNING when it cannot be built
-    (e.g. a layout the counts do not support): it never leaves the iteration open."""
+    """The report on a skipped step's gradients (reads the scale, and this rank's own flag); None and
+    a WARNING when it cannot be built: it never leaves the iteration open."""
     try:
         agreed, checks = iteration.agreement is not None, iteration.checks
         local = checks.found if agreed and local is None and checks.agreed is not None else local
@@ -478,8 +467,3 @@ def _maxed(guarding: GuardSteps | None, users: int) -> tuple[bool, ...]:
     """Per extra value agreed: whether the ranks' values combine by their max (the guard's rule per
     slot; the user's ``users`` values are summed)."""
     return () if guarding is None else (False,) * users + guarding.maxed
-
-
-def _first_reason(reasons: set[str | None]) -> str | None:
-    """The first of :data:`polyamp.guard.REASONS` among ``reasons`` (None: none, or no guard)."""
-    return next((r for r in guard.REASONS if r in reasons), None)
