@@ -75,11 +75,8 @@ def check_on_fault(on_fault: Any) -> OnFault:
 def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     """Poll ``done()`` until it returns True (then True) or ``timeout`` seconds pass (then False).
 
-    Polls back to back for the first ``TIGHT`` seconds (as a blocking MPI wait would: a fast
-    collective costs no yield, which on a busy machine can take tens of microseconds), then
-    yielding the CPU between polls until ``SPIN`` seconds, then sleeping between polls, up to
-    ``MAX_POLL_PAUSE``: a slow collective costs little CPU. (MPI progresses a non-blocking
-    collective inside each poll.)
+    Polls back to back for ``TIGHT`` seconds (a fast collective costs no yield), then yields the CPU
+    between polls until ``SPIN``, then sleeps up to ``MAX_POLL_PAUSE``: a slow one costs little CPU.
     """
     start = time.monotonic()
     deadline, tight_until, spin_until = start + timeout, start + TIGHT, start + SPIN
@@ -101,11 +98,9 @@ def wait_until(done: Callable[[], bool], timeout: float) -> bool:
 class Reducer(abc.ABC):
     """All-reduces arrays in place across the ranks of one group, one collective per call.
 
-    ``name`` says which engine ("mpi", "torch:gloo", ...), ``rank``/``size`` this process's
-    place in the group, ``timeout`` the seconds a collective may take (None: the engine's own
-    limit), ``collectives`` how many collectives this reducer has issued (tests, benchmarks),
-    ``on_fault`` what a timeout or a dead peer does: "abort" (default) ends the job through the
-    engine after reporting the error, "raise" raises ``ReducerError`` on this rank only.
+    ``name``: the engine ("mpi", "torch:gloo", ...); ``rank``/``size``: this process's place in the
+    group; ``timeout``: seconds a collective may take (None: the engine's own limit); ``on_fault``:
+    see the module docstring.
     """
 
     def __init__(self, name: str, rank: int, size: int, timeout: float | None) -> None:
@@ -149,7 +144,10 @@ class Reducer(abc.ABC):
         """Wait until every rank of the group has reached this call (one collective)."""
         self._usable()
         self._collectives += 1
-        self._guarded(self._barrier, "barrier")
+        try:
+            self._barrier()
+        except ReducerError as exc:
+            self._failed(exc, "barrier")
 
     def _issue(self, array: Any, op: Op) -> Any:
         if self._retired is not None:
@@ -161,12 +159,6 @@ class Reducer(abc.ABC):
         except ReducerError as exc:
             self._failed(exc, f"all-reduce ({op})")
         return array
-
-    def _guarded(self, call: Callable[[], None], what: str) -> None:
-        try:
-            call()
-        except ReducerError as exc:
-            self._failed(exc, what)
 
     def _failed(self, exc: ReducerError, what: str) -> NoReturn:
         """A collective failed: retire the reducer (and with ``on_fault="abort"`` end the job), raise."""
@@ -236,18 +228,12 @@ class Reducer(abc.ABC):
 
     @abc.abstractmethod
     def _prepare(self, array: Any) -> Any:
-        """What ``_allreduce`` reduces: ``array`` or a zero-copy view of it sharing its memory.
-
-        Raises ForeignArrayError when this reducer cannot all-reduce ``array`` in place.
-        """
+        """``array`` or a zero-copy view of it; ForeignArrayError when it cannot be reduced in place."""
 
     @abc.abstractmethod
     def _allreduce(self, buffer: Any, op: Op) -> None:
-        """Issue one all-reduce of ``buffer`` in place; ReducerError on a fault.
-
-        On return the result is in ``buffer`` for any later reader on its device (a stream may
-        still be finishing it, as with NCCL, where the engine's own timeout applies).
-        """
+        """Issue one all-reduce of ``buffer`` in place (done for any later reader on its device);
+        ReducerError on a fault."""
 
     @abc.abstractmethod
     def _barrier(self) -> None:

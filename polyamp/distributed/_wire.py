@@ -121,8 +121,6 @@ def lane(share: Any, found: Any, rank: int, ranks: int, key: int) -> Any:
 class OneValue(Wire):
     """One int64, summed (no extra values, at most LANE_RANKS ranks)."""
 
-    op = "sum"
-
     def send(self, fields: Fields, found: Any, values: Any) -> Any:
         place = self.place
         value = lane(place.share(fields, LANE), place.bit(found), self.rank, self.size, self.key)
@@ -169,8 +167,6 @@ class TwoValueMax(Wire):
 
 class PayloadBits(Wire):
     """A payload summed with the fingerprint's bits in its last ``BITS.size`` values (no flag)."""
-
-    op = "sum"
 
     def send(self, fields: Fields, found: Any, values: Any) -> Any:
         bits = self.place.encode(fields, BITS)
