@@ -1,8 +1,5 @@
-"""Gradient utilities over any array library: global L2 norm, clip by global norm, and a
-gradient buffer whose every gradient is a view of one flat array.
-
-No host synchronisation; finite gradients always have a finite norm. Still-scaled gradients are
-refused. With a scaler that has a reducer, the sum of squares rides in its one collective.
+"""Gradient utilities over any array library: global L2 norm, clip by global norm, and a buffer of
+gradient views of one flat array. No host sync; still-scaled gradients are refused.
 """
 
 from __future__ import annotations
@@ -108,12 +105,6 @@ def _zero(xp: Any, acc: str, like: Any) -> Any:
     return xp.zeros((), dtype=_dtypes.resolve(xp, acc), device=array_api_compat.device(like))
 
 
-def _peak(xp: Any, arrays: Sequence[Any], acc: str) -> Any:
-    """max |value| over all arrays, 0-d in ``acc`` (nan or inf when any value is); no copies."""
-    peaks = [_dtypes.cast(xp.maximum(xp.max(g), -xp.min(g)), acc) for g in arrays if math.prod(g.shape)]
-    return xp.max(xp.stack(peaks)) if peaks else _zero(xp, acc, arrays[0])
-
-
 def _sum_of_squares(xp: Any, arrays: Sequence[Any], acc: str, inv: Any = None) -> Any:
     """sum((g * inv)**2) over all arrays, each chunk cast to ``acc`` first: a fixed number of passes."""
     parts = []
@@ -149,7 +140,9 @@ def _local_norm(xp: Any, arrays: Sequence[Any]) -> Any:
     acc, rescale = _accumulator(xp, arrays)
     if not rescale:
         return xp.sqrt(_sum_of_squares(xp, arrays, acc))
-    peak = _peak(xp, arrays, acc)
+    # max |value|, 0-d in ``acc`` (nan or inf when any value is); no copies
+    peaks = [_dtypes.cast(xp.maximum(xp.max(g), -xp.min(g)), acc) for g in arrays if math.prod(g.shape)]
+    peak = xp.max(xp.stack(peaks)) if peaks else _zero(xp, acc, arrays[0])
     ok = xp.isfinite(peak)
     tiny = xp.full_like(peak, xp.finfo(peak.dtype).smallest_normal)
     peak = xp.maximum(peak, tiny)  # so 1 / peak is finite
