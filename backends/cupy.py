@@ -1,23 +1,10 @@
 """CuPy backend: fused multi-tensor CUDA kernels, compiled by NVRTC on first use; lazy cupy import.
 
-* ``unscale_and_check``: one launch per dtype for any number of gradients (a device chunk
-  table, see ``_cupy_kernels``), bitwise as torch's ``_amp_foreach_non_finite_check_and_unscale_``;
-  ``all_finite`` is the same kernel read-only; ``update_scale`` runs ``polyamp.policy``'s rule
-  (torch's float64 or paddle's float32 product, ``backoff_interval``, min/max scale, the
-  ``SCALE_FLOOR`` backoff never goes below) in a one-thread kernel. Nothing syncs with the
-  host except ``read_flag`` and ``to_host``.
-* Foreign GPU arrays: ``owns_array`` claims only cupy arrays, so a torch tensor still picks the
-  torch backend. Once cupy is *chosen* (``backend="cupy"`` or ``POLYAMP_BACKEND=cupy``) its
-  ``accepts_array`` hook also takes CUDA arrays exposing ``__dlpack__`` or
-  ``__cuda_array_interface__`` (CUDA torch tensors, numba arrays, ...): they are unscaled in
-  place through zero-copy ``cupy.from_dlpack`` views, ``scale`` and ``cast`` return arrays of
-  the input's own library (torch autograd keeps working) and the scaler state lives in cupy
-  arrays on that device. See docs/backends/cupy.md.
-  Kernels run on cupy's current stream: if your framework works on another stream, run the
-  step inside ``cupy.cuda.ExternalStream(...)`` for it.
-* bfloat16: cupy >= 14 holds it as ``ml_dtypes.bfloat16`` (the dtype the NumPy backend uses);
-  ``cast(x, "bfloat16")`` needs that and raises a clear error on older cupy. bfloat16 CUDA
-  tensors of torch are unscaled on any cupy version (borrowed as int16 bits when needed).
+``unscale_and_check`` is one launch per dtype for any number of gradients (bitwise as torch's
+``_amp_foreach_non_finite_check_and_unscale_``); ``update_scale`` runs ``polyamp.policy``'s rule in a
+one-thread kernel; only ``read_flag`` and ``to_host`` sync. Once chosen, it also takes foreign CUDA
+arrays (``__dlpack__``/``__cuda_array_interface__``) through zero-copy views; kernels run on cupy's
+current stream. docs/backends/cupy.md explains foreign arrays, streams and bfloat16.
 """
 
 from __future__ import annotations
