@@ -1,10 +1,6 @@
-"""The step guard inside an iteration: its settings, each group's history, the values it sends, its
-verdicts and a streak's action. :class:`GuardSteps` is a component the iteration holds and calls
-with explicit arguments (it reads nothing of its holder); the rule is :mod:`polyamp.guard`'s and
-the array work :mod:`polyamp._guard_values`'.
-
-One group per step for the engine, the paddle facade and the trainer (group 0); one per optimizer
-for the torch facade.
+"""The step guard inside an iteration: each group's history (one per optimizer for the torch facade,
+else group 0), the values it sends, its verdicts and a streak's action; the rule is
+:mod:`polyamp.guard`'s.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The precision meter inside an iteration: which steps it counts, the counts riding in the step's one
-agreement, and the report after the decision. :class:`Metering` is a component the iteration holds
-and calls with explicit arguments (it reads nothing of its holder); without a meter every call is a
-no-op and the step sends what it sends without one. The counting is
-:meth:`polyamp.PrecisionMeter.count`'s, the report :meth:`polyamp.PrecisionMeter.report`'s.
+agreement, and the report after the decision. Without a meter every call is a no-op.
 
 On a sample step (the first step and every ``every``-th step taken after it) the unscaled gradients
 are counted once unscaled, with no host read; with a reducer their counts (summed), extremes (max)

@@ -3,13 +3,8 @@
 A :class:`PrecisionMeter` is a frozen config. ``meter.count(backend, grads, scale)`` makes two flat
 arrays on the gradients' device with no host read (``counts``: int64, to be summed over ranks;
 ``extremes``: float64, to be max-reduced), and ``meter.report(...)`` turns them, read on the host,
-into a :class:`PrecisionReport`. The definitions (docs/precision.md), per unscaled gradient ``g`` in
-float64, ``v = g * s`` per target, and the target format's smallest subnormal ``m``, smallest normal
-``n`` and largest finite ``M``::
-
-    underflow  0 < |v| <= m/2                 (the cast gives 0)
-    subnormal  m/2 < |v| < n - m/2
-    overflow   |v| >= M + ulp(M)/2            (not representable)
+into a :class:`PrecisionReport`. The definitions are docs/precision.md's (and the algorithm
+:mod:`polyamp._precision_counts`').
 """
 
 from __future__ import annotations
