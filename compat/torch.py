@@ -1,25 +1,11 @@
 """``torch.amp.GradScaler``'s API and state machine over any polyamp backend: one class.
 
 Behaviour, messages and exception types follow torch 2.13 (user code catches them). The engine
-holds the rule and arrays; this class holds torch's per-optimizer READY/UNSCALED/STEPPED stages,
-one typed :class:`OptimizerRecord` per optimizer. ``ShardedGradScaler`` (torch's FSDP scaler)
-overrides only how a flag is agreed: one collective per optimizer across the ranks. The disabled
-scalers are ordinary subclasses whose methods do nothing. Extra keyword-only arguments:
-``backend``, ``backoff_interval``, ``min_scale``, ``max_scale``, ``diagnose``, ``guard``.
-
-torch's two overridable steps are called where torch calls them, with torch's arguments:
-subclasses of ``torch.amp.GradScaler`` override ``_unscale_grads_(optimizer, inv_scale,
-found_inf, allow_fp16)`` (NeMo routes it to an optimizer's own unscale) and
-``_maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)`` (NeMo agrees ``found_inf`` over
-the model-parallel group there). ``step`` calls ``_maybe_opt_step`` with ``optimizer_state =
-{"stage": UNSCALED, "found_inf_per_device": {device: flag}}`` only where a class overrides it; a
-flag the override changes in place, or replaces in the dict, is the one ``update()`` uses.
-``unscale_`` calls ``_unscale_grads_`` only where a class overrides it: ``inv_scale`` is
-``float32(1 / float64(scale))`` (1 for the check-only call), ``found_inf`` a zero float32 array
-beside the scale; the default unscales by the scaler's own scale, so an override that hands it
-another ``inv_scale`` is refused (ValueError).
-
-Importing it does not import torch.
+holds the rule and arrays; this class holds torch's per-optimizer READY/UNSCALED/STEPPED stages
+(one :class:`OptimizerRecord` per optimizer). ``ShardedGradScaler`` overrides only how a flag is
+agreed; the disabled scalers are subclasses whose methods do nothing. torch's overridable
+``_unscale_grads_`` and ``_maybe_opt_step`` are called where torch calls them, and only where a
+subclass overrides them (docs/integrations.md). Importing it does not import torch.
 """
 
 from __future__ import annotations
@@ -140,11 +126,7 @@ class GradScaler:
     _guard_only = False  # disabled (or "cuda" without CUDA) with a guard: the scale fixed at 1
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
-        """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type.
-
-        The CUDA rule is :func:`polyamp.compat._torch_disabled.cuda_missing` (torch's test,
-        asked of torch whenever torch is installed).
-        """
+        """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type."""
         enabled = kwargs.get("enabled", args[4] if len(args) > 4 else True)
         if issubclass(cls, DisabledGradScaler):
             return object.__new__(cls)
@@ -259,10 +241,7 @@ class GradScaler:
         return flag if call.ran else self._agree_own_flag(flag, optimizer)
 
     def _check_grads(self, grads: list[Any], check_only: bool, optimizer: Any = None) -> Any:
-        """One optimizer's device overflow flag, None without gradients (no sync).
-
-        Unscales ``grads`` in place unless ``check_only``. ShardedGradScaler agrees here.
-        """
+        """One optimizer's device flag (None without gradients), ``grads`` unscaled unless ``check_only``."""
         if not grads:
             return None
         iteration = self._iteration
@@ -283,8 +262,7 @@ class GradScaler:
 
     def _group_of(self, optimizer: Any) -> int:
         """The optimizer's guard history's key: its place in the order optimizers were first stepped
-        (since construction, unpickling or load_state_dict), so an optimizer stepped alone in an
-        iteration is still judged against its own history."""
+        (since construction, unpickling or load_state_dict)."""
         return self._groups.setdefault(id(optimizer), len(self._groups))
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
@@ -384,7 +362,8 @@ class GradScaler:
         then ``optimizer.step(*args, **kwargs)`` unless it says skip."""
         optimizer, iteration = record.optimizer, self._iteration
         earlier = [r.optimizer for r in self._records.values() if r.skipped] if len(self._records) > 1 else []
-        named = lambda: self._named_grads([*earlier, optimizer])  # noqa: E731
+        names = self._param_names  # the skipped optimizers' named gradients, for one report
+        named = lambda: [p for o in (*earlier, optimizer) for p in torch_named_grads(o, names)]  # noqa: E731
         decision = record.decision
         if decision is None:  # else a retry after optimizer.step raised: decided (and counted) once
             group = 0 if iteration.guarding is None else self._group_of(optimizer)
@@ -396,10 +375,6 @@ class GradScaler:
         skipped = decision.skipped
         self._last_reason, self._last_skipped = decision.reason, skipped
         return None if skipped else optimizer.step(*args, **kwargs)
-
-    def _named_grads(self, optimizers: list[Any]) -> list[tuple[str, Any]]:
-        """The named gradients of the optimizers whose steps this iteration skipped, for one report."""
-        return [pair for optimizer in optimizers for pair in torch_named_grads(optimizer, self._param_names)]
 
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: nothing here (ShardedGradScaler checks the ranks)."""
@@ -448,9 +423,7 @@ class GradScaler:
     def update(self, new_scale: float | Any = None) -> None:
         """Back off after an overflow, grow after growth_interval clean steps, or set new_scale.
 
-        No host sync: the rule runs on the scale's device. Either way the iteration ends through
-        the engine, which records the guard's verdicts of its steps.
-        """
+        No host sync: the rule runs on the scale's device."""
         if self._iteration.scaling.state is None:  # raises (a call only then)
             self._check_initialized("update")
         iteration = self._iteration
@@ -564,19 +537,15 @@ class GradScaler:
 
     # -- torch's private members that trainers call (Lightning, accelerate, timm) ------------
     def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
-        """Create the scale and growth tracker on device ``dev`` now instead of at the first scale().
-
-        As torch: an AssertionError when they exist already; the values are the initial ones or
-        the ones ``load_state_dict`` loaded (accelerate's FSDP2 ``load_state`` calls it).
-        """
+        """Create the scale and growth tracker (initial or loaded values) on ``dev`` now; as torch, an
+        AssertionError when they exist already (accelerate's FSDP2 ``load_state`` calls it)."""
         engine = self._engine
         if engine.state is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
         backend = engine.backend
         if backend is None or backend.name == "torch":
-            torch = sys.modules.get("torch")
-            if torch is None:
-                import torch
+            import torch
+
             engine.bind(torch.empty((), device=dev))
         else:  # a NumPy/CuPy/... scaler: its state lives with its own arrays
             engine.bind(backend.full(0, "float32", None))
@@ -591,8 +560,8 @@ class GradScaler:
     @property
     def _init_scale(self) -> float:
         """The scale the state is created with: init_scale, or the value last loaded (host number)."""
-        state = self._engine.state
-        return self._engine.host_state().scale if state is None else self._engine.config.init_scale
+        engine = self._engine
+        return engine.host_state().scale if engine.state is None else engine.config.init_scale
 
     @property
     def _init_growth_tracker(self) -> int:
@@ -706,16 +675,12 @@ class GradScaler:
 
 
 class ShardedGradScaler(GradScaler):
-    """Drop-in ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
+    """Drop-in ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` (torch's signature).
 
-    torch's signature (``backoff_factor`` before ``growth_factor``, then ``process_group``),
-    FP16 and CPU gradients; each optimizer's overflow flag is agreed with one all-reduce
-    over ``process_group`` (None: the default group; or anything
-    :func:`polyamp.distributed.reducer` accepts), so every rank skips together. The same
-    collective finds ranks whose config, scale or sequence of collectives differ. With
-    ``diagnose=True`` a rank whose own gradients are finite reports that another rank overflowed.
-    FSDP2's DTensor gradients are unscaled as their local shards where the group spans their
-    mesh: DTensor's own unscale would all-reduce the flag once more.
+    Each optimizer's flag is agreed with one all-reduce over ``process_group`` (None: the default
+    group; or anything :func:`polyamp.distributed.reducer` accepts), which also finds misaligned
+    ranks (docs/distributed.md). FSDP2's DTensor gradients are unscaled as their local shards
+    where the group spans their mesh: DTensor's own unscale would all-reduce the flag once more.
     """
 
     _allow_fp16 = True  # FSDP's mixed precision hands FP16 gradients to the scaler
@@ -772,12 +737,10 @@ class ShardedGradScaler(GradScaler):
         return iteration.agreement
 
     def _check_grads(self, grads: list[Any], check_only: bool, optimizer: Any = None) -> Any:
-        """Unscale (or check) ``grads`` and return the flag agreed over the group (1: some rank overflowed).
+        """Unscale (or check) ``grads``; the flag agreed over the group (1: some rank overflowed).
 
-        Every rank issues the same collective, also one with no gradients (its flag is 0).
-        The same collective finds ranks whose config, state or collectives differ, or that step
-        another optimizer at this point (:class:`Places`): RankMismatchError.
-        """
+        Every rank issues the collective, also one with no gradients (flag 0); misaligned ranks
+        (:class:`Places`) raise RankMismatchError."""
         agreement, iteration = self._agreed(), self._iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
         if iteration.guarding is not None:
@@ -800,17 +763,16 @@ class ShardedGradScaler(GradScaler):
         return self._iteration.agree_flag(flag, whose=whose)
 
     def _confirm_aligned(self, found: Any) -> None:
-        """Before a fused optimizer's step: where the agreement lives on a GPU, read the flag
-        (one sync) so that misaligned ranks raise here; they skip on the device regardless."""
+        """Before a fused optimizer's step: read an unverified agreement's flag (one sync), so that
+        misaligned ranks raise here."""
         iteration = self._iteration
         agreement = iteration.agreement
         if agreement is not None and agreement.unverified and iteration.scaling.read_flag(found):
             iteration.verify()
 
     def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:
-        """DTensor gradients replaced by their local shards (same memory) where ``red``'s group
-        covers the DTensor's mesh, so the one agreement is the only collective. Elsewhere the
-        DTensor stays, and its unscale agrees across its mesh as in torch."""
+        """DTensor gradients as their local shards where ``red``'s group covers their mesh (elsewhere
+        DTensor's unscale agrees over its mesh, as in torch)."""
         dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
         if dtensor is None or not any(issubclass(kind, dtensor) for kind in set(map(type, grads))):
             return grads
@@ -869,7 +831,6 @@ class DisabledGradScaler(GradScaler):
 
     def unscale_(self, optimizer: Any) -> None:
         """Nothing to undo."""
-        return None
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)``, closures included, as torch's disabled scaler."""
@@ -877,11 +838,9 @@ class DisabledGradScaler(GradScaler):
 
     def update(self, new_scale: Any = None) -> None:
         """Nothing to update."""
-        return None
 
     def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
         """Nothing to create."""
-        return None
 
     def get_scale(self) -> float:
         """1.0, as torch's disabled scaler."""
@@ -943,7 +902,6 @@ class DisabledGradScaler(GradScaler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Ignored, as torch's disabled scaler."""
-        return None
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)
