@@ -20,8 +20,7 @@ from polyamp.guard import GuardHistory
 from polyamp.policy import fit_to_config
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-#: polyamp's keys for a rule beyond torch's, written only where they differ from torch's (so a default
-#: scaler's state dict is exactly torch's), and their torch values.
+#: polyamp's keys for a rule beyond torch's, and their torch values (written only where they differ)
 RULE_KEYS = {"rule": "torch", "consecutive_hysteresis": False, "raise_error_at_min_scale": False,
              "product_dtype": None}
 INTERVAL_LIMIT = 2**63 - 1  # torch's _amp_update_scale_ takes growth_interval as an int64
@@ -40,9 +39,8 @@ class StateDictKeyError(StateDictError, KeyError):
 
 def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory], metered: bool = False
                    ) -> dict[str, Any]:
-    """The engine's state in torch's GradScaler format (a device sync); trackers fitted to the
-    config (``polyamp.policy.fit_to_config``), so the dict loads. ``metered``: a meter is set, so
-    ``"steps"`` (its sampling phase) is written too."""
+    """The engine's state in torch's GradScaler format (a device sync), trackers fitted to the config
+    so the dict loads; ``metered``: ``"steps"`` (the meter's phase) written too."""
     config = engine.config
     host = fit_to_config(engine.host_state(), config)
     state: dict[str, Any] = {
@@ -141,8 +139,7 @@ def _engine_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[str, Any
 
 
 def _number(state: Mapping[str, Any], key: str, default: Any = None) -> int | float:
-    """``state[key]`` as a Python int or float; NumPy scalars and 1-element tensors (which
-    torch's loader also takes) by their ``.item()``. Strings, bools and None are refused."""
+    """``state[key]`` as a Python int or float (NumPy scalars and 1-element tensors by ``.item()``)."""
     value = state.get(key, default)
     if is_array(value) and hasattr(value, "item") and _numel(value) == 1:
         value = value.item()
@@ -239,8 +236,9 @@ def torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
                   growth_interval: Any, backoff_interval: Any, min_scale: Any,
                   max_scale: Any) -> LossScaleConfig:
     """torch's two asserts first (same messages), then polyamp's full validation."""
-    init_scale, growth_factor, backoff_factor = map(_as_float, (init_scale, growth_factor,
-                                                                 backoff_factor))
+    init_scale, growth_factor, backoff_factor = (  # real numbers (NumPy scalars too) as Python floats
+        float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
+        for v in (init_scale, growth_factor, backoff_factor))
     if growth_factor <= 1.0:
         raise TorchConfigError(
             f"The growth factor must be > 1.0. Got growth_factor={growth_factor!r}."
@@ -259,9 +257,3 @@ def torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
         )
     except ConfigError as exc:
         raise TorchConfigError(f"{exc} (in GradScaler(...))") from None
-
-
-def _as_float(value: Any) -> Any:
-    """Real numbers (NumPy scalars too) as Python floats; anything else left for validation."""
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    return float(value) if real else value
