@@ -39,28 +39,16 @@ def build_reducer(process_group: Any) -> Reducer:
         raise type(exc)(f"ShardedGradScaler(process_group={short_repr(process_group)}): {exc}") from None
 
 
-def mesh_inside(mesh: Any, red: Reducer) -> bool:
-    """Whether every rank of a DeviceMesh is in the torch process group behind ``red``.
-
-    The same answer on every rank of the mesh, so all of them unscale alike.
-    """
+def mesh_inside(mesh: Any, red: Reducer | None, *, holds: bool = False) -> bool:
+    """Whether every rank of a DeviceMesh is in the torch process group behind ``red``; ``holds``:
+    whether the mesh holds every rank of the group instead (then every rank of the group holds a
+    shard of its DTensors; not so for pipeline stages). The same answer on every rank of both."""
     group = getattr(red, "group", None)
     dist = sys.modules.get("torch.distributed")
     if group is None or dist is None or not isinstance(group, dist.ProcessGroup):
         return False
-    return set(mesh.mesh.flatten().tolist()) <= set(dist.get_process_group_ranks(group))
-
-
-
-def mesh_holds(mesh: Any, red: Reducer | None) -> bool:
-    """Whether a DeviceMesh holds every rank of the torch process group behind ``red``: then every
-    rank of the group holds a shard of the mesh's DTensors (not so for pipeline stages, each on
-    its own mesh). The same answer on every rank of the group."""
-    group = getattr(red, "group", None)
-    dist = sys.modules.get("torch.distributed")
-    if group is None or dist is None or not isinstance(group, dist.ProcessGroup):
-        return False
-    return set(dist.get_process_group_ranks(group)) <= set(mesh.mesh.flatten().tolist())
+    in_mesh, in_group = set(mesh.mesh.flatten().tolist()), set(dist.get_process_group_ranks(group))
+    return in_group <= in_mesh if holds else in_mesh <= in_group
 
 
 def dtensor_shapes(optimizer: Any, holds: Any) -> tuple[Any, ...]:
@@ -90,7 +78,7 @@ class Places:
     An optimizer is named by its place among the optimizers this scaler stepped, in the order first
     stepped (since construction, a new process group, ``load_state_dict`` or unpickling), its class,
     and the global shapes and dtypes of its DTensors whose mesh holds every rank of the group
-    (:func:`mesh_holds`). Not the number, shapes or dtypes of a rank's own parameters: they differ
+    (``mesh_inside(holds=True)``). Not the number, shapes or dtypes of a rank's own parameters: they differ
     between shards (uneven FSDP shards, a ZeRO partition, pipeline stages). So an optimizer stepped
     at another place than on the other ranks is found (also one stepped in another order from some
     iteration on); two optimizers of one class swapped on a rank from their first step on are
@@ -131,5 +119,5 @@ class Places:
 
     def _mesh_holds(self, mesh: Any, red: Reducer | None) -> bool:
         if mesh not in self._holds:
-            self._holds[mesh] = mesh_holds(mesh, red)
+            self._holds[mesh] = mesh_inside(mesh, red, holds=True)
         return self._holds[mesh]
