@@ -43,34 +43,18 @@ def _params(optimizer: Any) -> list[Any]:
     return list(iter_params(optimizer))
 
 
-def _not_a_parameter(optimizer: Any) -> AssertionError:
-    """torch's AssertionError for a parameter without ``.grad``, naming the offending type."""
-    bad = next(p for p in _params(optimizer) if not hasattr(p, "grad"))
-    return AssertionError(
-        f"expected param to be torch.Tensor, got {type(bad).__name__} (polyamp also accepts "
-        "any array parameter with a .grad attribute, such as polyamp.Parameter)"
-    )
-
-
 def _all_grads(optimizer: Any) -> list[Any]:
     groups = getattr(optimizer, "param_groups", None)
     try:
         if isinstance(groups, list):  # map with attrgetter: the per-parameter loop runs in C
             return [g for group in groups for g in map(_GRAD, group["params"])]
         return list(map(_GRAD, iter_params(optimizer)))
-    except AttributeError:
-        raise _not_a_parameter(optimizer) from None
-
-
-def _coalesce_sparse_fp16(optimizer: Any) -> None:
-    """torch's rule: sparse FP16 gradients are coalesced (``.grad`` replaced) before the check.
-
-    Duplicate indices summed in FP16 can overflow, so the coalesced values are what is checked.
-    """
-    for param in _params(optimizer):
-        grad = param.grad
-        if grad is not None and getattr(grad, "is_sparse", False) and is_fp16(grad):
-            param.grad = grad.coalesce()
+    except AttributeError:  # torch's AssertionError, naming the offending type
+        bad = next(p for p in _params(optimizer) if not hasattr(p, "grad"))
+        raise AssertionError(
+            f"expected param to be torch.Tensor, got {type(bad).__name__} (polyamp also accepts "
+            "any array parameter with a .grad attribute, such as polyamp.Parameter)"
+        ) from None
 
 
 def _library_name(kind: type) -> str:
@@ -79,10 +63,8 @@ def _library_name(kind: type) -> str:
 
 
 def check_one_library(grads: list[Any], backend: Backend) -> None:
-    """ForeignArrayError unless every gradient is of one array library that ``backend`` holds.
-
-    Costs one pass over the gradient types (in C) and one ``accepts_array`` call per step.
-    """
+    """ForeignArrayError unless every gradient is of one array library that ``backend`` holds
+    (one pass over the types, in C, and one ``accepts_array`` call per step)."""
     kinds = set(map(type, grads))
     if len(kinds) == 1 and backend.accepts_array(grads[0]):
         return
@@ -105,11 +87,8 @@ def check_one_library(grads: list[Any], backend: Backend) -> None:
 
 def collect_grads(optimizer: Any, allow_fp16: bool, backend: Backend) -> list[Any]:
     """The non-None gradients of ``optimizer``; ValueError on FP16 unless ``allow_fp16``,
-    ForeignArrayError when they are not all arrays of one library that ``backend`` holds.
-
-    Reads each ``.grad`` once and each dtype once: no per-parameter branching in Python.
-    Every check comes before anything is changed.
-    """
+    ForeignArrayError unless all are arrays of one library that ``backend`` holds. Every check
+    comes before anything is changed."""
     grads = [g for g in _all_grads(optimizer) if g is not None]
     if not grads:
         return grads
@@ -124,6 +103,9 @@ def collect_grads(optimizer: Any, allow_fp16: bool, backend: Backend) -> list[An
     if fp16:
         if not allow_fp16:
             raise ValueError("Attempting to unscale FP16 gradients.")
-        _coalesce_sparse_fp16(optimizer)
+        for param in _params(optimizer):  # torch's rule: sparse FP16 gradients checked coalesced
+            grad = param.grad  # (duplicate indices summed in FP16 can overflow)
+            if grad is not None and getattr(grad, "is_sparse", False) and is_fp16(grad):
+                param.grad = grad.coalesce()
         grads = [g for g in _all_grads(optimizer) if g is not None]
     return grads
