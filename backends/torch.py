@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -142,11 +142,11 @@ def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any
     """Unscale and a StepGuard's sum of squares: float32 CPU gradients in ONE pass over each (the
     NumPy backend's compiled kernel on their memory: the same float32 products as torch's kernel,
     so the gradients end bitwise as :func:`unscale_and_check` leaves them); else the two passes."""
-    torch = _TORCH_MODULE or _torch()  # a global read after the first call
-    views = _numpy_views(torch, grads, found_inf)
-    if views is not None:
-        from . import _numpy_squares
+    from . import _numpy_squares
 
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
+    views = _cpu_views(torch, grads, found_inf, (torch.float32,), _numpy_squares, torch.Tensor.numpy)
+    if views is not None:
         inv = np.float32(inverse_scale(scale).item())  # a CPU scalar: no sync
         return torch.from_numpy(_numpy_squares.unscale_and_squares(views, inv, found_inf.numpy()))
     unscale_and_check(grads, scale, found_inf)
@@ -160,11 +160,13 @@ def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: 
     products as torch's kernel; no value of a device is read); CUDA gradients through the cupy
     backend's fused CUDA kernel where cupy runs (zero-copy views, on torch's current stream); else
     torch's unscale, then the counts' array-API passes."""
-    torch = _TORCH_MODULE or _torch()  # a global read after the first call
-    views = _count_views(torch, grads, scale, found_inf)
-    if views is not None:
-        from . import _numpy_counts
+    from . import _numpy_counts
 
+    torch = _TORCH_MODULE or _torch()  # a global read after the first call
+    dtypes = (torch.float32, torch.float64, torch.float16)
+    views = (_cpu_views(torch, grads, found_inf, dtypes, _numpy_counts, np.from_dlpack)  # no host read
+             if scale.device.type == "cpu" else None)
+    if views is not None:
         host_scale = np.from_dlpack(scale.detach()).reshape(())  # CPU memory: no sync
         inv = np.float32(1.0 / np.float64(host_scale))
         counts, extremes = _numpy_counts.unscale_and_count(views, inv, float(host_scale),
@@ -215,46 +217,22 @@ def _cupy_counts(torch: Any, grads: Sequence[Any], scale: Any, found_inf: Any, b
     return torch.from_dlpack(counts), torch.from_dlpack(extremes)
 
 
-def _count_views(torch: Any, grads: Sequence[Any], scale: Any, found_inf: Any) -> list[Any] | None:
-    """NumPy views (through DLPack) of plain contiguous CPU gradients of the dtypes the compiled
-    fused counts take, when they all are and the kernel runs here; else None (torch's passes)."""
-    from . import _numpy_counts
-
-    if (not grads or found_inf.device.type != "cpu" or scale.device.type != "cpu"
-            or not _numpy_counts.fused_available()):
+def _cpu_views(torch: Any, grads: Sequence[Any], found_inf: Any, dtypes: tuple[Any, ...], kernels: Any,
+               view: Callable[[Any], Any]) -> list[Any] | None:
+    """NumPy ``view``s of plain, contiguous CPU gradients of ``dtypes`` when ``kernels``' compiled fused
+    kernel runs here, else None (other dtypes, devices, layouts or tensor subclasses: torch's passes)."""
+    if not grads or found_inf.device.type != "cpu" or not kernels.fused_available():
         return None
     for g in grads:
-        if (type(g) is not torch.Tensor or g.dtype not in (torch.float32, torch.float64, torch.float16)
-                or g.device.type != "cpu" or g.layout != torch.strided or not g.is_contiguous()):
-            return None
-    return [np.from_dlpack(g.detach()) for g in grads]
-
-
-def _numpy_views(torch: Any, grads: Sequence[Any], found_inf: Any) -> list[Any] | None:
-    """NumPy views of plain, contiguous float32 CPU gradients when the compiled fused kernel can run
-    on them all, else None (other dtypes, devices, layouts or tensor subclasses: torch's passes)."""
-    from . import _numpy_squares
-
-    if not grads or found_inf.device.type != "cpu" or not _numpy_squares.fused_available():
-        return None
-    for g in grads:
-        if (type(g) is not torch.Tensor or g.dtype != torch.float32 or g.device.type != "cpu"
+        if (type(g) is not torch.Tensor or g.dtype not in dtypes or g.device.type != "cpu"
                 or g.layout != torch.strided or not g.is_contiguous()):
             return None
-    return [g.detach().numpy() for g in grads]
+    return [view(g.detach()) for g in grads]
 
 
 #: Values squared at a time into a reused scratch buffer (4 MiB of float32 per device and dtype).
 _SQUARES_CHUNK = 2**20
 _scratch = threading.local()  # per thread: (device, dtype) -> the scratch buffer of the guard's squares
-
-
-def _buffers() -> dict[Any, Any]:
-    """This thread's scratch buffers: scalers in threads that share nothing never share one."""
-    buffers = getattr(_scratch, "buffers", None)
-    if buffers is None:
-        buffers = _scratch.buffers = {}
-    return buffers
 
 
 @hookimpl
@@ -264,12 +242,15 @@ def sum_of_squares(arrays: Sequence[Any]) -> Any:
     2**-24 relative (the squares' rounding), no allocation per step. A chunk whose float32 sum
     passes float32's max gives inf (a norm of ~1.8e19 and more: a spike)."""
     torch = _TORCH_MODULE or _torch()  # a global read after the first call
+    buffers = getattr(_scratch, "buffers", None)  # this thread's: threads never share one
+    if buffers is None:
+        buffers = _scratch.buffers = {}
     parts = []
     for g in arrays:
         flat = g.detach().reshape(-1)
         if flat.dtype not in (torch.float32, torch.float64):
             flat = flat.float()
-        key, buffers = (flat.device, flat.dtype), _buffers()
+        key = (flat.device, flat.dtype)
         scratch = buffers.get(key)
         if scratch is None:
             scratch = buffers[key] = torch.empty(_SQUARES_CHUNK, dtype=flat.dtype, device=flat.device)
