@@ -113,12 +113,6 @@ def check_owned(arrays: list[Any], backend: Backend, where: str) -> None:
             )
 
 
-def check_array_device(array: Any, where: str) -> None:
-    """Refuse an array the scaler's state cannot be created beside (torch's meta device)."""
-    if getattr(array, "is_meta", False) is True:
-        refuse_meta([array], where)
-
-
 def _not_in_place(index: int, grad: Any) -> str:
     if isinstance(grad, np.matrix):
         return (

@@ -38,17 +38,17 @@ class Scaling:
 
     def bind(self, array: Any) -> Backend:
         """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
-        if self.state is None:
-            _inputs.check_array_device(array, "the scaler")  # before a backend or state is chosen by it
         backend = self.backend
+        if self.state is not None and backend is not None:  # bound already (per step: nothing to do)
+            return backend
+        _inputs.refuse_meta([array], "the scaler")  # before a backend or state is chosen by it
         if backend is None:
             backend = _registry.backend_for_array(array)
             _registry.check_in_place(backend, array)  # before the scaler keeps it
             self.backend = backend
-        elif self.state is None:
+        else:
             _registry.check_owned(backend, array, "the array given to the scaler")
-        if self.state is None:
-            self.state = _make_state(backend, self.host, array)
+        self.state = _make_state(backend, self.host, array)
         return backend
 
     @property
