@@ -218,7 +218,11 @@ class LossScaler:
         Reads the flag on the host (the one sync), agreed first with a reducer. ``loss``: the guard's."""
         iteration = self._iteration
         _check_order("step()", iteration.checks)
-        _check_step_fn(step_fn)
+        if not callable(step_fn):  # refused before anything changes
+            raise TypeError(
+                f"step() needs step_fn to be a callable that applies the optimizer step, got step_fn="
+                f"{_inputs.short_repr(step_fn)}. Fix: pass e.g. optimizer.step (not optimizer.step())."
+            )
         retried = iteration.checks.loss_from == "step()"  # step_fn raised: its loss is taken already
         if iteration.guarding is not None:
             _check_step_loss(iteration, loss, retried)
@@ -352,15 +356,6 @@ def _check_order(verb: str, checks: Any) -> None:
             when = ("after step()" if checks.skipped is not None else
                     "before any unscale_()" if checks.found is None else "twice")
             raise ScalerStateError(words.replace("{when}", when))
-
-
-def _check_step_fn(step_fn: Any) -> None:
-    """Refuse a ``step_fn`` that is not callable (before anything changes)."""
-    if not callable(step_fn):
-        raise TypeError(
-            f"step() needs step_fn to be a callable that applies the optimizer step, got step_fn="
-            f"{_inputs.short_repr(step_fn)}. Fix: pass e.g. optimizer.step (not optimizer.step())."
-        )
 
 
 def _check_step_loss(iteration: Iteration, loss: Any, retried: bool) -> None:
