@@ -5,6 +5,7 @@ The gradient helpers, the trainer, ``Parameter`` and the precision meter load on
 (``benchmarks/import_time.py``).
 """
 
+from importlib import import_module as _import_module
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
@@ -115,9 +116,7 @@ _LAZY = {
 
 def __getattr__(name: str):  # lazy: the facade, polyamp.optim and the helpers stay out of a bare import
     if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f"polyamp.{_LAZY[name]}"), name)
+        value = getattr(_import_module(f"polyamp.{_LAZY[name]}"), name)
         globals()[name] = value  # later reads skip __getattr__
         return value
     if name == "GradScaler":
@@ -125,7 +124,5 @@ def __getattr__(name: str):  # lazy: the facade, polyamp.optim and the helpers s
 
         return GradScaler
     if name in ("optim", "functional", "optax"):  # as torch.optim after `import torch`; optax
-        import importlib  # loads optax (and jax) only when asked for
-
-        return importlib.import_module(f"polyamp.{name}")
+        return _import_module(f"polyamp.{name}")  # loads optax (and jax) only when asked for
     raise AttributeError(f"module 'polyamp' has no attribute {name!r}")
