@@ -181,11 +181,6 @@ class GradScaler:
             record = self._records[id(optimizer)] = OptimizerRecord(optimizer)
         return record
 
-    @property
-    def _stages(self) -> dict[int, OptState]:
-        """torch's view of the stages: id(optimizer) -> stage (a new dict)."""
-        return {key: record.stage for key, record in self._records.items()}
-
     # -- scaling ----------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor/array, or an iterable of them, by the current scale (no sync)."""
@@ -206,15 +201,11 @@ class GradScaler:
             return type(val)(mapped) if isinstance(val, (list, tuple)) else mapped
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
-    def _check_initialized(self, funcname: str) -> None:
-        if self._iteration.scaling.state is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED)
-
     # -- unscaling --------------------------------------------------------------------
     def unscale_(self, optimizer: Any) -> None:
         """Divide the optimizer's gradients by the scale in place and record overflow (no sync)."""
         if self._iteration.scaling.state is None:  # raises (a call only then)
-            self._check_initialized("unscale_")
+            self._check_scale_growth_tracker("unscale_")
         record = self._record(optimizer)
         if record.stage is not OptState.READY:
             check_unscale(record.stage)
@@ -267,7 +258,7 @@ class GradScaler:
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
         """Record overflow without unscaling, for optimizers that unscale themselves (no sync)."""
-        self._check_initialized("_check_inf_per_device")
+        self._check_scale_growth_tracker("_check_inf_per_device")
         found = self._unscale_optimizer(optimizer, check_only=True, allow_fp16=True)
         self._record(optimizer).found = found
         return self._found_inf_per_device(optimizer)
@@ -310,7 +301,7 @@ class GradScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if self._iteration.scaling.state is None:  # raises (a call only then)
-            self._check_initialized("step")
+            self._check_scale_growth_tracker("step")
         record = self._record(optimizer)
         if record.stage is OptState.STEPPED:
             check_step(record.stage)
@@ -425,7 +416,7 @@ class GradScaler:
 
         No host sync: the rule runs on the scale's device."""
         if self._iteration.scaling.state is None:  # raises (a call only then)
-            self._check_initialized("update")
+            self._check_scale_growth_tracker("update")
         iteration = self._iteration
         if new_scale is not None:  # refused before anything ends
             if not isinstance(new_scale, float):

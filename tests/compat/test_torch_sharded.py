@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 sharded_module = pytest.importorskip("torch.distributed.fsdp.sharded_grad_scaler")
 TorchSharded = sharded_module.ShardedGradScaler
 
-from polyamp.compat.torch import GradScaler, OptState, ShardedGradScaler  # noqa: E402
+from polyamp.compat.torch import GradScaler, ShardedGradScaler  # noqa: E402
 
 from polyamp.distributed import ReducerUnavailableError  # noqa: E402
 
@@ -96,7 +96,8 @@ def test_without_a_default_group_the_first_unscale_fails_and_changes_nothing():
         with pytest.raises(ReducerUnavailableError, match=r"process_group=None.*init_process_group"):
             call(opt)
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
-        assert scaler._stages[id(opt)] is OptState.READY  # no "already unscaled" on the next call
+    with pytest.raises(ReducerUnavailableError):  # still READY: no "already unscaled"
+        scaler.unscale_(opt)
 
 
 def test_fp16_gradients_are_allowed_unlike_gradscaler():
