@@ -116,7 +116,7 @@ class GradScaler:
     Beyond torch: ``skipped_steps``, ``last_step_skipped``, ``step_scheduler(scheduler)``, and
     overflow forensics: ``explain(obj)``, and with ``diagnose=True`` ``last_overflow``, the report
     on a skipped step's gradients (named after ``name_parameters(module)``). Subclasses may
-    override torch's ``_unscale_grads_`` and ``_maybe_opt_step`` (see the module docstring).
+    override torch's ``_unscale_grads_`` and ``_maybe_opt_step`` (see the Trainers page).
     """
 
     _param_names: dict[int, str] = {}  # id(parameter) -> name; replaced, never mutated
@@ -735,8 +735,7 @@ class ShardedGradScaler(GradScaler):
         agreement, iteration = self._agreed(), self._iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
         if iteration.guarding is not None:
-            iteration.require_loss(None, "ShardedGradScaler.step()",
-                                   "scale the loss (a tensor holding one value) with scaler.scale(loss)")
+            iteration.require_loss(None, "ShardedGradScaler.step()", _GIVE_LOSS)
         found = iteration.unscale(grads, check_only=check_only, owned=True)  # 0 without gradients
         whose = self._places.identity(optimizer, agreement.reducer)
         if iteration.guarding is None and iteration.checks.metered is None:
