@@ -28,11 +28,8 @@ PICKLE_REFUSED = (
 
 
 def build_reducer(process_group: Any) -> Reducer:
-    """The reducer over ``process_group`` (None: torch.distributed's default group).
-
-    Errors name the argument: a TypeError for an object no reducer accepts, a ConfigError for
-    a rank outside the group, ReducerUnavailableError when the default group is not initialised.
-    """
+    """The reducer over ``process_group`` (None: torch.distributed's default group); the reducer's
+    errors (TypeError, ConfigError, ReducerUnavailableError) name the argument."""
     try:
         return reducer("torch" if process_group is None else process_group)
     except (TypeError, ConfigError, ReducerUnavailableError) as exc:
@@ -75,14 +72,11 @@ class Places:
     """Whose flag a sharded step agrees (:meth:`identity`): equal on every rank of a legitimate
     sharded job, whatever each rank's shard holds.
 
-    An optimizer is named by its place among the optimizers this scaler stepped, in the order first
-    stepped (since construction, a new process group, ``load_state_dict`` or unpickling), its class,
-    and the global shapes and dtypes of its DTensors whose mesh holds every rank of the group
-    (``mesh_inside(holds=True)``). Not the number, shapes or dtypes of a rank's own parameters: they differ
-    between shards (uneven FSDP shards, a ZeRO partition, pipeline stages). So an optimizer stepped
-    at another place than on the other ranks is found (also one stepped in another order from some
-    iteration on); two optimizers of one class swapped on a rank from their first step on are
-    found only where their DTensors' global shapes differ.
+    An optimizer is named by its place in the order optimizers were first stepped (since
+    construction, a new process group, ``load_state_dict`` or unpickling), its class, and the global
+    shapes and dtypes of its DTensors whose mesh holds every rank of the group; not by a rank's own
+    parameters, which differ between shards. Two optimizers of one class swapped on a rank from
+    their first step on are found only where their DTensors' global shapes differ.
     """
 
     def __init__(self) -> None:
