@@ -47,7 +47,15 @@ def gradient_list(grads: Iterable[Any], where: str = "unscale_()") -> list[Any]:
     kinds = set(map(type, arrays))
     if any(issubclass(kind, _NOT_IN_PLACE) for kind in kinds):  # one check per type
         i, grad = next((i, g) for i, g in enumerate(grads) if isinstance(g, _NOT_IN_PLACE))
-        raise TypeError(_not_in_place(i, grad))
+        if isinstance(grad, np.matrix):
+            raise TypeError(f"grads[{i}] is a numpy.matrix, which the kernels cannot unscale in place. "
+                            "Fix: pass np.asarray(m), an ndarray view of the same memory.")
+        raise TypeError(
+            f"grads[{i}] is a scalar ({type(grad).__module__}.{type(grad).__name__}, value "
+            f"{short_repr(grad)}), which cannot be changed in place, so it cannot be unscaled. Fix: keep "
+            "each gradient in an array (a 0-d array such as np.array(1.0, np.float32) works), and pass "
+            "that array."
+        )
     check_floating(arrays, where)  # torch's meta device: at bind() and in the torch kernel's groups
     return arrays
 
@@ -111,20 +119,6 @@ def check_owned(arrays: list[Any], backend: Backend, where: str) -> None:
                 "(its backend, chosen by backend=/POLYAMP_BACKEND or by the first arrays it saw). "
                 f"Fix: pass {backend.name} arrays only, or use one scaler per array library."
             )
-
-
-def _not_in_place(index: int, grad: Any) -> str:
-    if isinstance(grad, np.matrix):
-        return (
-            f"grads[{index}] is a numpy.matrix, which the kernels cannot unscale in place. "
-            "Fix: pass np.asarray(m), an ndarray view of the same memory."
-        )
-    kind = f"{type(grad).__module__}.{type(grad).__name__}"
-    return (
-        f"grads[{index}] is a scalar ({kind}, value {short_repr(grad)}), which cannot be changed "
-        "in place, so it cannot be unscaled. Fix: keep each gradient in an array (a 0-d array "
-        "such as np.array(1.0, np.float32) works), and pass that array."
-    )
 
 
 def check_outputs(outputs: Any, where: str = "outputs") -> None:
