@@ -178,7 +178,7 @@ class LossScaler:
             return outputs
         backend = self.bind(first)
         scale = self._iteration.scaling.ready()[1].scale
-        return _map_tree(outputs, lambda a: _scale_leaf(backend, a, scale))
+        return _scale_tree(backend, outputs, scale)
 
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False, loss: Any = None) -> Any:
         """Divide ``grads`` in place by the scale (``check_only``: only check); return this call's
@@ -370,15 +370,11 @@ def _check_step_loss(iteration: Iteration, loss: Any, retried: bool) -> None:
         )
 
 
-def _map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every array of a nested list/tuple, keeping the structure."""
+def _scale_tree(backend: Backend, tree: Any, scale: Any) -> Any:
+    """``leaf * scale`` for every leaf of a nested list/tuple, keeping the structure; a Python number
+    gives a Python float (not a NumPy scalar), as it came in."""
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_tree(t, fn) for t in tree)
-    return fn(tree)
-
-
-def _scale_leaf(backend: Backend, leaf: Any, scale: Any) -> Any:
-    """``leaf * scale``; a Python number gives a Python float (not a NumPy scalar), as it came in."""
-    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-        return float(backend.scale_array(float(leaf), scale))
-    return backend.scale_array(leaf, scale)
+        return type(tree)(_scale_tree(backend, t, scale) for t in tree)
+    if isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        return float(backend.scale_array(float(tree), scale))
+    return backend.scale_array(tree, scale)
