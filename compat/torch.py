@@ -272,10 +272,8 @@ class GradScaler:
     def _unscale_grads_(
         self, optimizer: Any, inv_scale: Any, found_inf: Any, allow_fp16: bool
     ) -> dict[Any, Any]:
-        """torch's hook: unscale ``optimizer``'s gradients (check only, for ``_check_inf_per_device``)
-        and return their overflow flag as ``{device: flag}`` ({} without gradients); like torch's, the
-        flag is a new array and ``found_inf`` is left as it is. Unscales by the scaler's own scale:
-        ``inv_scale`` must be the one passed in."""
+        """torch's hook: unscale (or check) ``optimizer``'s gradients by the scaler's own scale (the
+        ``inv_scale`` passed in); their new flag as ``{device: flag}``, ``found_inf`` left as it is."""
         call = self._unscale_call
         if call is None or inv_scale is not call.inv_scale:
             raise ValueError(
@@ -329,9 +327,8 @@ class GradScaler:
 
     def _opt_step_through_hook(self, optimizer: Any, record: OptimizerRecord, args: Any,
                                kwargs: dict[str, Any]) -> Any:
-        """step()'s ``self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)``, as torch's.
-
-        An override that decides without the default leaves its flags, read lazily, as the step's."""
+        """torch's ``_maybe_opt_step`` call; an override that decides without the default leaves its
+        flags, read lazily, as the step's."""
         per_device = self._found_inf_per_device(optimizer)
         optimizer_state = {"stage": record.stage, "found_inf_per_device": per_device}
         before, self._last_skipped = self._last_skipped, _UNDECIDED
