@@ -75,10 +75,8 @@ def scale_array(array: Any, scale: Any) -> Any:
 
 
 def group_by_device_and_dtype(tensors: list[Any]) -> list[tuple[Any, list[Any]]]:
-    """``[(device, tensors)]``: one list per (device, dtype), tensors in their given order.
-
-    One C++ pass (the grouping torch's foreach optimizers use) instead of a Python loop.
-    """
+    """``[(device, tensors)]``: one list per (device, dtype), in order; one C++ pass (torch's foreach
+    optimizers' grouping)."""
     torch = _TORCH_MODULE or _torch()  # a global read after the first call
     grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)
     return [(device, lists[0]) for (device, _), (lists, _) in grouped.items()]
@@ -109,10 +107,8 @@ def inverse_scale(scale: Any) -> Any:
 
 @hookimpl
 def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
-    """One fused torch kernel per (device, dtype) group; other devices' flags folded in.
-
-    No host sync: flags of other devices are copied to ``found_inf``'s device asynchronously.
-    """
+    """One fused torch kernel per (device, dtype) group; other devices' flags copied to ``found_inf``'s
+    device asynchronously (no host sync)."""
     if not grads:
         return
     torch = _TORCH_MODULE or _torch()  # a global read after the first call
