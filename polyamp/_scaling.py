@@ -99,9 +99,8 @@ class Scaling:
         return found, backend.sum_of_squares(arrays) if squares else None
 
     def unscale_counted(self, arrays: list[Any], bounds: Any) -> tuple[Any, Any]:
-        """Divide ``arrays`` (non-empty, of the bound backend) by the scale in place and count them
-        for a meter's ``bounds`` in the same pass (the backend's ``unscale_and_count``, which it has):
-        (their device flag, ``(counts, extremes)``). No sync."""
+        """Divide ``arrays`` (non-empty, bound) by the scale in place and count them for a meter's
+        ``bounds`` in the same pass: (their device flag, ``(counts, extremes)``). No sync."""
         backend, state = self.backend, self.state
         found = backend.full(0.0, "float32", state.scale)
         return found, backend.unscale_and_count(arrays, state.scale, found, bounds)
