@@ -59,11 +59,9 @@ class SkipLog:
         self, skipped: bool, before: Any, read: Callable[[], Any],
         describe: Callable[[bool, Any, Any], str | None], detail: str = "", reason: str | None = None,
     ) -> None:
-        """Count this update and write what is due: its own line, then a closing window's summary.
-
-        ``before``: what the caller read when :meth:`wants_scale` said so (else None); ``read()``
-        reads it now, only for a line written; ``describe(skipped, before, after)`` words the line.
-        """
+        """Count this update and write its line, then a closing window's summary. ``before``: what the
+        caller read if :meth:`wants_scale` said so (else None); ``read()`` reads it now, only for a line
+        written; ``describe(skipped, before, after)`` words the line."""
         self.steps += 1
         level = logging.DEBUG
         if skipped:
