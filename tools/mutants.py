@@ -103,7 +103,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_host_reads.py",),
            "the agreement's device path reads the state on the host"),
     Mutant("facade-without-floor", "polyamp.backends.torch", "update_scale",
-           _edit("scale.clamp_(min=SCALE_FLOOR)", "pass"),
+           _edit("torch.clamp_min_(scale, SCALE_FLOOR)", "pass"),
            ("tests/test_scale_floor.py",),
            "torch's fused update backs off below the scale floor"),
     Mutant("guard-ddof-0", "polyamp.guard", "mean_std",
