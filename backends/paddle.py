@@ -168,8 +168,11 @@ class PaddleNamespace:
     def __getattr__(self, name: str) -> Any:
         """paddle's own function where its signature is the array API's (``where``, ``max``, ...)."""
         if name not in self._SAME_AS_PADDLE:
-            raise AttributeError(name)
+            raise AttributeError(f"'PaddleNamespace' object has no attribute {name!r}", name=name, obj=self)
         return getattr(self._paddle, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *self._SAME_AS_PADDLE})
 
     def astype(self, x: Any, dtype: str) -> Any:
         return x.astype(dtype)
