@@ -112,7 +112,9 @@ def _fused_parts(x: np.ndarray, inv: np.float32) -> tuple[bool, float]:
 
     workers = k.threads()
     parts = min(workers, x.nbytes // k.PARALLEL_BYTES)
-    step = x.size if parts < 2 else -(-x.size // parts // 16) * 16
+    if parts < 2:  # the usual gradient: no per-part calls on the step's path
+        return _fused(x, inv)
+    step = -(-x.size // parts // 16) * 16
     results = k.on_threads(lambda i: _fused(x[i * step:(i + 1) * step], inv), -(-x.size // step), workers)
     return any(bad for bad, _ in results), sum(total for _, total in results)
 

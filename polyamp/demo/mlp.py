@@ -55,8 +55,13 @@ class MLP:
 
     def forward(self, x: Any, compute_dtype: Any = "float32") -> Any:
         """The logits of ``x``, computed in the compute dtype (one rounding of the masters, then one
-        matmul and one rounding per layer)."""
-        name = _dtypes.compute_dtype_name(compute_dtype)
+        matmul and one rounding per layer); kept for :meth:`backward`."""
+        logits, self._cache = self._run(x, _dtypes.compute_dtype_name(compute_dtype))
+        return logits
+
+    def _run(self, x: Any, name: str) -> tuple[Any, dict[str, Any]]:
+        """The forward pass and what :meth:`backward` needs of it (nothing stored: a ``predict`` on
+        another thread leaves a training step's cache alone)."""
         xp = self._xp
         weights = self._masters.views_of(round_to(self._masters.flat, name))  # low-precision copy
         act = _dtypes.cast(x, "float32")
@@ -67,8 +72,7 @@ class MLP:
                 z = xp.maximum(z, xp.zeros((), dtype=z.dtype))
             act = round_to(z, name)  # what a compute-dtype kernel would store
             acts.append(act)
-        self._cache = {"name": name, "weights": weights, "acts": acts}
-        return _dtypes.cast(act, name)
+        return _dtypes.cast(act, name), {"name": name, "weights": weights, "acts": acts}
 
     def backward(self, grad_output: Any) -> None:
         """Write d(loss)/d(parameter) into every ``p.grad`` from d(loss)/d(logits), rounded as it goes."""
@@ -88,10 +92,7 @@ class MLP:
 
     def predict(self, x: Any) -> Any:
         """Class indices for inputs ``x``: the forward pass in float32 (a training step's cache kept)."""
-        cache = self._cache
-        logits = self.forward(x, "float32")
-        self._cache = cache
-        return self._xp.argmax(logits, axis=1)
+        return self._xp.argmax(self._run(x, "float32")[0], axis=1)
 
 
 def softmax_cross_entropy(logits: Any, labels: Any, normalizer: int | None = None) -> tuple[Any, Any]:
