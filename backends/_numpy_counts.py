@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from polyamp._precision_counts import FLOAT64_MAX
+
 #: Values per block: the unscale and the counts of a block share one trip through memory.
 BLOCK = 16384
-_FLOAT64_MAX = 1.7976931348623157e308
 
 # per dtype name: (bits dtype, |bits| mask, the bits of +inf, largest finite bits). Signed: |bits|
 # is never negative, and numba mixing unsigned with signed integers would compare in float64.
@@ -200,7 +201,7 @@ class _Plan:
 def _amax_scale(bound: Any, amax: float) -> float:
     """The "amax" target's multiplier as :func:`polyamp._precision_counts._target_scale` makes it."""
     s = bound.max_finite / (amax if amax > 0 else bound.max_finite)
-    return s if math.isfinite(s) else _FLOAT64_MAX
+    return s if math.isfinite(s) else FLOAT64_MAX
 
 
 def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[bool, list[int], float, float]:
