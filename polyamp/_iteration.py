@@ -396,8 +396,10 @@ class Iteration:
         if held:
             describe = self.guarding.describer(*next(gv for gv in decision.verdicts if gv[1].reason))
         if skipped is not None:
-            reasons = {v.reason for _, v in decision.verdicts} if decision.verdicts else ()
-            reason = next((r for r in guard.REASONS if r in reasons), None) if reasons else None
+            reason = None
+            if decision.verdicts:  # the line names the first of guard.REASONS among the verdicts
+                reasons = {v.reason for _, v in decision.verdicts}
+                reason = next((r for r in guard.REASONS if r in reasons), None)
             detail = "" if self.last_overflow is None else overflow.log_summary(self.last_overflow)
             log.after_update(skipped, before, read, describe or scaling.describe_change, detail, reason)
         if skipped and not held:
