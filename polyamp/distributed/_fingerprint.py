@@ -235,10 +235,12 @@ class Place:
             halves = _halves(xp, xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in state_words]) & _MASK)
         return Fields([v & mask for v, mask in zip(host, _MASKS)], halves)
 
-    def share(self, fields: Fields, digest: Hash) -> Any:
+    def share(self, fields: Fields | None, digest: Hash) -> Any:
         """``digest`` of every field: the host fields' share on the host, the state's added here (a
         Python int, or a 0-d int64 array here). The host's share is :func:`share`'s in Python ints
         (the same sum mod ``prime``: no array for sixteen numbers)."""
+        if fields is None:  # a group of one: the fields carry nothing
+            return 0
         host, prime = fields.host, digest.prime
         # config, payload, extras and whose (it changes with a guard's history): their share kept per value
         total = self._static_share(digest, (prime, *_STATIC_OF(host)), host)
@@ -262,9 +264,11 @@ class Place:
             known = self._shares[key] = _words_share(host, _STATIC, digest)
         return known
 
-    def encode(self, fields: Fields, encoding: Encoding) -> Any:
+    def encode(self, fields: Fields | None, encoding: Encoding) -> Any:
         """The fields as ``encoding.size`` float64 values here (field by field, lowest digit first)."""
         xp, bits = self.xp, encoding.digit_bits
+        if fields is None:  # a group of one: the fields carry nothing
+            return xp.zeros(encoding.size, dtype=xp.float64, device=self.device)
         halves = fields.halves if self.host else _halves(xp, self.vector(fields.words, "int64"))
         if fields.state is not None:
             halves = xp.concat([halves, fields.state])
