@@ -434,3 +434,27 @@ def test_each_field_of_the_fingerprint_misaligned_alone_is_found(path, field, ex
     assert [a != b for a, b in zip(sent, peer_print, strict=True)] == [f == field for f in fp.FIELDS]
     text = str(raised.value)
     assert NAMED.get(field, "collectives are not aligned") in text, text
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_a_group_of_one_sends_its_flag_alone(monkeypatch, device):
+    """One rank has nobody to differ from: no fingerprint is read or digested, the message is the
+    flag (and the extras), and a state that could not be read does not stop the step."""
+    import polyamp._agreement as agreement
+
+    if device:  # the device path (GPU arrays), on NumPy arrays
+        monkeypatch.setattr(agreement, "_on_host", lambda *args: False)
+    monkeypatch.setattr(agreement, "_host_state", lambda state: pytest.fail("the state was read"))
+    monkeypatch.setattr(fp.Place, "fields", lambda *args: pytest.fail("a fingerprint was built"))
+    plain, extras = Recorder(), Recorder()
+    one, two = LossScaler(reducer=plain), LossScaler(reducer=extras)
+    for grads in ([np.ones(2, np.float32)], [np.array([np.inf], np.float32)], [np.ones(2, np.float32)]):
+        one.step(grads, lambda: None)  # the one-value SUM format
+        one.update()
+        two.unscale_([g.copy() for g in grads])
+        two.agree_(extra=np.array([3.0, 4.0]))  # the two-value MAX format
+        two.step([], lambda: None)
+        two.update()
+    assert [m.tolist() for m in plain.messages] == [[0], [wire.B], [0]]
+    # the first: the new length announced in the last one's format (none)
+    assert [m.tolist() for m in extras.messages] == [[0], [0, 0, 3, 4], [1, 1, 3, 4], [0, 0, 3, 4]]
