@@ -98,7 +98,7 @@ class Agreement:
         self._owners: dict[int, int] = {}  # a caller's whose -> its digest with self.owner
         self._length = 0  # the extra values of the last message (a change is announced first)
         self._metered = False  # a meter's first sample was announced
-        self._wires: dict[tuple[type, int], Any] = {}  # (format, id(place)) -> its wire, reused
+        self._wires: dict[tuple[int, bool, int], Any] = {}  # (extras, payload, id(place)) -> its wire
 
     def __deepcopy__(self, memo: dict) -> Agreement:
         """A copy of a scaler is a new scaler: same reducer, its own count of iterations."""
@@ -208,10 +208,10 @@ class Agreement:
             place = self._places.get((xp, device))
             if place is None:
                 place = self._places[(xp, device)] = fp.Place(xp, device)
-        kind = self._wire.wire_for(red.size, extras, payload)
-        wire = self._wires.get((kind, id(place)))  # places are kept: their ids stay theirs
+        wire = self._wires.get((extras, payload, id(place)))  # places are kept: their ids stay theirs
         if wire is None:
-            wire = self._wires[(kind, id(place))] = kind(place, red.rank, red.size, host[3])
+            kind = self._wire.wire_for(red.size, extras, payload)
+            wire = self._wires[(extras, payload, id(place))] = kind(place, red.rank, red.size, host[3])
         wire.key, wire.maxed = host[3], ()
         return wire
 
