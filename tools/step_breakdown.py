@@ -1,13 +1,18 @@
 """Where a ``ShardedGradScaler`` step's time goes beside torch's: each side in a gloo group of ONE with
 ``torch.distributed.all_reduce`` replaced by a no-op (a sum over one rank is the identity; gloo's own
-latency, some 60-80 us here, would otherwise swamp the Python), then polyamp again with parts of its
-agreement cut out, so each row's difference to the first polyamp row is that part's cost in place
-(cold caches included, which is why it exceeds the part timed alone).
+latency, some 60-80 us here, would otherwise swamp the Python). Rows:
+
+- ``group of one``: polyamp's path for one rank (its flag alone: nobody to differ from);
+- ``as rank 0 of 2``: the path two or more ranks pay (the fingerprint digested into the message):
+  the group reports two ranks and the all-reduce adds what an aligned rank 1 would (its share
+  cancels this rank's, as ``tests/distributed/test_fingerprint.py``'s ``Recorder`` does);
+- the same without the digest, and without the agreement: each row's difference to the one above
+  is that part's cost in place (cold caches included, which is why it exceeds the part timed alone).
 
     python tools/step_breakdown.py [--steps 4000] [--reps 3]
 
-The rows that cut parts out produce wrong messages (a group of one still checks them, so those
-rows stub the check too): this is an analysis, not a benchmark (``benchmarks/distributed_step.py``).
+The rows that cut parts out send wrong messages (stubbed to pass the check): this is an analysis,
+not a benchmark (``benchmarks/distributed_step.py``).
 """
 
 from __future__ import annotations
@@ -21,18 +26,39 @@ import warnings
 from typing import Any
 
 
-def _cut(name: str) -> None:
-    """Replace one part of polyamp's agreement by what it returns in this group of one."""
+ROWS = {"one": "polyamp, group of one", "two": "polyamp as rank 0 of 2",
+        "digest": "rank 0 of 2 without the digest", "agreement": "polyamp without the agreement"}
+
+
+def _patch(row: str, dist: Any) -> None:
+    """The all-reduce for ``row`` (a no-op, or rank 0 of 2 beside an aligned rank 1), and its cut."""
     import numpy as np
 
-    from polyamp import _agreement, _iteration
-    from polyamp.distributed import _wire
+    from polyamp import _iteration
+    from polyamp.distributed import _fingerprint, _wire
 
+    class Done:
+        def wait(self, *args: Any, **kwargs: Any) -> bool:
+            return True
+
+    def peer(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if row in ("two", "digest") and tensor.dtype == torch_int64 and tensor.numel() == 1:
+            message = tensor.numpy()  # the agreement's host buffer
+            v = int(message[0]) % _wire.B  # an aligned, clean rank 1 sends -v mod Q: the v parts cancel
+            message[0] += (-v) % _fingerprint.Q
+        return Done() if kwargs.get("async_op") else None
+
+    import torch
+
+    torch_int64 = torch.int64
+    dist.all_reduce = peer
+    if row in ("two", "digest"):
+        world = dist.get_world_size
+        dist.get_world_size = lambda group=None: 2 if group is not None else world()
     buffer = np.zeros(1, np.int64)
-    if name == "digest":  # the fingerprint's fields and the message built from them
+    if row == "digest":  # the fingerprint's fields and the message built from them
         _wire.OneValue.send = lambda self, fields, found, values: buffer
-        _agreement.Agreement._fields = staticmethod(lambda place, host, state: None)
-    elif name == "agreement":  # the whole agreement: the flag stands as agreed
+    elif row == "agreement":  # the whole agreement: the flag stands as agreed
         _iteration.Iteration.agree_flag = lambda self, found, whose=0: found
 
 
@@ -59,17 +85,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--cut", default="", help=argparse.SUPPRESS)  # one row per process
+    parser.add_argument("--row", default="", help=argparse.SUPPRESS)  # one row per process
     args = parser.parse_args()
-    if not args.cut:
+    if not args.row:
         import subprocess
         import sys
 
         print("us per step (step + update, 10 x 1K float32, SGD, 1 thread, all-reduce a no-op), "
               f"median of {args.reps}")
-        for cut in ("none", "digest", "agreement"):
+        for row in ROWS:
             subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--reps", str(args.reps),
-                            "--cut", cut], check=True)
+                            "--row", row], check=True)
         return
     warnings.simplefilter("ignore")
     import torch
@@ -83,21 +109,13 @@ def main() -> None:
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
-
-    class Done:
-        def wait(self, *args: Any, **kwargs: Any) -> bool:
-            return True
-
-    dist.all_reduce = lambda tensor, *args, **kwargs: Done() if kwargs.get("async_op") else None
-    _cut(args.cut)
+    _patch(args.row, dist)
     ours, theirs = [], []
     for _ in range(args.reps):
         theirs.append(_side(TorchSharded, torch, args.steps))
         ours.append(_side(ShardedGradScaler, torch, args.steps))
     t, p = statistics.median(theirs), statistics.median(ours)
-    label = {"none": "polyamp", "digest": "polyamp without the digest",
-             "agreement": "polyamp without the agreement"}[args.cut]
-    print(f"  {label:<32} {p:6.1f}   torch {t:6.1f}   difference {p - t:+5.1f}")
+    print(f"  {ROWS[args.row]:<32} {p:6.1f}   torch {t:6.1f}   difference {p - t:+5.1f}")
     dist.destroy_process_group()
 
 
