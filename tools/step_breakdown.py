@@ -25,7 +25,6 @@ import time
 import warnings
 from typing import Any
 
-
 ROWS = {"one": "polyamp, group of one", "two": "polyamp as rank 0 of 2",
         "digest": "rank 0 of 2 without the digest", "agreement": "polyamp without the agreement"}
 
@@ -34,7 +33,7 @@ def _patch(row: str, dist: Any) -> None:
     """The all-reduce for ``row`` (a no-op, or rank 0 of 2 beside an aligned rank 1), and its cut."""
     import numpy as np
 
-    from polyamp import _iteration
+    from polyamp import _agreement, _iteration
     from polyamp.distributed import _fingerprint, _wire
 
     class Done:
@@ -57,6 +56,7 @@ def _patch(row: str, dist: Any) -> None:
         dist.get_world_size = lambda group=None: 2 if group is not None else world()
     buffer = np.zeros(1, np.int64)
     if row == "digest":  # the fingerprint's fields and the message built from them
+        _agreement.Agreement._fields = lambda self, place, host, state: None
         _wire.OneValue.send = lambda self, fields, found, values: buffer
     elif row == "agreement":  # the whole agreement: the flag stands as agreed
         _iteration.Iteration.agree_flag = lambda self, found, whose=0: found
