@@ -41,8 +41,6 @@ def words(values: Any) -> list[int]:
     return [(v >> (WIDTH * k)) & _MASK for v, n in zip(values, WORDS) for k in range(n)]
 
 
-#: Each field's mask (its words' bits).
-_MASKS = tuple(2**(WIDTH * n) - 1 for n in WORDS)
 #: The fields that stay the same from one step to the next (their share is kept per value), and the
 #: others (one word each), of a whole fingerprint and of its host fields.
 #: ``whose`` stays the same from step to step unless a guard's history moves it (a share per value).
@@ -180,8 +178,8 @@ def _halves(xp: Any, words: Any) -> Any:
 
 class Fields(NamedTuple):
     """A fingerprint where its message is built: ``host`` the fields known on the host (all ten, or
-    the first HOST_FIELDS), each masked to its words, and ``state`` the halves of the state's three
-    (on its device) or None."""
+    the first HOST_FIELDS; each digested and encoded as its words: the bits above them are not
+    carried), and ``state`` the halves of the state's three (on its device) or None."""
 
     host: list[int]
     state: Any
@@ -233,7 +231,7 @@ class Place:
             scale, growth, backoff = state
             state_words = [_pattern(xp, powers, scale), growth, backoff]
             halves = _halves(xp, xp.stack([xp.reshape(xp.astype(a, i64), ()) for a in state_words]) & _MASK)
-        return Fields([v & mask for v, mask in zip(host, _MASKS)], halves)
+        return Fields(host, halves)
 
     def share(self, fields: Fields | None, digest: Hash) -> Any:
         """``digest`` of every field: the host fields' share on the host, the state's added here (a
@@ -247,7 +245,7 @@ class Place:
         full = len(host) == len(FIELDS)
         dynamic = (_DYNAMIC_ALL if full else _DYNAMIC_HOST)(host)  # one word each
         for (low, high), word in zip(_dynamic_pairs(digest, full), dynamic):
-            total += low * (word & 0xFFFF) + high * (word >> 16)  # Python ints: exact, reduced once
+            total += low * (word & 0xFFFF) + high * (word >> 16 & 0xFFFF)  # Python ints: exact, reduced once
         base = total % prime
         n = HOST_WORDS
         if fields.state is None:

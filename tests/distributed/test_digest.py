@@ -174,6 +174,28 @@ def test_the_one_value_message_is_the_same_on_host_and_device(library, scale, fo
             assert str(got.dtype).endswith("int64") and tuple(got.shape) == (1,) and int(got[0]) == want
 
 
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_fields_beyond_their_words_travel_as_their_words(library):
+    """A count past its 32-bit word (a position after 2**32 collectives, a payload of 2**45 values,
+    a 128-bit digest field given more bits) is digested and encoded as its words, on host and device,
+    in every format: the message equals the one of the value cut to its words."""
+    place, to_array = _place(library)
+    big = _print(config=2**140 + 2**128 + 7, iteration=2**40 + 5, collective=2**32 + 1, sequence=2**33 + 2,
+                 payload=2**45 + 9, extras=2**34, whose=2**131 + 3)
+    cut = fp.Fingerprint(*(v % 2**(32 * n) for v, n in zip(big, fp.WORDS)))
+    assert cut != big
+    for rank, ranks, key in ((0, 2, 0), (1, 3, 2**40 + 1)):
+        want = _lane(cut, True, rank, ranks, key)
+        host = wire.OneValue(fp.HOST, rank, ranks, key).send(fp.HOST.fields(list(big)), True, None)
+        assert host.tolist() == [want]
+        got = wire.OneValue(place, rank, ranks, key).send(_on(place, to_array, big), True, None)
+        assert int(got[0]) == want
+    head = wire.TwoValueMax(fp.HOST, 0, 2, 0).send(fp.HOST.fields(list(big)), False, None)
+    assert head.tolist() == _head(cut, False)
+    for encoding in (fp.BYTES, fp.BITS):
+        np.testing.assert_array_equal(fp.encode(big, encoding), fp.encode(cut, encoding))
+
+
 def test_mulmod_is_exact():
     rng = np.random.default_rng(3)
     x = np.concatenate([rng.integers(0, fp.Q, 1000), [0, 1, fp.Q - 1]]).astype(np.int64)
