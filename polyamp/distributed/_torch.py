@@ -173,8 +173,7 @@ class TorchReducer(Reducer):
     def _allreduce(self, tensor: Any, op: Op) -> None:
         if self._explicit is None:  # the per-step path: the process group's own timeout, no wrapper
             try:
-                # the group was checked by _prepare; were it collected since, None would mean the world
-                self._dist.all_reduce(tensor, op=self._ops[op], group=self._group() or self.group)
+                self._dist.all_reduce(tensor, op=self._ops[op], group=self.group)
             except RuntimeError as exc:
                 error = self._translate(exc, f"all-reduce ({op})")
                 if error is None:

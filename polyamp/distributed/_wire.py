@@ -125,11 +125,8 @@ class OneValue(Wire):
         place = self.place
         if fields is None:  # a group of one: its flag alone (the digest's coefficient would be 0)
             return place.vector([place.bit(found) * B], "int64")
-        share = place.share(fields, LANE)
-        if place.host:  # Python ints: ``lane``'s value with the product reduced once, exact
-            c = coefficient(self.rank, self.size, self.key)
-            return place.vector([place.bit(found) * B + c * share % Q], "int64")
-        return place.vector([lane(share, place.bit(found), self.rank, self.size, self.key)], "int64")
+        value = lane(place.share(fields, LANE), place.bit(found), self.rank, self.size, self.key)
+        return place.vector([value], "int64")
 
     def read(self, message: Any) -> Read:
         total = message[0]  # the flags' count times B, and the v parts: 0 mod Q when aligned
