@@ -1,6 +1,6 @@
 """The modules one applied step enters, in order: polyamp's torch facade (``step`` + ``update``),
-the paddle facade's ``minimize`` and an engine step with a StepGuard and a reducer (a one-rank
-stand-in for a group: the same calls). Prints, per path, the modules in the order first entered,
+the paddle facade's ``minimize`` and an engine step with a StepGuard and a reducer (rank 0 of two
+beside an aligned stand-in for rank 1: the calls of a real group). Prints, per path, the modules in the order first entered,
 how many calls each took and how often the step came back to a module it had left.
 
     python tools/trace_step.py
@@ -102,23 +102,32 @@ def guarded_engine() -> Callable[[], None]:
     from polyamp import LossScaler, StepGuard
     from polyamp.distributed import Reducer
 
-    class OneRank(Reducer):
-        """A group of one process: the collective runs through the plugin contract, summing over itself."""
+    class RankZeroOfTwo(Reducer):
+        """Rank 0 of two beside an aligned rank 1 that sends what it sends (a group of one would skip
+        the fingerprint): the MAX of a copy is itself, a SUM doubles it, its one-value part cancels."""
 
         def __init__(self) -> None:
-            super().__init__("one", 0, 1, None)
+            super().__init__("two", 0, 2, None)
 
         def _prepare(self, array):  # noqa: ANN001, ANN202
             return array
 
         def _allreduce(self, buffer, op):  # noqa: ANN001, ANN202
-            pass
+            from polyamp.distributed import _fingerprint, _wire
+
+            if op == "sum" and buffer.dtype == np.int64 and buffer.shape == (1,):
+                buffer[0] += 2 * (int(buffer[0]) // _wire.B) * _wire.B - int(buffer[0]) % _wire.B % _fingerprint.Q
+            elif op == "sum":
+                buffer *= 2
+            elif buffer.shape[0] > _wire.HEAD:  # the MAX: rank 1's slots hold the same values as ours
+                slots = buffer[_wire.HEAD:].reshape(2, -1)
+                slots[1] = slots[0]
 
         def _barrier(self):  # noqa: ANN202
             pass
 
     guard = StepGuard(loss_zscore=6.0, max_grad_norm=1e9)
-    scaler = LossScaler(backend="numpy", reducer=OneRank(), guard=guard)
+    scaler = LossScaler(backend="numpy", reducer=RankZeroOfTwo(), guard=guard)
     grads = [np.ones(1000, np.float32) for _ in range(10)]
 
     def step() -> None:
