@@ -1,7 +1,8 @@
 """The modules one applied step enters, in order: polyamp's torch facade (``step`` + ``update``),
 the paddle facade's ``minimize`` and an engine step with a StepGuard and a reducer (rank 0 of two
-beside an aligned stand-in for rank 1: the calls of a real group). Prints, per path, the modules in the order first entered,
-how many calls each took and how often the step came back to a module it had left.
+beside an aligned stand-in for rank 1: the calls of a real group). Prints, per path, the modules in
+the order first entered, how many calls each took and how often the step came back to a module it
+had left.
 
     python tools/trace_step.py
 
@@ -116,7 +117,8 @@ def guarded_engine() -> Callable[[], None]:
             from polyamp.distributed import _fingerprint, _wire
 
             if op == "sum" and buffer.dtype == np.int64 and buffer.shape == (1,):
-                buffer[0] += 2 * (int(buffer[0]) // _wire.B) * _wire.B - int(buffer[0]) % _wire.B % _fingerprint.Q
+                flag, v = divmod(int(buffer[0]), _wire.B)  # rank 1 sends the same flag and -v mod Q
+                buffer[0] += flag * _wire.B + (-v) % _fingerprint.Q
             elif op == "sum":
                 buffer *= 2
             elif buffer.shape[0] > _wire.HEAD:  # the MAX: rank 1's slots hold the same values as ours
