@@ -255,8 +255,8 @@ def host_reads():
 
 @pytest.fixture
 def lanes(monkeypatch):
-    """(f, digest) of every one-value agreement message as it is built: its value, ``f * B + (c * D
-    mod Q)``, holds no digest in a group of one rank (``c`` sums to 0 over the ranks, so it is 0 there)."""
+    """(f, digest) of every one-value agreement message as it is built, ``f * B + (c * D mod Q)``; none
+    in a group of one rank, which sends its flag alone (``c`` would be 0 there)."""
     from polyamp.distributed import _wire
 
     seen: list[tuple[float, int]] = []

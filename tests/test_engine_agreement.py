@@ -59,26 +59,30 @@ def _grads(bad: bool = False) -> list[np.ndarray]:
     return grads
 
 
-def test_one_collective_per_step_also_the_first_carrying_the_fingerprint(lanes):
-    red = OneRank()
+def test_one_collective_per_step_also_the_first_carrying_the_fingerprint(lanes, twins):
     config = LossScaleConfig(init_scale=4.0, growth_interval=2)
-    scaler = LossScaler(config, reducer=red)
-    assert scaler.reducer is red
-    counts, skipped = [], []
-    for bad in (False, True, False):
-        before = red.collectives
-        result = scaler.step(_grads(bad), lambda: None)
-        scaler.update()
-        counts.append(red.collectives - before)
-        skipped.append(result.skipped)
-    assert counts == [1, 1, 1] and skipped == [False, True, False]
-    assert [s[:3] for s in red.sent] == [("sum", "int64", (1,))] * 3  # one SUM of 1 value
-    assert [s[3] for s in red.sent] == [[0], [wire.B], [0]]  # f * B + c * D mod Q; one rank: c = 0
-    heads = lanes
-    assert [f for f, _ in heads] == [0.0, 1.0, 0.0]
-    # the state as each step unscaled with it: 4 (growth 0), 4 (growth 1), then backed off to 2
-    assert [d for _, d in heads] == [_digest(config, 0, 1, 0, 4.0), _digest(config, 1, 1, 1, 4.0, growth=1),
-                                     _digest(config, 2, 1, 2, 2.0)]
+    for red in (OneRank(), twins(2)):  # a group of one sends its flag alone; two ranks the digest too
+        lanes.clear()
+        scaler = LossScaler(config, reducer=red)
+        assert scaler.reducer is red
+        counts, skipped = [], []
+        for bad in (False, True, False):
+            before = red.collectives
+            result = scaler.step(_grads(bad), lambda: None)
+            scaler.update()
+            counts.append(red.collectives - before)
+            skipped.append(result.skipped)
+        assert counts == [1, 1, 1] and skipped == [False, True, False]
+        if red.size == 1:
+            assert [s[:3] for s in red.sent] == [("sum", "int64", (1,))] * 3  # one SUM of 1 value
+            assert [s[3] for s in red.sent] == [[0], [wire.B], [0]] and lanes == []  # no fingerprint
+            continue
+        assert red.sent == [("sum", (1,), "int64")] * 3
+        assert [f for f, _ in lanes] == [0.0, 1.0, 0.0]
+        # the state as each step unscaled with it: 4 (growth 0), 4 (growth 1), then backed off to 2
+        digests = [d for _, d in lanes]
+        assert digests == [_digest(config, 0, 1, 0, 4.0), _digest(config, 1, 1, 1, 4.0, growth=1),
+                           _digest(config, 2, 1, 2, 2.0)]
 
 
 def test_agree_carries_extra_in_the_same_collective_and_step_sends_nothing_more():
@@ -190,8 +194,8 @@ def test_agree_without_a_reducer_sends_nothing_and_returns_the_local_values():
     assert scaler.step([], lambda: None).skipped
 
 
-def test_copies_share_the_reducer_and_pickling_refuses_it(lanes):
-    red = OneRank()
+def test_copies_share_the_reducer_and_pickling_refuses_it(lanes, twins):
+    red = twins(2)  # two ranks: the messages carry the fingerprint
     scaler = LossScaler(reducer=red)
     scaler.step(_grads(), lambda: None)
     scaler.update()

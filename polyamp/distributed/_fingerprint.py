@@ -189,11 +189,6 @@ class Fields(NamedTuple):
         """The host fields' 32-bit words (:func:`words`)."""
         return words(self.host)
 
-    @property
-    def halves(self) -> np.ndarray:
-        """The host words' 16-bit halves, (n, 2) int64 in host memory (the low half first)."""
-        return np.array([(v & 0xFFFF, v >> 16) for v in self.words], np.int64).reshape(-1, 2)
-
 
 def _pattern(xp: Any, powers: Any, scale: Any) -> Any:
     """The float32 bit pattern of ``scale`` (a positive normal float32), rebuilt exactly in float64
@@ -267,7 +262,8 @@ class Place:
         xp, bits = self.xp, encoding.digit_bits
         if fields is None:  # a group of one: the fields carry nothing
             return xp.zeros(encoding.size, dtype=xp.float64, device=self.device)
-        halves = fields.halves if self.host else _halves(xp, self.vector(fields.words, "int64"))
+        words_ = np.array(fields.words, np.int64) if self.host else self.vector(fields.words, "int64")
+        halves = _halves(xp, words_)  # on the host a new array: the HOST place is shared by threads
         if fields.state is not None:
             halves = xp.concat([halves, fields.state])
         shifts = self.constant(("shifts", bits), np.arange(0, 16, bits, dtype=np.int64))

@@ -15,6 +15,7 @@ from polyamp.compat.paddle import AmpScaler, GradScaler
 
 from polyamp import ConfigError, Parameter
 from polyamp.distributed import Reducer
+from polyamp.distributed import _wire as wire
 from polyamp.optim import SGD
 
 
@@ -40,33 +41,37 @@ def _optimizer(grad: float) -> SGD:
 
 
 @pytest.mark.parametrize("use_minimize", [False, True])
-def test_one_collective_per_step_or_minimize_with_the_fingerprint(use_minimize, lanes):
-    red = OneRank()
-    scaler = (AmpScaler if use_minimize else GradScaler)(init_loss_scaling=2.0, reducer=red)
-    counts = []
-    for grad in (2.0, np.inf, 2.0):
-        before = red.collectives
-        optimizer = _optimizer(grad)
-        if use_minimize:
-            scaler.minimize(optimizer)
+def test_one_collective_per_step_or_minimize_with_the_fingerprint(use_minimize, lanes, twins):
+    for red in (OneRank(), twins(2)):  # a group of one sends its flag alone; two ranks the digest too
+        lanes.clear()
+        scaler = (AmpScaler if use_minimize else GradScaler)(init_loss_scaling=2.0, reducer=red)
+        counts = []
+        for grad in (2.0, np.inf, 2.0):
+            before = red.collectives
+            optimizer = _optimizer(grad)
+            if use_minimize:
+                scaler.minimize(optimizer)
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            counts.append(red.collectives - before)
+            assert scaler.last_step_skipped == (grad == np.inf)
+        assert counts == [1, 1, 1]
+        assert [op for op, *_ in red.sent] == ["sum", "sum", "sum"]
+        if red.size == 1:
+            assert [values for _, values in red.sent] == [[0], [wire.B], [0]] and lanes == []
         else:
-            scaler.step(optimizer)
-            scaler.update()
-        counts.append(red.collectives - before)
-        assert scaler.last_step_skipped == (grad == np.inf)
-    assert counts == [1, 1, 1]
-    assert [op for op, _ in red.sent] == ["sum", "sum", "sum"]
-    assert {len(values) for _, values in red.sent} == {1}  # f * B + (c * D mod Q)
-    assert [f for f, _ in lanes] == [0.0, 1.0, 0.0]
+            assert {shape for _, shape, _ in red.sent} == {(1,)}  # f * B + (c * D mod Q)
+            assert [f for f, _ in lanes] == [0.0, 1.0, 0.0]
 
 
-def test_a_rank_without_gradients_sends_zero_and_steps(lanes):
+def test_a_rank_without_gradients_sends_zero_and_steps():
     red = OneRank()
     scaler = GradScaler(reducer=red)
     param = Parameter(np.ones(2, np.float32))  # no gradient at all
     scaler.step(SGD([param], lr=0.5))
     scaler.update()
-    assert lanes[-1][0] == 0.0 and scaler.last_step_skipped is False
+    assert red.sent[-1] == ("sum", [0]) and scaler.last_step_skipped is False
 
 
 def test_a_disabled_scaler_sends_nothing():
@@ -95,7 +100,7 @@ def test_a_reducer_that_cannot_be_built_is_refused_at_once():
         GradScaler(reducer="no-such-engine")
 
 
-def test_a_copy_taken_after_unscale_still_agrees_its_flag(lanes):
+def test_a_copy_taken_after_unscale_still_agrees_its_flag():
     red = OneRank()
     scaler = GradScaler(reducer=red)
     optimizer = _optimizer(np.inf)
@@ -103,5 +108,5 @@ def test_a_copy_taken_after_unscale_still_agrees_its_flag(lanes):
     twin = copy.deepcopy(scaler)  # keeps the pending flag as a host bool
     before = red.collectives
     twin.step(optimizer)
-    assert red.collectives - before == 1 and lanes[-1][0] == 1.0
+    assert red.collectives - before == 1 and red.sent[-1] == ("sum", [wire.B])
     assert twin.last_step_skipped is True

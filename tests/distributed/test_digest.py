@@ -144,7 +144,7 @@ def test_the_one_value_constants():
     assert _is_prime(fp.Q) and 2**42 < fp.Q < 2**43  # a mismatch goes unseen with a chance below 2**-41
     assert wire.LANE_RANKS * (fp.Q - 1) < wire.B and wire.LANE_RANKS * wire.B + wire.B <= 2**63  # exact
     base = _print()
-    halves, weights = fp.HOST.fields(list(base)).halves, fp.LANE.weights
+    halves, weights = np.array([(w & 0xFFFF, w >> 16) for w in fp.words(base)]), fp.LANE.weights
     parts = [fp.share(np, halves[:k], weights[:k], fp.Q) for k in (1, 7)]
     rests = [fp.share(np, halves[k:], weights[k:], fp.Q, part) for k, part in zip((1, 7), parts)]
     assert rests == [_reference(base, fp.LANE)] * 2  # shares of disjoint fields add up
