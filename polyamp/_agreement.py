@@ -161,7 +161,7 @@ class Agreement:
         """:meth:`flag_and_extra`'s one collective; ``extras`` is the count its fingerprint names."""
         host = self._next(config, payload, extras, whose)
         like = found_inf if extra is None else extra
-        on_host = _on_host(found_inf, extra, state)
+        on_host = _on_host(found_inf, extra, state) or not _speaks_array_api(like)
         if on_host:  # 0-d in host memory: reading it costs no sync; non-zero (NaN too) as read_flag
             found_inf = float(found_inf) != 0
             values = None if extra is None else _host(extra)
@@ -335,6 +335,24 @@ def _on_host(found_inf: Any, extra: Any, state: Any) -> bool:
         if array is not None and not isinstance(array, bool) and not _is_host(array):
             return False
     return True
+
+
+_ARRAY_API: dict[type, bool] = {}  # array type -> whether array_api_compat knows its library
+
+
+def _speaks_array_api(array: Any) -> bool:
+    """Whether the message can be built where ``array`` lives (array_api_compat knows its library);
+    else it is built in host memory from the arrays' values (e.g. paddle on a GPU: a read per step)."""
+    kind = type(array)
+    known = _ARRAY_API.get(kind)
+    if known is None:
+        try:
+            array_api_compat.array_namespace(array)
+            known = True
+        except TypeError:
+            known = False
+        _ARRAY_API[kind] = known
+    return known
 
 
 def _host_state(state: Any) -> tuple[int, int, int]:

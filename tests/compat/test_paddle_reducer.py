@@ -110,3 +110,43 @@ def test_a_copy_taken_after_unscale_still_agrees_its_flag():
     twin.step(optimizer)
     assert red.collectives - before == 1 and red.sent[-1] == ("sum", [wire.B])
     assert twin.last_step_skipped is True
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["flag", "guard"])
+def test_paddle_tensors_off_the_host_agree_through_host_memory(monkeypatch, twins, guarded):
+    """array_api_compat knows no paddle, so paddle tensors on a GPU (stood for here by CPU tensors the
+    agreement takes for device arrays) build the message in host memory from their values: the same
+    messages, skips and parameters as paddle tensors in host memory (it raised TypeError before)."""
+    paddle = pytest.importorskip("paddle")
+    import polyamp._agreement as agreement
+    from polyamp import StepGuard
+
+    class Pair(type(twins(2))):
+        """Rank 0 of two whose peer holds its values, its extras' MAX slots too."""
+
+        def _allreduce(self, buffer, op):
+            if op == "max" and buffer.shape[0] > wire.HEAD:
+                buffer[wire.HEAD:].reshape(self.size, -1)[1:] = buffer[wire.HEAD:].reshape(self.size, -1)[0]
+            super()._allreduce(buffer, op)
+
+    def run() -> tuple[list, list, list]:
+        red = Pair(2)
+        scaler = GradScaler(init_loss_scaling=4.0, reducer=red, guard=StepGuard() if guarded else None)
+        param = paddle.create_parameter([3], "float32")
+        param.set_value(paddle.ones([3]))
+        optimizer = paddle.optimizer.SGD(learning_rate=0.5, parameters=[param])
+        skipped = []
+        for factor in (2.0, float("inf"), 3.0):
+            loss = (param * factor).sum()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.clear_grad()
+            skipped.append(scaler.last_step_skipped)
+        return red.sent, skipped, param.numpy().tolist()
+
+    host = run()
+    real = agreement._is_host
+    monkeypatch.setattr(agreement, "_is_host", lambda a: False if "paddle" in type(a).__module__ else real(a))
+    assert run() == host
+    assert host[1] == [False, True, False]
