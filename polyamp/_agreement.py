@@ -341,18 +341,15 @@ _ARRAY_API: dict[type, bool] = {}  # array type -> whether array_api_compat know
 
 
 def _speaks_array_api(array: Any) -> bool:
-    """Whether the message can be built where ``array`` lives (array_api_compat knows its library);
-    else it is built in host memory from the arrays' values (e.g. paddle on a GPU: a read per step)."""
+    """Whether array_api_compat knows ``array``'s library, so the message can be built where it lives
+    (else in host memory from the values: paddle on a GPU, a read per agreement)."""
     kind = type(array)
-    known = _ARRAY_API.get(kind)
-    if known is None:
+    if kind not in _ARRAY_API:
         try:
-            array_api_compat.array_namespace(array)
-            known = True
+            _ARRAY_API[kind] = bool(array_api_compat.array_namespace(array))
         except TypeError:
-            known = False
-        _ARRAY_API[kind] = known
-    return known
+            _ARRAY_API[kind] = False
+    return _ARRAY_API[kind]
 
 
 def _host_state(state: Any) -> tuple[int, int, int]:
