@@ -276,7 +276,8 @@ def _twins_class():
 
     class Twins(Reducer):
         """Rank 0 of ``size`` ranks that all hold its values: each reduction is what those ranks'
-        messages reduce to (a MAX: its own; a SUM: ``size`` times its own, exact for a power of two;
+        messages reduce to (a MAX: its own, each rank's extra-value slots holding its values; a SUM:
+        ``size`` times its own, exact for a power of two;
         the one-value message: every rank's ``f * B + (c_r * D mod Q)``, ``D`` recovered from its own
         ``c_0``). Keeps ``(op, shape, dtype)`` of what it was sent."""
 
@@ -289,6 +290,9 @@ def _twins_class():
 
         def _allreduce(self, buffer, op):
             self.sent.append((op, buffer.shape, str(buffer.dtype)))
+            if op == "max" and buffer.shape[0] > wire.HEAD:  # the other ranks' slots: its own values
+                slots = buffer[wire.HEAD:].reshape(self.size, -1)
+                slots[1:] = slots[0]
             if op != "sum":
                 return
             if str(buffer.dtype).endswith("int64") and tuple(buffer.shape) == (1,):  # NumPy or a device
