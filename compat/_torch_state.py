@@ -1,7 +1,7 @@
 """torch.amp.GradScaler's state-dict format and the input checks torch applies, for the facade.
 
-polyamp's extra keys are written only where they differ from torch's fixed behaviour, so a default
-scaler's state dict is exactly torch's and each loads into the other.
+polyamp's extra keys are written only where they differ from torch's, so a default scaler's state
+dict is exactly torch's and each loads into the other.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_g
 #: polyamp's keys for a rule beyond torch's, and their torch values (written only where they differ)
 RULE_KEYS = {"rule": "torch", "consecutive_hysteresis": False, "raise_error_at_min_scale": False,
              "product_dtype": None}
-INTERVAL_LIMIT = 2**63 - 1  # torch's _amp_update_scale_ takes growth_interval as an int64
 NEW_SCALE = (
     "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
     "torch.FloatTensor with requires_grad=False."
@@ -39,8 +38,8 @@ class StateDictKeyError(StateDictError, KeyError):
 
 def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory], metered: bool = False
                    ) -> dict[str, Any]:
-    """The engine's state in torch's GradScaler format (a device sync), trackers fitted to the config
-    so the dict loads; ``metered``: ``"steps"`` (the meter's phase) written too."""
+    """The engine's state in torch's format (a device sync), trackers fitted to the config so the dict
+    loads; ``metered``: ``"steps"`` (the meter's phase) written too."""
     config = engine.config
     host = fit_to_config(engine.host_state(), config)
     state: dict[str, Any] = {
@@ -54,9 +53,8 @@ def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory], me
         state["backoff_interval"] = config.backoff_interval
         state["_backoff_tracker"] = host.backoff_tracker
     state.update({k: v for k in ("min_scale", "max_scale") if (v := getattr(config, k)) is not None})
-    for key, default in RULE_KEYS.items():  # a rule beyond torch's (Megatron's, DeepSpeed's, ...)
-        if getattr(config, key) != default:
-            state[key] = getattr(config, key)
+    # a rule beyond torch's (Megatron's, DeepSpeed's, ...)
+    state.update({k: v for k, default in RULE_KEYS.items() if (v := getattr(config, k)) != default})
     if engine.guard is not None:  # polyamp's: each optimizer's StepGuard history, in step order
         groups = range(max(histories, default=-1) + 1)
         state["guard"] = [histories.get(g, GuardHistory()).to_dict() for g in groups]
@@ -108,10 +106,8 @@ def _guard_histories(state: Mapping[str, Any]) -> list[GuardHistory]:
 
 def _engine_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[str, Any]:
     """The engine's state dict holding ``state``'s values, each checked under its torch key."""
-    growth_interval = check_interval("growth_interval", _integer(state, "growth_interval"),
-                                     StateDictError)
-    backoff_interval = check_interval("backoff_interval", _integer(state, "backoff_interval", 1),
-                                      StateDictError)
+    growth_interval = _integer(state, "growth_interval")  # its range is the config's to check
+    backoff_interval = _integer(state, "backoff_interval", 1)
     bounds = {k: None if state.get(k) is None else check_scale(k, _number(state, k), StateDictError)
               for k in ("min_scale", "max_scale")}
     rule = {key: state[key] for key in RULE_KEYS if key in state}  # absent: the scaler's own
@@ -181,17 +177,6 @@ def _tracker(state: Mapping[str, Any], key: str, interval_key: str, interval: in
     return value
 
 
-def check_interval(name: str, value: Any, error: type[Exception]) -> Any:
-    """``value`` unless it is an int beyond int64 (torch's update kernel takes an int64)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > INTERVAL_LIMIT:
-        raise error(
-            f"{name} must be at most 2**63 - 1 (the update kernels take an int64), got "
-            f"{name}={short_repr(value)}; for an interval that is never reached, pass e.g. "
-            f"{name}=2**62"
-        )
-    return value
-
-
 def refuse_empty(state_dict: Mapping[str, Any], which: str) -> None:
     """torch's and paddle's RuntimeError for an empty state dict (a disabled scaler's), worded as
     each library words it: ``which`` is "source" (torch) or "input" (paddle)."""
@@ -214,14 +199,13 @@ def _numel(array: Any) -> int:
 
 def check_new_scale(new_scale: Any, device: str) -> None:
     """torch's checks on a tensor passed to update(new_scale): AssertionError when they fail."""
-    number = isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool)
-    if not (number or is_array(new_scale)):
+    if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+        return
+    if not is_array(new_scale):
         raise TypeError(
             "new_scale must be a float or a 1-element tensor/array, got "
             f"new_scale={new_scale!r} ({type(new_scale).__name__}); pass e.g. update(1024.0)"
         )
-    if number:
-        return
     dev_type = getattr(getattr(new_scale, "device", None), "type", None)
     if (dev_type not in (None, device) or _numel(new_scale) != 1
             or getattr(new_scale, "requires_grad", False) is True):
@@ -235,7 +219,7 @@ class TorchConfigError(ConfigError, AssertionError):
 def torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
                   growth_interval: Any, backoff_interval: Any, min_scale: Any,
                   max_scale: Any) -> LossScaleConfig:
-    """torch's two asserts first (same messages), then polyamp's full validation."""
+    """torch's two asserts first (same messages), then polyamp's full validation (intervals: below 2**63)."""
     init_scale, growth_factor, backoff_factor = (  # real numbers (NumPy scalars too) as Python floats
         float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
         for v in (init_scale, growth_factor, backoff_factor))
@@ -247,8 +231,6 @@ def torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
         raise TorchConfigError(
             f"The backoff factor must be < 1.0. Got backoff_factor={backoff_factor!r}."
         )
-    check_interval("growth_interval", growth_interval, TorchConfigError)
-    check_interval("backoff_interval", backoff_interval, TorchConfigError)
     try:
         return LossScaleConfig(
             init_scale=init_scale, growth_factor=growth_factor,

@@ -1,11 +1,9 @@
 """``torch.amp.GradScaler``'s API and state machine over any polyamp backend: one class.
 
-Behaviour, messages and exception types follow torch 2.13 (user code catches them). The engine
-holds the rule and arrays; this class holds torch's per-optimizer READY/UNSCALED/STEPPED stages
-(one :class:`OptimizerRecord` per optimizer). ``ShardedGradScaler`` overrides only how a flag is
-agreed; the disabled scalers are subclasses whose methods do nothing. torch's overridable
-``_unscale_grads_`` and ``_maybe_opt_step`` are called where torch calls them, and only where a
-subclass overrides them (docs/integrations.md). Importing it does not import torch.
+Behaviour, messages and exception types follow torch 2.13. The engine holds the rule and arrays; this
+class holds each optimizer's READY/UNSCALED/STEPPED stage (:class:`OptimizerRecord`). torch's hooks
+``_unscale_grads_`` and ``_maybe_opt_step`` are called only where a subclass overrides them
+(docs/integrations.md). Importing it does not import torch.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from typing import Any
 from polyamp import _guard_values as guard_values
 from polyamp import metrics, schedule
 from polyamp._agreement import Agreement
-from polyamp._errors import ConfigError
 from polyamp._inputs import scale_value
 from polyamp.config import FIXED_ONE, short_repr
 from polyamp.distributed import Reducer
@@ -40,7 +37,6 @@ from ._torch_install import Installation, Installer
 from ._torch_sharded import PICKLE_REFUSED, Places, build_reducer, mesh_inside
 from ._torch_state import (
     TorchConfigError,
-    check_interval,
     check_new_scale,
     is_array,
     load_torch_state,
@@ -51,12 +47,6 @@ from ._torch_state import (
 
 __all__ = ["ForwardRecord", "ForwardWatch", "GradScaler", "Installation", "OptState", "OptimizerRecord",
            "ShardedGradScaler", "TorchConfigError", "install", "uninstall", "watch_forward"]
-
-
-_NOT_SCALED = (
-    "This may indicate your script did not use scaler.scale(loss or outputs) earlier "
-    "in the iteration."
-)
 
 
 class OptState(Enum):
@@ -93,9 +83,6 @@ class UnscaleCall:
 
 _UNDECIDED = object()  # _last_skipped while _maybe_opt_step runs: did the default decide?
 _GIVE_LOSS = "scale the loss (a tensor holding one value) with scaler.scale(loss) before backward()"
-# Attributes pickled through the engine's state dict rather than as they are.
-_INTERNAL = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_iteration", "_records",
-                       "_skipped_host", "_unread", "_last_skipped", "_param_names", "_groups"})
 
 
 def combined(per_device: dict[Any, Any]) -> Any:
@@ -124,14 +111,16 @@ class GradScaler:
     _flags_are_sums = False  # an optimizer's flag is this rank's (sharded: agreed over the ranks)
     _unscale_call: UnscaleCall | None = None  # set only while a hooked unscale is in flight
     _guard_only = False  # disabled (or "cuda" without CUDA) with a guard: the scale fixed at 1
+    # attributes pickled through the engine's state dict (or not at all) rather than as they are
+    _internal = frozenset({"_device", "_enabled", "_backend_name", "_engine", "_iteration", "_records",
+                           "_skipped_host", "_unread", "_last_skipped", "_param_names", "_groups"})
 
     def __new__(cls, device: str = "cuda", *args: Any, **kwargs: Any) -> GradScaler:
         """An enabled scaler, or (enabled=False, or "cuda" without CUDA) the disabled type."""
         enabled = kwargs.get("enabled", args[4] if len(args) > 4 else True)
         if issubclass(cls, DisabledGradScaler):
             return object.__new__(cls)
-        if enabled and cuda_missing(device, kwargs.get("backend")):
-            enabled = False
+        enabled = enabled and not cuda_missing(device, kwargs.get("backend"))
         if not enabled and kwargs.get("guard") is not None:  # guard-only: the scale fixed at 1
             scaler = object.__new__(cls)
             scaler._guard_only = True
@@ -252,8 +241,7 @@ class GradScaler:
         return flag
 
     def _group_of(self, optimizer: Any) -> int:
-        """The optimizer's guard history's key: its place in the order optimizers were first stepped
-        (since construction, unpickling or load_state_dict)."""
+        """The optimizer's guard-history key: its place in first-step order (since building or loading)."""
         return self._groups.setdefault(id(optimizer), len(self._groups))
 
     def _check_inf_per_device(self, optimizer: Any) -> dict[Any, Any]:
@@ -409,9 +397,7 @@ class GradScaler:
         return retval
 
     def update(self, new_scale: float | Any = None) -> None:
-        """Back off after an overflow, grow after growth_interval clean steps, or set new_scale.
-
-        No host sync: the rule runs on the scale's device."""
+        """Back off after an overflow, grow after growth_interval clean steps, or set new_scale (no sync)."""
         if self._iteration.scaling.state is None:  # raises (a call only then)
             self._check_scale_growth_tracker("update")
         iteration = self._iteration
@@ -486,11 +472,8 @@ class GradScaler:
         return self._last_reason or "overflow"
 
     def step_scheduler(self, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
-        """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped.
-
-        A skipped step leaves the schedule where it was, and torch's "lr_scheduler.step()
-        before optimizer.step()" warning is not triggered by a skipped first step.
-        """
+        """Step ``scheduler`` only if the last optimizer step was applied; True if it stepped. A skipped step
+        leaves the schedule as it was (and no "lr_scheduler.step() before optimizer.step()" warning)."""
         return schedule.step_if_applied(scheduler, self.last_step_skipped, *args, **kwargs)
 
     @property
@@ -542,7 +525,8 @@ class GradScaler:
         """torch's check that the state exists: ``(scale, growth_tracker)`` or AssertionError."""
         state = self._engine.state
         if state is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED)
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  This may indicate your script "
+                                 "did not use scaler.scale(loss or outputs) earlier in the iteration.")
         return state.scale, state.growth_tracker
 
     @property
@@ -602,8 +586,7 @@ class GradScaler:
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval; validated (ValueError naming the value), unlike torch."""
-        self._engine.reconfigure(growth_interval=check_interval("growth_interval", new_interval,
-                                                                 ConfigError))
+        self._engine.reconfigure(growth_interval=new_interval)
 
     def is_enabled(self) -> bool:
         """True: a disabled scaler is a DisabledGradScaler (a guard-only one takes part in every
@@ -636,7 +619,7 @@ class GradScaler:
                 "A GradScaler instance may only be pickled at the beginning "
                 "of an iteration, or at the end after scaler.update()."
             )
-        extra = {k: v for k, v in self.__dict__.items() if k not in _INTERNAL}
+        extra = {k: v for k, v in self.__dict__.items() if k not in self._internal}
         iteration = self._iteration
         return {"device": self._device, "backend": self._backend_name, "extra": extra,
                 "engine": self._engine.state_dict(), "skipped": self.skipped_steps,
@@ -667,12 +650,13 @@ class ShardedGradScaler(GradScaler):
 
     Each optimizer's flag is agreed with one all-reduce over ``process_group`` (None: the default
     group; or anything :func:`polyamp.distributed.reducer` accepts), which also finds misaligned
-    ranks (docs/distributed.md). FSDP2's DTensor gradients are unscaled as their local shards
-    where the group spans their mesh: DTensor's own unscale would all-reduce the flag once more.
+    ranks (docs/distributed.md). FSDP2's DTensor gradients are unscaled as their local shards where
+    the group spans their mesh (DTensor's own unscale would all-reduce the flag once more).
     """
 
     _allow_fp16 = True  # FSDP's mixed precision hands FP16 gradients to the scaler
     _flags_are_sums = True  # the flags are agreed over the ranks (0 or 1: some rank overflowed)
+    _internal = GradScaler._internal | {"_group", "_meshes", "_places"}
 
     def __init__(
         self,
@@ -752,10 +736,9 @@ class ShardedGradScaler(GradScaler):
     def _confirm_aligned(self, found: Any) -> None:
         """Before a fused optimizer's step: read an unverified agreement's flag (one sync), so that
         misaligned ranks raise here."""
-        iteration = self._iteration
-        agreement = iteration.agreement
-        if agreement is not None and agreement.unverified and iteration.scaling.read_flag(found):
-            iteration.verify()
+        agreement = self._iteration.agreement
+        if agreement is not None and agreement.unverified and self._iteration.scaling.read_flag(found):
+            self._iteration.verify()
 
     def _local_shards(self, grads: list[Any], red: Reducer) -> list[Any]:
         """DTensor gradients as their local shards where ``red``'s group covers their mesh (elsewhere
@@ -772,11 +755,7 @@ class ShardedGradScaler(GradScaler):
         group = self._group
         if group is not None and not isinstance(group, str):
             raise TypeError(PICKLE_REFUSED.format(group=short_repr(group)))
-        state = super().__getstate__()
-        for name in ("_group", "_meshes", "_places"):
-            state["extra"].pop(name, None)
-        state["process_group"] = group
-        return state
+        return {**super().__getstate__(), "process_group": group}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -793,11 +772,8 @@ class ShardedGradScaler(GradScaler):
 
 
 class DisabledGradScaler(GradScaler):
-    """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: a no-op.
-
-    Mirrors torch's disabled scaler: every method is a pass-through and nothing is validated.
-    Unlike torch, the getters return the values given instead of raising AttributeError.
-    """
+    """What ``GradScaler(enabled=False)`` (or device="cuda" without CUDA) builds: torch's no-op scaler,
+    nothing validated, except that the getters return the values given instead of raising AttributeError."""
 
     _public_class: type = GradScaler
 
@@ -920,13 +896,9 @@ class DisabledShardedGradScaler(DisabledGradScaler, ShardedGradScaler):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **extra)
         self._group = process_group
 
-    @property
-    def process_group(self) -> Any:
-        """The group as given; a disabled scaler issues no collective."""
-        return self._group
-
-    @process_group.setter
+    @ShardedGradScaler.process_group.setter
     def process_group(self, group: Any) -> None:
+        """Kept as given: a disabled scaler issues no collective."""
         self._group = group
 
     @property

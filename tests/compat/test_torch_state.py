@@ -242,7 +242,7 @@ def test_a_never_reached_interval_round_trips(interval):
 def test_an_interval_past_int64_is_refused_where_torch_fails_at_the_first_update():
     with pytest.raises(ValueError, match="Overflow"):  # torch: a raw error, after the step
         trained(torch.amp.GradScaler, 1, growth_interval=10**30)
-    with pytest.raises(AssertionError, match=r"growth_interval must be at most 2\*\*63 - 1"):
+    with pytest.raises(AssertionError, match=r"growth_interval must be an int below 2\*\*63"):
         GradScaler("cpu", growth_interval=10**30)
     scaler = GradScaler("cpu")
     with pytest.raises(polyamp.ConfigError, match="growth_interval=10000"):
