@@ -1,10 +1,9 @@
 """``polyamp.compat.torch.install()``: torch's scaler names build polyamp's scalers, until uninstalled.
 
-Opt-in and reversible: every name torch exports a scaler class under (:data:`TORCH_NAMES`), and
-modules that bound one under its own name (an alias is left alone), build polyamp's scalers until
-``uninstall()`` puts torch's back. The stand-ins subclass the facade's class (first in the MRO: no
-torch code runs) AND torch's, so every ``isinstance`` holds as in torch; a pickle loads as the
-facade's class. Thread-safe; imports nothing of the facade (it hands its classes to :class:`Installer`).
+Every name torch exports a scaler class under (:data:`TORCH_NAMES`), and modules' own bindings of one
+under its name (an alias is left alone), get a stand-in that subclasses the facade's class (first in the
+MRO: no torch code runs) AND torch's, so every ``isinstance`` holds; a pickle loads as the facade's
+class. Thread-safe; imports nothing of the facade (it hands its classes to :class:`Installer`).
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from typing import Any
 from polyamp._caller import user_stacklevel
 from polyamp._errors import install_hint
 
-# (module, attribute, kind): every place torch exports a scaler class ("cuda"/"cpu": the deprecated
-# per-device signatures, "sharded": FSDP's).
+# (module, attribute, kind): "cuda"/"cpu" are the deprecated per-device signatures, "sharded" FSDP's
 TORCH_NAMES = (
     ("torch.amp", "GradScaler", "amp"),
     ("torch.amp.grad_scaler", "GradScaler", "amp"),
@@ -51,15 +49,12 @@ def _per_device_class(parent: type, torch_class: type, device: str) -> type:
                 **kwargs: Any) -> Any:
         return parent.__new__(cls, device, enabled=enabled, **kwargs)
 
-    def __init__(self: Any, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # the arguments __new__ bound
         warnings.warn(  # torch's deprecation, as the class it stands in for gives it
             f"`torch.{device}.amp.GradScaler(args...)` is deprecated. Please use "
             f"`torch.amp.GradScaler('{device}', args...)` instead.", FutureWarning,
             stacklevel=user_stacklevel())  # the user's line, as torch's warning names it
-        super(cls_, self).__init__(device, init_scale, growth_factor, backoff_factor,
-                                   growth_interval, enabled, **kwargs)
+        super(cls_, self).__init__(device, *args, **kwargs)
 
     cls_ = StandInMeta("GradScaler", (parent, torch_class), {
         "__new__": __new__, "__init__": __init__, "__module__": __name__,
