@@ -1,10 +1,8 @@
 """What ShardedGradScaler's agreement needs: the reducer over a process group, whether a group
 covers a DeviceMesh, and whose flag a collective agrees (:class:`Places`: an optimizer's place).
 
-torch's FSDP scaler all-reduces one flag per device per optimizer inside ``unscale_``; polyamp
-folds every device into one flag per optimizer, and one all-reduce through a
-:mod:`polyamp.distributed` reducer agrees it (with the fingerprint that finds misaligned ranks).
-Imports nothing of the facade. Importing it does not import torch.
+torch all-reduces one flag per device per optimizer; polyamp agrees one flag per optimizer with one
+all-reduce through a :mod:`polyamp.distributed` reducer. Importing it does not import torch.
 """
 
 from __future__ import annotations
@@ -49,10 +47,8 @@ def mesh_inside(mesh: Any, red: Reducer | None, *, holds: bool = False) -> bool:
 
 
 def dtensor_shapes(optimizer: Any, holds: Any) -> tuple[Any, ...]:
-    """The global shapes and dtypes of the optimizer's DTensor parameters whose mesh ``holds(mesh)``
-    every rank of the group, per param group in order: the same on every rank (a DTensor's
-    ``shape`` is the global one). Empty where there are none; other parameters are left out
-    (their shards differ)."""
+    """The global shapes and dtypes (the same on every rank) of the optimizer's DTensor parameters whose
+    mesh ``holds(mesh)`` every rank of the group, per param group; empty where there are none."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is None:  # never imported: no parameter is a DTensor
         return ()
@@ -72,11 +68,10 @@ class Places:
     """Whose flag a sharded step agrees (:meth:`identity`): equal on every rank of a legitimate
     sharded job, whatever each rank's shard holds.
 
-    An optimizer is named by its place in the order optimizers were first stepped (since
-    construction, a new process group, ``load_state_dict`` or unpickling), its class, and the global
-    shapes and dtypes of its DTensors whose mesh holds every rank of the group; not by a rank's own
-    parameters, which differ between shards. Two optimizers of one class swapped on a rank from
-    their first step on are found only where their DTensors' global shapes differ.
+    An optimizer is named by its place in first-step order (since construction, a new process group,
+    ``load_state_dict`` or unpickling), its class, and its :func:`dtensor_shapes`; not by a rank's own
+    parameters. Two optimizers of one class swapped on a rank from their first step on are found only
+    where those shapes differ.
     """
 
     def __init__(self) -> None:
@@ -86,9 +81,8 @@ class Places:
         self._count = 0  # places given so far (a dead optimizer's place is not given again)
 
     def identity(self, optimizer: Any, red: Reducer | None) -> int:
-        """The optimizer's identity over ``red`` (one reducer for the life of these places; None: no
-        DTensor counts), never 0 (0: none named; None gives 0). Computed once per optimizer while
-        its groups keep their sizes (a pass over its parameters only then)."""
+        """The optimizer's identity over ``red`` (one reducer for these places' life; None: no DTensor
+        counts), never 0 (None's). Computed again only when its groups' sizes change."""
         if optimizer is None:
             return 0
         key = id(optimizer)
