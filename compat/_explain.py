@@ -64,9 +64,8 @@ def paddle_named_grads(obj: Any) -> list[tuple[str, Any]]:
 def writes_zeros(backend: Any, keep: bool) -> bool:
     """Whether ``backend``'s unscale kernel writes ``grad * 0`` on an overflow (paddle's fused kernel:
     inf becomes NaN, finite values 0), unless ``keep`` (``diagnose=True``) chose the one that keeps them."""
-    if keep or backend is None:
-        return False
-    return backend.unscale_and_check_keep is not backend.unscale_and_check
+    return (not keep and backend is not None
+            and backend.unscale_and_check_keep is not backend.unscale_and_check)
 
 
 def zeroed_note(report: OverflowReport, obj: Any, zeroing: set[int]) -> OverflowReport:

@@ -10,13 +10,10 @@ from typing import Any
 
 from polyamp._errors import StateDictError, install_hint
 
-#: The first bytes of a torch.save file: its zip container (torch >= 1.6), or a raw pickle.
-ZIP_MAGIC, PICKLE_MAGIC = b"PK\x03\x04", b"\x80"
-
 
 def is_torch_file(head: bytes) -> bool:
-    """Whether a file that starts with ``head`` is a ``torch.save`` file (zip, or a pickle)."""
-    return head.startswith(ZIP_MAGIC) or head[:1] == PICKLE_MAGIC
+    """Whether a file that starts with ``head`` is a ``torch.save`` file (zip: torch >= 1.6, or a pickle)."""
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 #: What to save instead, in the message refusing a file (``polyamp inspect``'s: a scaler state).

@@ -9,7 +9,6 @@ import math
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 __all__ = ["ForwardRecord", "ForwardWatch", "watch_forward"]
@@ -52,8 +51,7 @@ class ForwardWatch:
             raise
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._remove()
 
     def _remove(self) -> None:
@@ -83,11 +81,8 @@ def _tensors(output: Any) -> Iterator[Any]:
     if isinstance(output, torch.Tensor):
         if output.is_floating_point() or output.is_complex():
             yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from _tensors(item)
-    elif isinstance(output, Mapping):
-        for item in output.values():
+    elif isinstance(output, (list, tuple, Mapping)):
+        for item in output.values() if isinstance(output, Mapping) else output:
             yield from _tensors(item)
 
 

@@ -1,8 +1,5 @@
-"""An optimizer's gradients, with torch.amp.GradScaler's checks, in as few passes as possible.
-
-torch regroups gradients with several attribute reads per parameter on every step; here one
-comprehension reads ``.grad`` once per parameter, one set of dtypes covers the FP16 rule,
-and grouping by (device, dtype) is left to the backend's C++ pass.
+"""An optimizer's gradients, with torch.amp.GradScaler's checks, in as few passes as possible: ``.grad``
+read once per parameter, one set of dtypes for the FP16 rule, grouping left to the backend's C++ pass.
 """
 
 from __future__ import annotations
@@ -15,12 +12,10 @@ from polyamp._inputs import check_floating_dtypes
 from polyamp.adapters import iter_params
 from polyamp.backend import Backend
 
-# (dtype type, dtype) -> is it float16; dtypes are few, so this stays tiny. Keyed by the type too, so a
-# lookup never compares the dtypes of two libraries (array-api-strict warns when one is compared).
+# (dtype type, dtype) -> is it float16. Keyed by the type too, so a lookup never compares the dtypes
+# of two libraries (array-api-strict warns when one is compared).
 _FP16: dict[tuple[type, Any], bool] = {}
-
-#: floating dtypes already checked -> is it float16 (keyed as _FP16)
-_CHECKED: dict[tuple[type, Any], bool] = {}
+_CHECKED: dict[tuple[type, Any], bool] = {}  # as _FP16, of the floating dtypes already checked
 
 _GRAD, _DTYPE = attrgetter("grad"), attrgetter("dtype")
 
