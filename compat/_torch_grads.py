@@ -30,12 +30,15 @@ def is_fp16(array_or_dtype: Any) -> bool:
     return known
 
 
-def _params(optimizer: Any) -> list[Any]:
-    """The optimizer's parameters in order; torch-style ``param_groups`` read directly."""
+def param_groups(optimizer: Any) -> list[Any]:
+    """The optimizer's param groups (one group of its parameters where it has none)."""
     groups = getattr(optimizer, "param_groups", None)
-    if isinstance(groups, list):
-        return [p for group in groups for p in group["params"]]
-    return list(iter_params(optimizer))
+    return groups if isinstance(groups, list) else [{"params": list(iter_params(optimizer))}]
+
+
+def _params(optimizer: Any) -> list[Any]:
+    """The optimizer's parameters in order."""
+    return [p for group in param_groups(optimizer) for p in group["params"]]
 
 
 def _all_grads(optimizer: Any) -> list[Any]:

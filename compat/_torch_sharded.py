@@ -13,9 +13,10 @@ from typing import Any
 
 from polyamp._digest import content_digest
 from polyamp._errors import ConfigError
-from polyamp.adapters import iter_params
 from polyamp.config import short_repr
 from polyamp.distributed import Reducer, ReducerUnavailableError, reducer
+
+from ._torch_grads import param_groups
 
 PICKLE_REFUSED = (
     "a ShardedGradScaler built on process_group={group} cannot be pickled or copied: a process "
@@ -54,14 +55,8 @@ def dtensor_shapes(optimizer: Any, holds: Any) -> tuple[Any, ...]:
         return ()
     shapes = tuple(tuple((tuple(p.shape), str(p.dtype)) for p in group["params"]
                          if isinstance(p, dtensor) and holds(p.device_mesh))
-                   for group in _groups(optimizer))
+                   for group in param_groups(optimizer))
     return shapes if any(shapes) else ()
-
-
-def _groups(optimizer: Any) -> list[Any]:
-    """The optimizer's param groups (one group of its parameters where it has none)."""
-    groups = getattr(optimizer, "param_groups", None)
-    return groups if isinstance(groups, list) else [{"params": list(iter_params(optimizer))}]
 
 
 class Places:
@@ -86,7 +81,7 @@ class Places:
         if optimizer is None:
             return 0
         key = id(optimizer)
-        sizes = tuple(len(group["params"]) for group in _groups(optimizer))
+        sizes = tuple(len(group["params"]) for group in param_groups(optimizer))
         known = self._known.get(key)
         if known is not None and known[0] is not None and known[0]() is not optimizer:
             known = None  # the id of an optimizer that is gone: this one is new
