@@ -257,9 +257,8 @@ class GradScaler:
         found = None if record is None else record.found
         return {} if found is None else {getattr(found, "device", "cpu"): found}
 
-    def _unscale_grads_(
-        self, optimizer: Any, inv_scale: Any, found_inf: Any, allow_fp16: bool
-    ) -> dict[Any, Any]:
+    def _unscale_grads_(self, optimizer: Any, inv_scale: Any, found_inf: Any,
+                        allow_fp16: bool) -> dict[Any, Any]:
         """torch's hook: unscale (or check) ``optimizer``'s gradients by the scaler's own scale (the
         ``inv_scale`` passed in); their new flag as ``{device: flag}``, ``found_inf`` left as it is."""
         call = self._unscale_call
@@ -304,9 +303,8 @@ class GradScaler:
         record.stage = STEPPED
         return retval
 
-    def _maybe_opt_step(
-        self, optimizer: Any, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
+    def _maybe_opt_step(self, optimizer: Any, optimizer_state: dict[str, Any], *args: Any,
+                        **kwargs: Any) -> Any:
         """torch's hook: ``optimizer.step(*args, **kwargs)`` unless ``optimizer_state``'s flags say
         overflow (the one host read; a report only when skipped). Those flags are what update() uses."""
         record = self._record(optimizer)
@@ -358,14 +356,10 @@ class GradScaler:
     def _self_scaling_step(self, optimizer: Any, record: OptimizerRecord, args: Any, kwargs: dict) -> Any:
         """torch's path for optimizers that take grad_scale/found_inf: no host sync here."""
         if _takes_grad_scaler(getattr(optimizer.step, "__func__", optimizer.step)):
-            warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the passed "
-                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
-                "directly.",
-                FutureWarning,
-                stacklevel=3,
-            )
+            warnings.warn(  # torch's
+                "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. "
+                "In the near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the "
+                "passed optimizer and let the optimizer use them directly.", FutureWarning, stacklevel=3)
             kwargs.update({"grad_scaler": self})
             retval = optimizer.step(*args, **kwargs)
             record.stage = STEPPED
@@ -589,9 +583,9 @@ class GradScaler:
         self._engine.reconfigure(growth_interval=new_interval)
 
     def is_enabled(self) -> bool:
-        """True: a disabled scaler is a DisabledGradScaler (a guard-only one takes part in every
-        step, so it says True too: code that asks before calling ``step`` must not bypass it)."""
-        return True
+        """False for a disabled scaler; True for a guard-only one, which takes part in every step (code
+        that asks before calling ``step`` must not bypass it)."""
+        return self._enabled
 
     @property
     def engine(self) -> LossScaler:
@@ -776,6 +770,8 @@ class DisabledGradScaler(GradScaler):
     nothing validated, except that the getters return the values given instead of raising AttributeError."""
 
     _public_class: type = GradScaler
+    # never steps: GradScaler's skipped_steps reads 0, last_step_skipped None (a scheduler always steps)
+    _skipped_host, _unread, _last_skipped = 0, (), None
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -831,20 +827,6 @@ class DisabledGradScaler(GradScaler):
     def _get_growth_tracker(self) -> int:
         return 0
 
-    def is_enabled(self) -> bool:
-        """False."""
-        return False
-
-    @property
-    def skipped_steps(self) -> int:
-        """Always 0: a disabled scaler never skips."""
-        return 0
-
-    @property
-    def last_step_skipped(self) -> bool | None:
-        """None: a disabled scaler does not track steps, so a scheduler always steps."""
-        return None
-
     def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
         """Empty: a disabled scaler scales nothing and skips nothing, so it has no numbers to log."""
         return {}
@@ -882,17 +864,9 @@ class DisabledShardedGradScaler(DisabledGradScaler, ShardedGradScaler):
 
     _public_class: type = ShardedGradScaler
 
-    def __init__(
-        self,
-        device: str = "cuda",
-        init_scale: float = 2.0**16,
-        backoff_factor: float = 0.5,
-        growth_factor: float = 2.0,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        process_group: Any = None,
-        **extra: Any,
-    ) -> None:
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, backoff_factor: float = 0.5,
+                 growth_factor: float = 2.0, growth_interval: int = 2000, enabled: bool = True,
+                 process_group: Any = None, **extra: Any) -> None:  # DisabledGradScaler's, in torch's order
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **extra)
         self._group = process_group
 
@@ -937,9 +911,8 @@ def install() -> Installation:
     """Make ``torch.amp.GradScaler``, ``torch.cuda.amp.GradScaler`` and FSDP's ``ShardedGradScaler``
     build polyamp's scalers, until :func:`uninstall` (opt-in; imports torch).
 
-    Also usable as ``with polyamp.compat.torch.install(): ...``. Names bound by modules
-    imported earlier (``from torch.amp import GradScaler``) are patched too; see
-    :mod:`polyamp.compat._torch_install`.
+    Also usable as ``with polyamp.compat.torch.install(): ...``. Names bound by modules imported
+    earlier (``from torch.amp import GradScaler``) are patched too.
     """
     return _INSTALLER.install()
 
