@@ -1,7 +1,4 @@
-"""When ``GradScaler()`` is disabled: torch's rule for ``device="cuda"`` without CUDA.
-
-Imports nothing of the facade (``polyamp.compat.torch`` holds the disabled classes).
-"""
+"""When ``GradScaler()`` is disabled: torch's rule for ``device="cuda"`` without CUDA (imports no facade)."""
 
 from __future__ import annotations
 

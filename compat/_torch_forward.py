@@ -1,5 +1,4 @@
 """``watch_forward(module)``: which modules' outputs held inf/nan in a forward pass, in call order.
-
 A debugging tool: while it watches, one host read per module call; outside it nothing is registered.
 """
 
