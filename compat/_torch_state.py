@@ -23,10 +23,6 @@ TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_g
 #: polyamp's keys for a rule beyond torch's, and their torch values (written only where they differ)
 RULE_KEYS = {"rule": "torch", "consecutive_hysteresis": False, "raise_error_at_min_scale": False,
              "product_dtype": None}
-NEW_SCALE = (
-    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-    "torch.FloatTensor with requires_grad=False."
-)
 
 
 class StateDictKeyError(StateDictError, KeyError):
@@ -53,7 +49,6 @@ def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory], me
         state["backoff_interval"] = config.backoff_interval
         state["_backoff_tracker"] = host.backoff_tracker
     state.update({k: v for k in ("min_scale", "max_scale") if (v := getattr(config, k)) is not None})
-    # a rule beyond torch's (Megatron's, DeepSpeed's, ...)
     state.update({k: v for k, default in RULE_KEYS.items() if (v := getattr(config, k)) != default})
     if engine.guard is not None:  # polyamp's: each optimizer's StepGuard history, in step order
         groups = range(max(histories, default=-1) + 1)
@@ -140,9 +135,8 @@ def _number(state: Mapping[str, Any], key: str, default: Any = None) -> int | fl
     if is_array(value) and hasattr(value, "item") and _numel(value) == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise StateDictError(
-            f"{key} must be a number, got {key}={short_repr(value)} ({type(value).__name__})"
-        )
+        raise StateDictError(f"{key} must be a number, got {key}={short_repr(value)} "
+                             f"({type(value).__name__})")
     return value
 
 
@@ -209,7 +203,8 @@ def check_new_scale(new_scale: Any, device: str) -> None:
     dev_type = getattr(getattr(new_scale, "device", None), "type", None)
     if (dev_type not in (None, device) or _numel(new_scale) != 1
             or getattr(new_scale, "requires_grad", False) is True):
-        raise AssertionError(NEW_SCALE)
+        raise AssertionError("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                             "torch.FloatTensor with requires_grad=False.")  # torch's
 
 
 class TorchConfigError(ConfigError, AssertionError):
@@ -224,13 +219,9 @@ def torch_config(init_scale: Any, growth_factor: Any, backoff_factor: Any,
         float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
         for v in (init_scale, growth_factor, backoff_factor))
     if growth_factor <= 1.0:
-        raise TorchConfigError(
-            f"The growth factor must be > 1.0. Got growth_factor={growth_factor!r}."
-        )
+        raise TorchConfigError(f"The growth factor must be > 1.0. Got growth_factor={growth_factor!r}.")
     if backoff_factor >= 1.0:
-        raise TorchConfigError(
-            f"The backoff factor must be < 1.0. Got backoff_factor={backoff_factor!r}."
-        )
+        raise TorchConfigError(f"The backoff factor must be < 1.0. Got backoff_factor={backoff_factor!r}.")
     try:
         return LossScaleConfig(
             init_scale=init_scale, growth_factor=growth_factor,
