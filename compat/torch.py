@@ -281,8 +281,7 @@ class GradScaler:
         """Unscale if needed, then ``optimizer.step(*args, **kwargs)`` unless gradients overflowed.
 
         Reads the overflow flag on the host (the one sync), except for optimizers that take
-        ``grad_scale``/``found_inf`` themselves. Returns what ``optimizer.step`` returned.
-        """
+        ``grad_scale``/``found_inf`` themselves. Returns what ``optimizer.step`` returned."""
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         if self._iteration.scaling.state is None:  # raises (a call only then)
@@ -430,9 +429,8 @@ class GradScaler:
         self._unread.clear()
 
     def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
-        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
-        the last overflow's top tensors) as plain numbers (:mod:`polyamp.metrics`). ONE host read:
-        the scale, with the pending flags of fused optimizers stacked beside it."""
+        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (with ``diagnose=True`` also the
+        last overflow's top tensors) as plain numbers (:mod:`polyamp.metrics`), in ONE host read."""
         metrics.check_diagnose_flag(diagnose)
         iteration = self._iteration
         pending = [f for f in self._unread if not isinstance(f, int)]
@@ -703,10 +701,8 @@ class ShardedGradScaler(GradScaler):
         return iteration.agreement
 
     def _check_grads(self, grads: list[Any], check_only: bool, optimizer: Any = None) -> Any:
-        """Unscale (or check) ``grads``; the flag agreed over the group (1: some rank overflowed).
-
-        Every rank issues the collective, also one with no gradients (flag 0); misaligned ranks
-        (:class:`Places`) raise RankMismatchError."""
+        """Unscale (or check) ``grads``; the flag agreed over the group (1: some rank overflowed). Every
+        rank issues the collective, also one with no gradients; misaligned ranks raise RankMismatchError."""
         agreement, iteration = self._agreed(), self._iteration  # resolved before anything changes
         grads = self._local_shards(grads, agreement.reducer)
         if iteration.guarding is not None:
