@@ -71,10 +71,9 @@ def writes_zeros(backend: Any, keep: bool) -> bool:
 def zeroed_note(report: OverflowReport, obj: Any, zeroing: set[int]) -> OverflowReport:
     """``report`` saying so where its non-finite gradients are what an unscale kernel left (``grad * 0``:
     each inf or nan reads as NaN, every finite value as 0), not the values the backward wrote."""
-    if not report.tensors or not zeroing:
+    if not report.tensors or not zeroing or isinstance(obj, Mapping):
         return report
-    params = list(iter_params(obj)) if not isinstance(obj, Mapping) else []
-    if not any(id(p) in zeroing for p in params):
+    if not any(id(p) in zeroing for p in iter_params(obj)):
         return report
     note = ("these gradients were already unscaled (unscale_ or step) by paddle's kernel, which on an "
             "overflow writes grad * 0: each inf or nan now reads as NaN and every finite value as 0, so the "
