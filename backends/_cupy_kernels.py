@@ -2,25 +2,10 @@
 
 Importing this module imports no cupy, so ``tools/check_cuda_kernels.py`` can compile every
 source with nvcc on a machine without a GPU; :func:`kernel` compiles with ``cupy.RawModule``
-(NVRTC) on first use, once per module and device.
-
-Design of the unscale-and-check kernels (one launch per dtype for any number of tensors):
-
-* a device table of int64 holds ``[ptr_0..ptr_{T-1}, size_0..size_{T-1}, chunk_0..chunk_{C-1}]``
-  where ``chunk_c = tensor << 32 | chunk_number``: each block takes one chunk of ``CHUNK``
-  elements of one tensor (grid-stride over the chunk table), so a thousand 4K-element tensors
-  and ten 16M-element tensors both fill the GPU;
-* 16-byte vectorised loads and stores (``UNROLL`` in flight per thread) where a tensor is
-  16-byte aligned, an element loop otherwise and for the tail;
-* arithmetic as torch's ``_amp_foreach_non_finite_check_and_unscale_``: widen to the opmath
-  type (float for half/bfloat16), test finiteness of the input, multiply by
-  ``inv = float32(1 / float64(scale))`` unless ``inv == 1``, round back with the CUDA
-  intrinsics torch's ``static_cast`` uses; float32/float64 are not written when ``inv == 1``
-  (their bits could not change);
-* one ``__syncthreads_or`` and at most one store of 1.0 to ``found_inf`` per block; never cleared.
-
-The per-thread bodies are ``__host__ __device__`` so the tests can run them on the CPU
-(``POLYAMP_HOST_ONLY`` leaves the ``__global__`` wrappers out).
+(NVRTC) on first use, once per module and device. docs/backends/cupy.md describes the kernels (the
+chunk table, 16-byte vector loads, torch's arithmetic, one flag store per block). The per-thread
+bodies are ``__host__ __device__`` so the tests can run them on the CPU (``POLYAMP_HOST_ONLY``
+leaves the ``__global__`` wrappers out).
 """
 
 from __future__ import annotations
@@ -35,20 +20,11 @@ UNROLL = 4
 CHUNK = 16384  # elements per block-sized piece of a tensor; a multiple of every vector width
 MAX_BLOCKS_PER_SM = 32  # grid cap (blocks grid-stride over the chunk table beyond it)
 
-UNSCALE_KERNELS = {
-    "float32": "polyamp_unscale_float32",
-    "float64": "polyamp_unscale_float64",
-    "float16": "polyamp_unscale_float16",
-    "bfloat16": "polyamp_unscale_bfloat16",
-}
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+UNSCALE_KERNELS = {dtype: f"polyamp_unscale_{dtype}" for dtype in DTYPES}
 UPDATE_KERNEL = "polyamp_update_scale"
 #: Unscale and a precision meter's counts (polyamp._precision_counts) in one kernel per dtype.
-COUNT_KERNELS = {
-    "float32": "polyamp_unscale_count_float32",
-    "float64": "polyamp_unscale_count_float64",
-    "float16": "polyamp_unscale_count_float16",
-    "bfloat16": "polyamp_unscale_count_bfloat16",
-}
+COUNT_KERNELS = {dtype: f"polyamp_unscale_count_{dtype}" for dtype in DTYPES}
 #: The count kernels' ``targets``: per target these float64 values; ``kind`` 0 the loss scale,
 #: 1 the number ``scale``, 2 ``max_finite / amax`` (polyamp._precision_targets.Bounds).
 TARGET_SLOTS = ("kind", "scale", "underflow_max", "subnormal_below", "overflow_from", "max_finite")
@@ -356,54 +332,38 @@ __device__ inline void unscale_count_kernel(const i64* table, int n_tensors, i64
 #endif
 """
 
-_FLOAT32_FLOAT64 = r"""
+# Per dtype: C type, header, Elem<T> (opmath type, load, store, kExactStore), its two kernels.
+# kExactStore: writing back an unmultiplied float/double changes no bit; torch rounds half and
+# bfloat16 back even when inv == 1 (nan bits), so those are always stored.
+_ELEM = r"""
+@INCLUDE@
 namespace polyamp {
-template <> struct Elem<float> {
-  typedef float op_t;
-  static const bool kExactStore = true;  // writing back an unmultiplied value changes no bit
-  __host__ __device__ static float load(float v) { return v; }
-  __host__ __device__ static float store(float v) { return v; }
-};
-template <> struct Elem<double> {
-  typedef double op_t;
-  static const bool kExactStore = true;
-  __host__ __device__ static double load(double v) { return v; }
-  __host__ __device__ static double store(double v) { return v; }
+template <> struct Elem<@T@> {
+  typedef @OP@ op_t;
+  static const bool kExactStore = @EXACT@;
+  __host__ __device__ static @OP@ load(@T@ v) { return @LOAD@; }
+  __host__ __device__ static @T@ store(@OP@ v) { return @STORE@; }
 };
 }  // namespace polyamp
-POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float32, float)
-POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float64, double)
-POLYAMP_COUNT_KERNEL(polyamp_unscale_count_float32, float)
-POLYAMP_COUNT_KERNEL(polyamp_unscale_count_float64, double)
+POLYAMP_UNSCALE_KERNEL(@UNSCALE@, @T@)
+POLYAMP_COUNT_KERNEL(@COUNT@, @T@)
 """
+_ELEMS = {
+    "float32": ("float", "", "float", "v", "v", "true"),
+    "float64": ("double", "", "double", "v", "v", "true"),
+    "float16": ("__half", "#include <cuda_fp16.h>", "float", "__half2float(v)", "__float2half(v)", "false"),
+    "bfloat16": ("__nv_bfloat16", "#include <cuda_bf16.h>", "float", "__bfloat162float(v)",
+                 "__float2bfloat16(v)", "false"),
+}
 
-_FLOAT16 = r"""
-#include <cuda_fp16.h>
-namespace polyamp {
-template <> struct Elem<__half> {
-  typedef float op_t;
-  static const bool kExactStore = false;  // torch rounds back even when inv == 1 (nan bits)
-  __host__ __device__ static float load(__half v) { return __half2float(v); }
-  __host__ __device__ static __half store(float v) { return __float2half(v); }
-};
-}  // namespace polyamp
-POLYAMP_UNSCALE_KERNEL(polyamp_unscale_float16, __half)
-POLYAMP_COUNT_KERNEL(polyamp_unscale_count_float16, __half)
-"""
 
-_BFLOAT16 = r"""
-#include <cuda_bf16.h>
-namespace polyamp {
-template <> struct Elem<__nv_bfloat16> {
-  typedef float op_t;
-  static const bool kExactStore = false;
-  __host__ __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __host__ __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16(v); }
-};
-}  // namespace polyamp
-POLYAMP_UNSCALE_KERNEL(polyamp_unscale_bfloat16, __nv_bfloat16)
-POLYAMP_COUNT_KERNEL(polyamp_unscale_count_bfloat16, __nv_bfloat16)
-"""
+def _elem(dtype: str) -> str:
+    """Elem<T> for ``dtype`` and its unscale and count kernels."""
+    names = ("@T@", "@INCLUDE@", "@OP@", "@LOAD@", "@STORE@", "@EXACT@")
+    values = dict(zip(names, _ELEMS[dtype]), **{"@UNSCALE@": UNSCALE_KERNELS[dtype],
+                                                "@COUNT@": COUNT_KERNELS[dtype]})
+    return _fill(_ELEM, values)
+
 
 _UPDATE = r"""
 // polyamp cupy backend: the loss-scale rules of polyamp.policy.next_host_state, on the device.
@@ -471,9 +431,10 @@ extern "C" __global__ void polyamp_update_scale(
 """
 
 
-def _fill(source: str) -> str:
-    """Substitute the Python-side constants into a source template."""
+def _fill(source: str, values: dict[str, Any] | None = None) -> str:
+    """Substitute the Python-side constants (and ``values``) into a source template."""
     values = {
+        **(values or {}),
         "@BLOCK@": BLOCK_THREADS, "@UNROLL@": UNROLL, "@HAS_MIN@": HAS_MIN,
         "@HAS_MAX@": HAS_MAX, "@FLOAT32_PRODUCT@": FLOAT32_PRODUCT, "@KEEPS_COUNT@": KEEPS_COUNT,
         "@FINITE_REFILLS@": FINITE_REFILLS, "@GROWTH_DELAY@": GROWTH_DELAY,
@@ -486,20 +447,17 @@ def _fill(source: str) -> str:
 
 
 # Two NVRTC modules: bfloat16 apart, so a toolkit without cuda_bf16.h still runs the rest.
+_MAIN = ("float32", "float64", "float16")
 MODULE_SOURCES: dict[str, str] = {
-    "main": _fill(_COMMON + _COUNT + _FLOAT32_FLOAT64 + _FLOAT16 + _UPDATE),
-    "bfloat16": _fill(_COMMON + _COUNT + _BFLOAT16),
+    "main": _fill(_COMMON + _COUNT + "".join(map(_elem, _MAIN)) + _UPDATE),
+    "bfloat16": _fill(_COMMON + _COUNT + _elem("bfloat16")),
 }
 MODULE_KERNELS: dict[str, tuple[str, ...]] = {
-    "main": (
-        UNSCALE_KERNELS["float32"], UNSCALE_KERNELS["float64"],
-        UNSCALE_KERNELS["float16"], UPDATE_KERNEL, COUNT_KERNELS["float32"],
-        COUNT_KERNELS["float64"], COUNT_KERNELS["float16"],
-    ),
+    "main": (*(UNSCALE_KERNELS[d] for d in _MAIN), UPDATE_KERNEL, *(COUNT_KERNELS[d] for d in _MAIN)),
     "bfloat16": (UNSCALE_KERNELS["bfloat16"], COUNT_KERNELS["bfloat16"]),
 }
 # Every kernel in one translation unit: what the nvcc check and the host-emulation tests build.
-ALL_SOURCE = _fill(_COMMON + _COUNT + _FLOAT32_FLOAT64 + _FLOAT16 + _BFLOAT16 + _UPDATE)
+ALL_SOURCE = _fill(_COMMON + _COUNT + "".join(map(_elem, DTYPES)) + _UPDATE)
 _MODULE_OF = {name: mod for mod, names in MODULE_KERNELS.items() for name in names}
 
 
