@@ -1,17 +1,15 @@
 """Launching the cupy backend's kernels: gradients to device views, chunk-table plans, caches.
 
-A plan holds what the launches of one gradient list need: per dtype a device chunk table
-(see ``_cupy_kernels``), the tensor and chunk counts and the grid. Plans are cached twice:
-by the identity of a list of cupy arrays (a hit costs one tuple of ids and no per-array work;
-the entry is dropped when any of its arrays dies, and a live cupy array's pointer, size and
-dtype never change), and by (dtype, pointer, size) of every gradient (a hit skips the table
-build and its host-to-device copy). Foreign CUDA arrays (torch tensors, ...) become zero-copy
-cupy views through DLPack on every call, since their storage can be swapped in place.
-Kernels run on cupy's current stream; nothing here reads device memory on the host.
+A plan holds per dtype a device chunk table, the tensor and chunk counts and the grid. Plans are
+cached by the identity of a list of cupy arrays (a live cupy array's pointer, size and dtype never
+change) and by (dtype, pointer, size) of every gradient; foreign CUDA arrays become zero-copy cupy
+views on every call, since their storage can be swapped in place (docs/backends/cupy.md). Kernels
+run on cupy's current stream; nothing here reads device memory on the host.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections import OrderedDict
@@ -22,24 +20,8 @@ import numpy as np
 
 from polyamp.policy import rule_params
 
-from ._cupy_kernels import (
-    BLOCK_THREADS,
-    CHUNK,
-    COUNT_KERNELS,
-    FINITE_REFILLS,
-    FLOAT32_PRODUCT,
-    GROWTH_DELAY,
-    HAS_MAX,
-    HAS_MIN,
-    INF_BITS,
-    KEEPS_COUNT,
-    MAX_BLOCKS_PER_SM,
-    RAW_FIELDS,
-    UNSCALE_KERNELS,
-    UPDATE_KERNEL,
-    build_table,
-    kernel,
-)
+from . import _cupy_kernels as kern
+from ._cupy_kernels import BLOCK_THREADS, CHUNK, build_table, kernel
 
 INT32_MAX = 2**31 - 1
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -65,7 +47,7 @@ class Plan(NamedTuple):
 def dtype_kind(dtype: Any) -> str | None:
     """"float32", "float64", "float16" or "bfloat16" for a numpy/cupy/torch dtype, else None."""
     name = str(dtype).rsplit(".", 1)[-1]
-    return name if name in UNSCALE_KERNELS else None
+    return name if name in kern.UNSCALE_KERNELS else None
 
 
 def is_cuda_array(array: Any) -> bool:
@@ -109,7 +91,6 @@ class _IdentityPlans:
 
 
 _by_identity = _IdentityPlans()
-_by_pointers: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
 _sm_counts: dict[int, int] = {}
 _ones: dict[int, Any] = {}
 
@@ -171,17 +152,10 @@ def _plan(views: list[tuple[Any, str]]) -> Plan:
             f"{sorted(devices)}. Fix: use one scaler per device, or backend='torch' for "
             "model-parallel torch code."
         )
-    device = devices.pop()
-    entries = tuple((kind, view.data.ptr, view.size) for view, kind in views)
-    key = (device, entries)
-    plan = _by_pointers.get(key)
-    if plan is None:
-        plan = _by_pointers[key] = _build_plan(device, entries)
-        while len(_by_pointers) > 8:
-            _by_pointers.popitem(last=False)
-    return plan
+    return _build_plan(devices.pop(), tuple((kind, view.data.ptr, view.size) for view, kind in views))
 
 
+@functools.lru_cache(maxsize=8)  # by (dtype, pointer, size) of every gradient
 def _build_plan(device: int, entries: tuple[tuple[str, int, int], ...]) -> Plan:
     import cupy
 
@@ -192,7 +166,7 @@ def _build_plan(device: int, entries: tuple[tuple[str, int, int], ...]) -> Plan:
         for kind, (ptrs, sizes) in group_by_kind(entries).items():
             host_table, n_chunks = build_table(ptrs, sizes, CHUNK)
             if n_chunks:
-                grid = min(n_chunks, _sm_counts[device] * MAX_BLOCKS_PER_SM)
+                grid = min(n_chunks, _sm_counts[device] * kern.MAX_BLOCKS_PER_SM)
                 table = cupy.asarray(host_table)
                 launches.append(Launch(kind, table, len(ptrs), n_chunks, grid))
     return Plan(device, tuple(launches))
@@ -211,6 +185,8 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any, check_on
     """Unscale (or only check, when ``check_only``) ``grads``: one launch per dtype, no sync."""
     if not grads:
         return
+    import cupy
+
     key = tuple(map(id, grads))
     plan, copies = _by_identity.get(key), []
     if plan is None:
@@ -219,42 +195,32 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any, check_on
         if cacheable:
             _by_identity.put(key, grads, plan)
     _check_same_device(plan, scale, found_inf)
-    _run(plan, scale, found_inf, check_only)
+    with cupy.cuda.Device(plan.device):
+        for launch in plan.launches:
+            kernel(kern.UNSCALE_KERNELS[launch.kind], plan.device)((launch.grid,), (BLOCK_THREADS,), (
+                launch.table, np.int32(launch.n_tensors), np.int64(launch.n_chunks), np.int32(CHUNK),
+                scale, found_inf, np.int32(check_only),
+            ))
     if not check_only:
         for tmp, strided in copies:
             strided[...] = tmp
 
 
-def _run(plan: Plan, scale: Any, found_inf: Any, check_only: bool) -> None:
-    import cupy
-
-    with cupy.cuda.Device(plan.device):
-        for launch in plan.launches:
-            fn = kernel(UNSCALE_KERNELS[launch.kind], plan.device)
-            args = (
-                launch.table, np.int32(launch.n_tensors), np.int64(launch.n_chunks),
-                np.int32(CHUNK), scale, found_inf, np.int32(check_only),
-            )
-            fn((launch.grid,), (BLOCK_THREADS,), args)
-
-
 def target_table(bounds: Sequence[Any]) -> np.ndarray:
     """The count kernels' ``targets`` (``_cupy_kernels.TARGET_SLOTS`` per target) from
     ``polyamp._precision_targets.Bounds``."""
-    rows = []
-    for b in bounds:
-        kind = 0.0 if b.scale == "loss" else 2.0 if b.scale == "amax" else 1.0
-        rows.append([kind, float(b.scale) if kind == 1.0 else 0.0, b.underflow_max, b.subnormal_below,
-                     b.overflow_from, b.max_finite])
+    kinds = {"loss": 0.0, "amax": 2.0}
+    rows = [[kinds.get(b.scale, 1.0), 0.0 if b.scale in kinds else float(b.scale), b.underflow_max,
+             b.subnormal_below, b.overflow_from, b.max_finite] for b in bounds]
     return np.asarray(rows, np.float64).reshape(-1)
 
 
 def empty_counts(xp: Any, tensors: int, targets: int) -> tuple[Any, Any]:
     """Zeroed ``raw`` (uint64, one row per tensor) and ``extremes`` (amax bits 0, amin bits +inf)
     for the count kernels, in namespace ``xp`` (cupy; NumPy for the host emulation)."""
-    raw = xp.zeros((tensors, RAW_FIELDS + 3 * targets), dtype=xp.uint64)
+    raw = xp.zeros((tensors, kern.RAW_FIELDS + 3 * targets), dtype=xp.uint64)
     extremes = xp.zeros((tensors, 2), dtype=xp.uint64)
-    extremes[:, 1] = INF_BITS
+    extremes[:, 1] = kern.INF_BITS
     return raw, extremes
 
 
@@ -265,7 +231,7 @@ def finish_counts(xp: Any, raw: Any, extremes: Any, sizes: Any, targets: int) ->
     nonfinite, zeros = raw[:, 0], raw[:, 1]
     columns = [sizes, zeros, nonfinite]
     for j in range(targets):
-        low, below, over = (raw[:, RAW_FIELDS + 3 * j + k] for k in range(3))
+        low, below, over = (raw[:, kern.RAW_FIELDS + 3 * j + k] for k in range(3))
         columns += [low - zeros - nonfinite, below - low, over]
     wide = extremes.view(xp.float64)
     return xp.stack(columns, axis=1).reshape(-1), xp.concatenate([wide[:, 0], -wide[:, 1]])
@@ -291,7 +257,7 @@ def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any,
         for launch in plan.launches:
             where = positions[launch.kind]
             part_raw, part_extremes = empty_counts(cupy, len(where), targets)
-            fn = kernel(COUNT_KERNELS[launch.kind], plan.device)
+            fn = kernel(kern.COUNT_KERNELS[launch.kind], plan.device)
             for phase in phases:
                 fn((launch.grid,), (BLOCK_THREADS,), (
                     launch.table, np.int32(launch.n_tensors), np.int64(launch.n_chunks), np.int32(CHUNK),
@@ -323,12 +289,10 @@ def all_finite(arrays: Sequence[Any]) -> Any:
 def update_flags(config: Any) -> int:
     """The update kernel's ``flags``: bounds, product precision and the rule's parameters."""
     params = rule_params(config)
-    return ((HAS_MIN if config.min_scale is not None else 0)
-            | (HAS_MAX if config.max_scale is not None else 0)
-            | (FLOAT32_PRODUCT if config.products == "float32" else 0)
-            | (KEEPS_COUNT if params.keeps_count else 0)
-            | (FINITE_REFILLS if params.finite_refills else 0)
-            | (GROWTH_DELAY if params.growth_delay else 0))
+    bits = ((kern.HAS_MIN, config.min_scale is not None), (kern.HAS_MAX, config.max_scale is not None),
+            (kern.FLOAT32_PRODUCT, config.products == "float32"), (kern.KEEPS_COUNT, params.keeps_count),
+            (kern.FINITE_REFILLS, params.finite_refills), (kern.GROWTH_DELAY, params.growth_delay))
+    return sum(bit for bit, on in bits if on)
 
 
 def update_scale(scale: Any, growth: Any, backoff: Any, found_inf: Any, config: Any) -> None:
@@ -347,7 +311,7 @@ def update_scale(scale: Any, growth: Any, backoff: Any, found_inf: Any, config: 
     flags = update_flags(config)
     device = scale.device.id
     with cupy.cuda.Device(device):
-        kernel(UPDATE_KERNEL, device)((1,), (1,), (
+        kernel(kern.UPDATE_KERNEL, device)((1,), (1,), (
             scale, growth, backoff, found_inf,
             np.float64(config.growth_factor), np.float64(config.backoff_factor),
             np.int32(config.growth_interval), np.int32(config.backoff_interval),

@@ -48,9 +48,7 @@ def backend_info() -> dict[str, Any]:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        return _unavailable(
-            f"cupy {version} is installed but no CUDA device is available: {exc}", version
-        )
+        return _unavailable(f"cupy {version} is installed but no CUDA device is available: {exc}", version)
     if count < 1:
         return _unavailable(f"cupy {version} is installed but found 0 CUDA devices", version)
     try:
@@ -116,16 +114,8 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
     _cupy_launch.unscale_and_check(grads, scale, found_inf, check_only=False)
 
 
-@hookimpl
-def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any,
-                      bounds: Sequence[Any]) -> tuple[Any, Any]:
-    """The fused CUDA kernel: unscaled as :func:`unscale_and_check` and counted in the same pass."""
-    return _cupy_launch.unscale_and_count(grads, scale, found_inf, bounds)
-
-
-@hookimpl
-def all_finite(arrays: Sequence[Any]) -> Any:
-    return _cupy_launch.all_finite(arrays)
+unscale_and_count = hookimpl(_cupy_launch.unscale_and_count)  # unscaled and counted in one pass
+all_finite = hookimpl(_cupy_launch.all_finite)
 
 
 def bfloat16_dtype() -> Any:
@@ -148,9 +138,7 @@ def bfloat16_dtype() -> Any:
 @hookimpl
 def cast(array: Any, dtype: str) -> Any:
     if dtype not in _FLOAT_DTYPES:
-        raise ValueError(
-            f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}"
-        )
+        raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}")
     if not owns_array(array):  # a foreign CUDA array: a new array of its own library
         import array_api_compat
 
