@@ -1,22 +1,18 @@
 """PaddlePaddle backend: paddle's own unscale kernel, the scale update as tensor ops; lazy import.
 
-float32 gradients go through ``paddle._C_ops.check_finite_and_unscale_``, the kernel
-``paddle.amp.GradScaler`` runs, one call for all of them (in place, on CPU too). Other
-dtypes (paddle has no CPU kernel for float16/bfloat16) are multiplied by tensor ops in
-float32. As in paddle, once that kernel meets an inf/nan it writes ``grad * 0`` instead of the
-unscaled values; those gradients are discarded anyway, because the step is skipped.
-
-The scale update is :func:`polyamp.policy.next_state` over the small paddle namespace below,
-so the rule lives in one place. With ``rule="paddle"`` (float32 products) it is paddle's dygraph
-``_update`` bit for bit (``scale * ratio`` on a float32 tensor), and it never reads the
-device. Importing this module does not import paddle.
+float32 gradients go through ``paddle._C_ops.check_finite_and_unscale_`` (paddle's GradScaler's
+kernel, on CPU too), other dtypes through tensor ops; the scale update is
+:func:`polyamp.policy.next_state` over the paddle namespace below, never reading the device
+(docs/backends/paddle.md). Importing this module does not import paddle.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import math
+import operator
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -45,11 +41,8 @@ def backend_info() -> dict[str, Any]:
     if "paddle" in sys.modules:
         return {"available": True, "reason": "", "version": sys.modules["paddle"].__version__}
     if importlib.util.find_spec("paddle") is None:
-        return {
-            "available": False,
-            "reason": f"paddle is not installed. Fix: {install_hint('paddle')} (on GPUs: paddlepaddle-gpu)",
-            "version": None,
-        }
+        reason = f"paddle is not installed. Fix: {install_hint('paddle')} (on GPUs: paddlepaddle-gpu)"
+        return {"available": False, "reason": reason, "version": None}
     return {"available": True, "reason": "", "version": _installed_version()}
 
 
@@ -85,10 +78,8 @@ def scale_array(array: Any, scale: Any) -> Any:
         return array * scale.astype("float64")
     if name in ("float16", "bfloat16"):
         return (array.astype("float32") * scale).astype(name)
-    raise TypeError(
-        f"scale() needs a floating-point tensor, got dtype={name}; "
-        "scale the loss, which is floating point"
-    )
+    raise TypeError(f"scale() needs a floating-point tensor, got dtype={name}; "
+                    "scale the loss, which is floating point")
 
 
 @hookimpl
@@ -132,11 +123,9 @@ def _unscale_by_ops(paddle: Any, grads: Sequence[Any], scale: Any) -> list[Any]:
 @hookimpl
 def all_finite(arrays: Sequence[Any]) -> Any:
     paddle = _paddle()
-    result = None
-    for array in arrays:
-        ok = paddle.isfinite(array).all()
-        result = ok if result is None else paddle.logical_and(result, ok)
-    return paddle.to_tensor(True) if result is None else result
+    if not arrays:
+        return paddle.to_tensor(True)
+    return functools.reduce(paddle.logical_and, [paddle.isfinite(array).all() for array in arrays])
 
 
 @hookimpl
@@ -237,11 +226,8 @@ def from_host(values: Any, like: Any, dtype: Any) -> Any:
 def sum_of_squares(arrays: Sequence[Any]) -> Any:
     """float64 squares summed per tensor (paddle has no float64 dot of a float32 tensor)."""
     paddle = _paddle()
-    total = None
-    for g in arrays:
-        part = paddle.sum(paddle.square(g.astype("float64")))
-        total = part if total is None else total + part
-    return total
+    parts = [paddle.sum(paddle.square(g.astype("float64"))) for g in arrays]
+    return functools.reduce(operator.add, parts) if parts else None
 
 
 @hookimpl

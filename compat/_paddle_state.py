@@ -35,6 +35,7 @@ TORCH_NAMES = {  # paddle key -> the torch key it was converted from, for messag
     "decr_every_n_nan_or_inf": "backoff_interval", "incr_count": "_growth_tracker",
     "decr_count": "_backoff_tracker",
 }
+_TORCH_DEFAULTS = {"backoff_interval": 1, "_backoff_tracker": 0}  # polyamp's keys, absent from torch's
 
 
 class PaddleConfigError(ConfigError, AssertionError):
@@ -207,16 +208,10 @@ def from_torch_state_dict(state: dict[str, Any]) -> dict[str, Any]:
         raise PaddleStateDictError(
             f"torch GradScaler state_dict lacks key(s) {missing}; expected {list(TORCH_KEYS)}"
         )
-    paddle_state: dict[str, Any] = {
-        "scale": np.array([scale_of(state["scale"])], dtype=np.float32),
-        "incr_ratio": plain(state["growth_factor"]),
-        "decr_ratio": plain(state["backoff_factor"]),
-        "incr_every_n_steps": plain(state["growth_interval"]),
-        "decr_every_n_nan_or_inf": plain(state.get("backoff_interval", 1)),
-        "incr_count": plain(state["_growth_tracker"]),
-        "decr_count": plain(state.get("_backoff_tracker", 0)),
-        "use_dynamic_loss_scaling": True,
-    }
+    paddle_state: dict[str, Any] = {"scale": np.array([scale_of(state["scale"])], dtype=np.float32)}
+    paddle_state.update({key: plain(state.get(name, _TORCH_DEFAULTS.get(name)))
+                         for key, name in TORCH_NAMES.items()})
+    paddle_state["use_dynamic_loss_scaling"] = True
     paddle_state.update({k: state[k] for k in _EXTRAS if state.get(k) is not None})
     return paddle_state
 

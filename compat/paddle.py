@@ -1,11 +1,9 @@
 """``paddle.amp.GradScaler`` and ``AmpScaler`` (paddle 3.x, dygraph) over any polyamp backend.
 
-Signatures, defaults, the INIT/UNSCALED/STEPPED state machine, exceptions, ``minimize``'s return
-values, the update rule and the ``state_dict`` keys follow paddle 3.3's ``grad_scaler.py``; as in
-paddle, one overflow flag: ``step`` uses the last ``unscale_``, ``update`` the last ``step``.
-``reducer=`` agrees each ``step``/``minimize`` over the ranks in one collective (paddle fleet's
-int32 MAX). The key table and the differences from paddle, on purpose, are in
-docs/coming-from-paddle.md. Importing this module imports no framework.
+Signatures, defaults, the INIT/UNSCALED/STEPPED state machine, exceptions, return values, the update
+rule and the ``state_dict`` keys follow paddle 3.3's ``grad_scaler.py``; ``reducer=`` agrees each
+step over the ranks in one collective. docs/coming-from-paddle.md has the key table and the
+differences from paddle. Importing this module imports no framework.
 """
 
 from __future__ import annotations
@@ -192,10 +190,8 @@ class AmpScaler:
         return decision.skipped, (True if decision.skipped else decision.flag)
 
     def metrics(self, *, diagnose: bool = False) -> dict[str, float | int]:
-        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` (and with ``diagnose=True``
-        the last overflow's top tensors; with ``meter=``, after a sample step, the last report's
-        ``underflow_fraction/...``, ``subnormal_fraction/...`` and ``overflow_fraction/...``) as plain
-        numbers (:mod:`polyamp.metrics`). One host read."""
+        """``scale``, ``steps``, ``skipped_steps``, ``skipped_last_1000`` and, with ``diagnose=`` or
+        ``meter=``, the last report's numbers, as plain numbers (:mod:`polyamp.metrics`). One host read."""
         iteration = self._iteration
         return metrics.measure(iteration, iteration.steps, self.skipped_steps, diagnose=diagnose)
 
