@@ -1,10 +1,9 @@
 """CuPy backend: fused multi-tensor CUDA kernels, compiled by NVRTC on first use; lazy cupy import.
 
-``unscale_and_check`` is one launch per dtype for any number of gradients (bitwise as torch's
-``_amp_foreach_non_finite_check_and_unscale_``); ``update_scale`` runs ``polyamp.policy``'s rule in a
-one-thread kernel; only ``read_flag`` and ``to_host`` sync. Once chosen, it also takes foreign CUDA
-arrays (``__dlpack__``/``__cuda_array_interface__``) through zero-copy views; kernels run on cupy's
-current stream. docs/backends/cupy.md explains foreign arrays, streams and bfloat16.
+``unscale_and_check`` is one launch per dtype for any number of gradients (bitwise as torch's);
+``update_scale`` runs ``polyamp.policy``'s rule in a one-thread kernel; only ``read_flag`` and
+``to_host`` sync. Once chosen, it also takes foreign CUDA arrays through zero-copy views, on cupy's
+current stream (docs/backends/cupy.md: foreign arrays, streams, bfloat16).
 """
 
 from __future__ import annotations

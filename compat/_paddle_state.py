@@ -179,10 +179,12 @@ def parse_paddle_state(
     return config, scale, incr, decr
 
 
-def load_paddle_state(
-    engine: LossScaler, state: dict[str, Any], names: dict[str, str] | None = None
-) -> float:
-    """Load a paddle-format state dict into ``engine``; validated whole first. Returns the scale."""
+def load_paddle_state(engine: LossScaler, state: dict[str, Any]) -> float:
+    """Load a paddle-format (or torch-format) state dict into ``engine``; validated whole first.
+    Returns the scale."""
+    names = None
+    if "growth_factor" in state and "incr_ratio" not in state:  # torch's keys
+        state, names = from_torch_state_dict(state), TORCH_NAMES
     config, scale, incr, decr = parse_paddle_state(state, engine.config, names)
     full = engine.state_now()
     full.update(config=config.to_dict(), scale=scale, growth_tracker=incr, backoff_tracker=decr)
@@ -194,11 +196,6 @@ def load_paddle_state(
 
 
 # -- converters ---------------------------------------------------------------------------
-def is_torch_format(state: dict[str, Any]) -> bool:
-    """Whether ``state`` has torch's GradScaler keys rather than paddle's."""
-    return "growth_factor" in state and "incr_ratio" not in state
-
-
 def from_torch_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     """A torch-format GradScaler state dict (torch's or polyamp's, extra keys kept) in paddle's format."""
     if len(state) == 0:

@@ -24,13 +24,11 @@ from polyamp.policy import HostState
 from ._explain import paddle_named_grads, writes_zeros, zeroed_note
 from ._paddle_copy import facade_state, restore, restore_facade
 from ._paddle_state import (
-    TORCH_NAMES,
     PaddleConfigError,
     PaddleStateDictError,
     build_config,
     check_ratio,
     from_torch_state_dict,
-    is_torch_format,
     load_paddle_state,
     make_config,
     plain,
@@ -308,10 +306,7 @@ class AmpScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load paddle's (or torch's) GradScaler state dict; validated before anything changes."""
         refuse_empty(state_dict, "input")
-        names = None
-        if is_torch_format(state_dict):
-            state_dict, names = from_torch_state_dict(state_dict), TORCH_NAMES
-        init = load_paddle_state(self._engine, state_dict, names)
+        init = load_paddle_state(self._engine, state_dict)
         if self._guard_only:  # the counters and the guard's history load; the scale stays fixed at 1
             self._iteration.load(FIXED_ONE, HostState(1.0, 0, 0))
             return
@@ -322,12 +317,8 @@ class AmpScaler:
         """Rebuilt through ``restore``, so disabled scalers (types made per class) copy too."""
         return (restore, (getattr(self, "_public_class", type(self)), self._enable, self.__getstate__()))
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Plain data: the engine as its backend name and state dict (a device sync)."""
-        return facade_state(self)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        restore_facade(self, state)
+    __getstate__ = facade_state  # plain data: the engine as its backend name and state dict (a sync)
+    __setstate__ = restore_facade
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(enable={self._enable}, engine={self._engine!r})"
