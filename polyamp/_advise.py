@@ -38,7 +38,9 @@ def report(path: str, scale: float, targets: Any = None) -> PrecisionReport:
 
 def load_gradients(path: str) -> dict[str, np.ndarray]:
     """name -> NumPy float array (torch's bfloat16 as float32, exactly) of the file at ``path``."""
-    name = _check_path(path)
+    name = regular_file(path, path_fix="the file's", dir_fix="the gradients file",
+                        special_fix="polyamp advise reads files only. Fix: save the gradients to a file and "
+                                    "pass that file.")
     try:
         with open(path, "rb") as f:
             head = f.read(4)
@@ -55,13 +57,6 @@ def load_gradients(path: str) -> dict[str, np.ndarray]:
     return found
 
 
-def _check_path(path: str) -> str:
-    """The path's name for messages, once it is a regular file (``checkpoint.regular_file``)."""
-    return regular_file(path, path_fix="the file's", dir_fix="the gradients file",
-                        special_fix="polyamp advise reads files only. Fix: save the gradients to a file and "
-                                    "pass that file.")
-
-
 def _is_npz(path: str) -> bool:
     """Whether the zip file at ``path`` is an ``np.savez`` file (every member a ``.npy``)."""
     try:
@@ -73,18 +68,14 @@ def _is_npz(path: str) -> bool:
 
 
 def _npz(path: str, name: str) -> dict[str, np.ndarray]:
-    found = {}
     try:
         with np.load(path, allow_pickle=False) as data:
-            for key in data.files:
-                found[key] = _checked(name, key, data[key], str(data[key].dtype), _FLOATS)
-    except StateDictError:
-        raise
+            arrays = {key: data[key] for key in data.files}
     except Exception as exc:  # a bad zip member, an object array (refused unpickled), a truncated file
         detail = " ".join(str(exc).split())[:200]
         raise StateDictError(f"{name} could not be read as an np.savez file ({type(exc).__name__}: "
                              f"{detail}). {SAVE_HINT}") from None
-    return found
+    return {key: _checked(name, key, value, str(value.dtype), _FLOATS) for key, value in arrays.items()}
 
 
 def _torch(path: str, name: str) -> dict[str, np.ndarray]:

@@ -20,8 +20,6 @@ from .policy import HostState
 
 __all__ = ["as_json", "describe", "describe_all", "format_text"]
 
-_TORCH = "torch GradScaler state_dict (JSON)"
-_PADDLE = "paddle GradScaler state_dict (JSON)"
 #: The walk through a torch.save file: at most this many levels of nesting and this many items
 #: (the entries of every dict, list and tuple visited; a container reached twice is walked once).
 MAX_DEPTH, MAX_ITEMS = 100, 10_000_000
@@ -159,14 +157,14 @@ def _parse(data: dict[str, Any]) -> tuple[str, LossScaleConfig, HostState, int |
         saved = {k for k in _TORCH_FIELDS if k in data}
         if "_backoff_tracker" in data:  # polyamp's torch facade writes it where it is not 0
             saved.add("backoff_tracker")
-        return _TORCH, engine.config, engine.host_state(), None, None, saved
+        return "torch GradScaler state_dict (JSON)", engine.config, engine.host_state(), None, None, saved
     if all(k in data for k in PADDLE_KEYS):
         scale = data["scale"]
         if isinstance(scale, list) and len(scale) == 1:  # paddle's 1-element array, as JSON
             data = dict(data, scale=scale[0])
         config, scale, incr, decr = parse_paddle_state(data, LossScaleConfig())
         saved = {k for k, key in _PADDLE_FIELDS.items() if key in data} | {"backoff_tracker"}
-        return _PADDLE, config, HostState(scale, incr, decr), None, None, saved
+        return "paddle GradScaler state_dict (JSON)", config, HostState(scale, incr, decr), None, None, saved
     raise StateDictError(
         f"not a checkpoint polyamp can load: no 'format' key (polyamp's own), nor torch's keys "
         f"{list(TORCH_KEYS)}, nor paddle's {list(PADDLE_KEYS)}; it has {sorted(data)[:8]}. Fix: pass a "

@@ -9,6 +9,7 @@ collective; after the decision one host read builds the :class:`polyamp.Precisio
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -55,30 +56,25 @@ class Metering:
         self.meter = meter
         self.last: PrecisionReport | None = None
         self._digest = b"" if meter is None else to_bytes(meter.digest())
-        self._whose: dict[tuple[int, int], int] = {}  # (a caller's whose, phase) -> folded
         self.active = meter is not None  # a plain attribute: the iteration reads it on every step
 
     def due(self, unscaled: bool, steps: int, sample: Sample | None) -> bool:
         """Whether the next unscale's gradients are counted: at the iteration's first unscale (not
         ``unscaled`` yet) when ``steps`` taken make a sample step, later while it samples."""
-        if self.meter is None:
-            return False
-        return self.meter.samples(steps) if not unscaled else sample is not None
+        return self.meter is not None and (sample is not None if unscaled else self.meter.samples(steps))
 
     def fuses(self, checks: Any, steps: int, scaling: Any, arrays: list[Any], plain: bool) -> bool:
-        """Whether the next unscale of ``arrays`` counts them in its own pass: a ``plain`` unscale
-        (not check-only, kept or fused with squares) of gradients :meth:`due` to be counted, on a
-        backend with ``unscale_and_count``. Else the unscale runs as without a meter."""
+        """Whether a ``plain`` unscale (not check-only, kept or fused with squares) of ``arrays`` due
+        to be counted counts them in its own pass (on a backend with ``unscale_and_count``)."""
         return (plain and bool(arrays) and scaling.state is not None and scaling.backend is not None
                 and scaling.backend.unscale_and_count is not None
                 and self.due(checks.unscaled, steps, checks.metered))
 
     def unscale(self, checks: Any, steps: int, scaling: Any, arrays: list[Any], check_only: bool, keep: bool,
                 squares: bool) -> tuple[Any, Any, Any]:
-        """``(found, sumsq, counted)`` of :meth:`polyamp._scaling.Scaling.unscale`: on a sample step
-        counted in the same pass where :meth:`fuses` (``counted``: ``(counts, extremes)``), else
-        unscaled keeping the values to count (an unscale kernel may write ``grad * 0`` on an
-        overflow: paddle's). No sync."""
+        """``(found, sumsq, counted)`` of ``Scaling.unscale``: counted in the same pass where :meth:`fuses`
+        (``counted``: ``(counts, extremes)``), else keeping the values to count on a sample step (paddle's
+        kernel writes ``grad * 0`` on an overflow). No sync."""
         if self.fuses(checks, steps, scaling, arrays, not (check_only or keep or squares)):
             found, counted = scaling.unscale_counted(arrays, self.meter.bounds())
             return found, None, counted
@@ -87,10 +83,9 @@ class Metering:
 
     def count(self, checks: Any, steps: int, scaling: Any, given: Sequence[Any], names: list[str] | None,
               arrays: list[Any] | bool, counted: Any = None) -> Sample | None:
-        """``checks.metered`` (an iteration's :class:`~polyamp._iteration.Checks`) with the unscaled
-        ``arrays`` counted when :meth:`due` (``given`` named as the overflow report names them; False:
-        only checked, still scaled, so not counted, and no sample begins with them; ``counted``: their
-        ``(counts, extremes)`` from the fused unscale), else as it is. No host read."""
+        """``checks.metered`` with the unscaled ``arrays`` counted when :meth:`due` (``given`` named as
+        the overflow report names them; False: only checked, still scaled, so not counted; ``counted``:
+        their ``(counts, extremes)`` from the fused unscale). No host read."""
         sample = checks.metered
         if not self.due(checks.unscaled, steps, sample) or arrays is False and sample is None:
             return sample  # only checked, still scaled: no exact count, so no report of nothing
@@ -117,14 +112,7 @@ class Metering:
         that samples at other steps, is misaligned."""
         if self.meter is None:
             return whose
-        phase = steps % self.meter.every
-        key = (whose, phase or steps)
-        folded = self._whose.get(key)
-        if folded is None:
-            if len(self._whose) >= 1024:
-                self._whose.clear()
-            folded = self._whose[key] = content_digest(to_bytes(whose), self._digest, to_bytes(key[1]))
-        return folded
+        return _folded(whose, self._digest, steps % self.meter.every or steps)
 
     def agree(self, agreement: Any, found: Any, both: Any, maxed: tuple[bool, ...], sample: Sample | None,
               scaling: Any, whose: int) -> tuple[Agreed, Sample | None]:
@@ -147,10 +135,9 @@ class Metering:
         return Agreed(agreed.found_inf, rest), sample._replace(agreed=agreed.extra[head:])
 
     def commit(self, checks: Any, backend: Any, agreement: Any = None) -> None:
-        """After the decision: :attr:`last` from ``checks.metered`` (ONE host read), if this step
-        sampled. With an ``agreement`` the counts must have been agreed, or summed with the gradients
-        (an iteration ended by ``update(found_inf=)`` or ``set_scale`` was not: no report, rather than
-        this rank's counts as if they were the step's)."""
+        """After the decision: :attr:`last` from ``checks.metered`` (ONE host read), if this step sampled
+        and, with an ``agreement``, its counts were agreed or summed with the gradients (not after
+        ``update(found_inf=)`` or ``set_scale``: no report rather than this rank's as the step's)."""
         sample = checks.metered
         if sample is None or agreement is not None and sample.agreed is None and not checks.summed:
             return
@@ -159,6 +146,11 @@ class Metering:
         counted = sum(math.prod(tuple(p.counts.shape)) for p in sample.parts)
         counts = host[:counted].astype(np.int64)
         self.last = self.meter.report(sample.step, float(host[-1]), sample.names, counts, host[counted:-1])
+
+
+@functools.lru_cache(maxsize=1024)
+def _folded(whose: int, digest: bytes, at: int) -> int:
+    return content_digest(to_bytes(whose), digest, to_bytes(at))
 
 
 def _measured(counts: Any, extremes: Any) -> Any:

@@ -1,10 +1,8 @@
 """The advice of a :class:`polyamp.PrecisionReport`: short sentences a person can act on.
 
-Per target: one sentence on what it loses in total (underflow and overflow, as a share of the finite
-non-zero values) and, for the worst gradients (at most ``MAX_SENTENCES``), one each that names the
-gradient, what it loses and the scale that fixes it. The suggested scale is the largest power of two
-``2**k`` with ``amax * 2**k <= M / 2`` (``amax``: the largest finite ``|g|`` of every gradient, ``M``:
-the format's largest finite value), so the largest gradient stays at least one binade below ``M``.
+Per target: one sentence on what it loses in total and, for the worst gradients (at most
+``MAX_SENTENCES``), one each naming the gradient, what it loses and the scale that fixes it
+(``PrecisionReport.suggested_scale``: the largest gradient stays a binade or more below the max).
 """
 
 from __future__ import annotations

@@ -97,13 +97,8 @@ def count(xp: Any, grads: Sequence[Any], scale: Any, bounds: Sequence[Bounds], k
     """
     if any(b.scale == "loss" for b in bounds):
         scale = xp.astype(scale, kinds.floats) if hasattr(scale, "shape") else float(scale)
-    counts, amaxes, neg_amins = [], [], []
-    for g in grads:
-        parts, amax, neg_amin = _one(xp, g, scale, bounds, kinds)
-        counts.extend(parts)
-        amaxes.append(amax)
-        neg_amins.append(neg_amin)
-    return Measured(xp.stack(counts), xp.stack(amaxes + neg_amins))
+    parts, amaxes, neg_amins = zip(*(_one(xp, g, scale, bounds, kinds) for g in grads))
+    return Measured(xp.stack([c for p in parts for c in p]), xp.stack([*amaxes, *neg_amins]))
 
 
 def _one(xp: Any, g: Any, scale: Any, bounds: Sequence[Bounds], kinds: Kinds) -> tuple[list[Any], Any, Any]:

@@ -106,11 +106,9 @@ class PrecisionReport:
     def fractions(self) -> dict[str, float]:
         """``underflow_fraction/<label>``, ``subnormal_fraction/<label>`` and ``overflow_fraction/<label>``
         of the finite non-zero values (0.0 where there are none): what ``metrics()`` logs."""
-        out, measured = {}, self.measured
-        for label, counts in self.totals.items():
-            for field in TARGET_FIELDS:
-                out[f"{field}_fraction/{label}"] = getattr(counts, field) / measured if measured else 0.0
-        return out
+        measured = self.measured
+        return {f"{field}_fraction/{label}": getattr(counts, field) / measured if measured else 0.0
+                for label, counts in self.totals.items() for field in TARGET_FIELDS}
 
     def effective_scale(self, target: Target) -> float | None:
         """The number ``target``'s values were multiplied by: the loss scale for "loss", its number,
@@ -122,16 +120,11 @@ class PrecisionReport:
     def suggested_scale(self, target: Target) -> float | None:
         """The largest power of two ``2**k`` with ``amax * 2**k <= M / 2`` for ``target``'s format
         (None when no value is finite and non-zero)."""
-        amax = self.amax
-        if amax <= 0:
+        if self.amax <= 0:
             return None
-        half_max = target.format.max / 2
-        k = math.floor(math.log2(half_max) - math.log2(amax))
-        while math.ldexp(amax, k + 1) <= half_max:
-            k += 1
-        while math.ldexp(amax, k) > half_max:
-            k -= 1
-        return math.ldexp(1.0, k)
+        half, k = math.frexp(target.format.max / 2)  # exact: compare the mantissas, add the exponents
+        mantissa, exponent = math.frexp(self.amax)
+        return math.ldexp(1.0, k - exponent - (mantissa > half))
 
     @property
     def advice(self) -> tuple[str, ...]:
@@ -168,10 +161,10 @@ class PrecisionReport:
                  f"{self.numel:,} values ({zeros:,} zero, {nonfinite:,} inf/nan)",
                  "per target: underflow / subnormal / overflow, as % of the finite non-zero values"]
         head = ("name", "values", "amax", "amin", *(t.label for t in self.targets))
-        rows = [head] + [self._row(x.name, x.numel, x.amax, x.amin, x.measured, x.targets)
-                         for x in self.tensors]
-        rows.append(self._row("total", self.numel, self.amax, _min_amin(self.tensors), self.measured,
-                              tuple(self.totals.values())))
+        amin = min((x.amin for x in self.tensors if x.amin is not None), default=None)
+        total = TensorPrecision("total", self.numel, zeros, nonfinite, self.amax, amin,
+                                tuple(self.totals.values()))
+        rows = [head] + [_row(x) for x in (*self.tensors, total)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                    for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
@@ -179,14 +172,7 @@ class PrecisionReport:
         lines += [f"  - {sentence}" for sentence in self.advice]
         return "\n".join(lines)
 
-    @staticmethod
-    def _row(name: str, numel: int, amax: float, amin: float | None, measured: int,
-             counts: Sequence[TargetCounts]) -> tuple[str, ...]:
-        cells = [" / ".join(percent(getattr(c, f), measured) for f in TARGET_FIELDS) for c in counts]
-        return (name, f"{numel:,}", f"{amax:.3g}", "-" if amin is None else f"{amin:.3g}", *cells)
 
-
-def _min_amin(tensors: Sequence[TensorPrecision]) -> float | None:
-    found = [t.amin for t in tensors if t.amin is not None]
-    return min(found) if found else None
-
+def _row(x: TensorPrecision) -> tuple[str, ...]:
+    cells = [" / ".join(percent(getattr(c, f), x.measured) for f in TARGET_FIELDS) for c in x.targets]
+    return (x.name, f"{x.numel:,}", f"{x.amax:.3g}", "-" if x.amin is None else f"{x.amin:.3g}", *cells)

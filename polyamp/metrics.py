@@ -8,10 +8,8 @@
     skipped_last_1000      skipped steps among the last WINDOW (1000) steps
     last_overflow/<name>   diagnose=True: non-finite values of the last skipped step's top tensors
 
-The skips of the window are counted on the host from the decisions ``step()`` already read
-(:class:`SkipWindow`, fed by :meth:`polyamp._iteration.Iteration.count`): between two calls nothing
-is read. A call reads the scale once; the torch facade's pending flags of fused optimizers (never
-read by ``step()``) ride in that same read.
+The window's skips are counted on the host from the decisions ``step()`` already read. A call reads
+the scale once, the torch facade's pending flags of fused optimizers in that same read.
 """
 
 from __future__ import annotations
@@ -28,19 +26,6 @@ TOP_TENSORS = 3
 WINDOW_KEY = f"skipped_last_{WINDOW}"
 
 
-def read_scale_and_flags(backend: Any, scale: Any, flags: Sequence[Any]) -> tuple[float, list[bool]]:
-    """The scale and pending device flags as host values in ONE read: stacked on their device first
-    (through the array API). A host float scale with no flags reads nothing."""
-    if not flags:
-        return float(scale if isinstance(scale, (int, float)) else backend.to_host(scale)), []
-    import array_api_compat
-
-    xp = array_api_compat.array_namespace(scale, *flags)
-    values = [xp.astype(xp.reshape(v, (-1,))[:1], xp.float32) for v in (scale, *flags)]
-    host = backend.to_numpy(xp.concat(values)).tolist()  # the one read
-    return float(host[0]), [v != 0 for v in host[1:]]
-
-
 def measure(iteration: Any, steps: int, skipped_steps: int, *,
             diagnose: bool = False) -> dict[str, float | int]:
     """``metrics()`` of a shell over ``iteration`` (a :class:`polyamp._iteration.Iteration`) with the
@@ -52,11 +37,20 @@ def measure(iteration: Any, steps: int, skipped_steps: int, *,
 
 
 def read_scale(iteration: Any, pending: Sequence[Any] = ()) -> tuple[float, list[bool]]:
-    """The iteration's scale (and ``pending`` device flags) on the host: ONE read, none before the
-    state has arrays. Only the scale is read, not the trackers."""
-    if iteration.scaling.state is None or iteration.scaling.backend is None:
-        return float(iteration.scaling.host.scale), []
-    return read_scale_and_flags(iteration.scaling.backend, iteration.scaling.state.scale, pending)
+    """The iteration's scale (and ``pending`` device flags) on the host: ONE read (stacked on their
+    device first), none before the state has arrays. Only the scale is read, not the trackers."""
+    scaling = iteration.scaling
+    if scaling.state is None or scaling.backend is None:
+        return float(scaling.host.scale), []
+    scale = scaling.state.scale
+    if not pending:
+        return float(scale if isinstance(scale, (int, float)) else scaling.backend.to_host(scale)), []
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(scale, *pending)
+    values = [xp.astype(xp.reshape(v, (-1,))[:1], xp.float32) for v in (scale, *pending)]
+    host = scaling.backend.to_numpy(xp.concat(values)).tolist()  # the one read
+    return float(host[0]), [v != 0 for v in host[1:]]
 
 
 def scaler_metrics(

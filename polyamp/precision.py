@@ -1,10 +1,7 @@
 """The precision meter: what the loss scale leaves behind, counted exactly on sample steps.
 
-A :class:`PrecisionMeter` is a frozen config. ``meter.count(backend, grads, scale)`` makes two flat
-arrays on the gradients' device with no host read (``counts``: int64, to be summed over ranks;
-``extremes``: float64, to be max-reduced), and ``meter.report(...)`` turns them, read on the host,
-into a :class:`PrecisionReport`. The definitions are docs/precision.md's (and the algorithm
-:mod:`polyamp._precision_counts`').
+``meter.count(...)`` makes two flat arrays on the gradients' device with no host read, and
+``meter.report(...)`` turns them, read on the host, into a :class:`PrecisionReport` (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -26,19 +23,12 @@ from .config import _plain, fits_float, short_repr
 __all__ = ["FloatFormat", "Measured", "PrecisionMeter", "PrecisionReport", "Target", "TargetCounts",
            "TensorPrecision"]
 
-_EXAMPLE = "targets=(('float16', 'loss'), ('bfloat16', 1.0))"
-
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionMeter:
-    """Which steps are measured and against which formats.
-
-    ``every``: the first step and every ``every``-th after it (counted over steps taken) are sample
-    steps. ``targets``: ``(dtype, scale)`` pairs; dtype one of ``float16``, ``bfloat16``,
-    ``float8_e4m3fn``, ``float8_e5m2`` (a name or a library's dtype) or a
-    :class:`polyamp.precision.FloatFormat`; scale ``"loss"`` (the step's loss scale), ``"amax"``
-    (per tensor ``max(dtype) / amax``, 1 when amax is 0) or a positive number. Stored as
-    :class:`polyamp.precision.Target` tuples.
+    """Which steps are measured (the first and every ``every``-th after it) and against which
+    ``targets``: ``(dtype, scale)`` pairs, stored as :class:`polyamp.precision.Target` tuples; see
+    docs/precision.md for the dtypes and scales taken.
     """
 
     every: int = 100
@@ -75,10 +65,9 @@ class PrecisionMeter:
         return zlib.crc32(repr(settings).encode())
 
     def count(self, backend: Any, grads: Sequence[Any], scale: Any = None) -> Measured:
-        """``Measured(counts, extremes)`` of the unscaled ``grads`` (one library and device; see
-        :meth:`layout`), no host read. ``backend``: a :class:`polyamp.Backend`
-        (``polyamp.get_backend(name)``); ``scale``: this step's loss scale (a 0-d array or a
-        number), needed by "loss" targets."""
+        """``Measured(counts, extremes)`` of the unscaled ``grads`` (one library and device, see
+        :meth:`layout`; ``backend``: ``polyamp.get_backend(name)``), no host read; ``scale``: the
+        step's loss scale (a 0-d array or a number), needed by "loss" targets."""
         if self.needs_scale:
             _check_scale(scale)
         if not grads:
@@ -112,8 +101,9 @@ def _check_scale(scale: Any) -> None:
 def _targets(targets: Any) -> tuple[Target, ...]:
     """``targets`` as Target tuples; ConfigError naming the entry otherwise."""
     if isinstance(targets, (str, bytes)) or not isinstance(targets, (tuple, list)) or not targets:
-        raise ConfigError(f"targets must be a non-empty tuple of (dtype, scale) pairs, got "
-                          f"targets={short_repr(targets)}. Fix: pass e.g. {_EXAMPLE}.")
+        raise ConfigError(f"targets must be a non-empty tuple of (dtype, scale) pairs, got targets="
+                          f"{short_repr(targets)}. Fix: pass e.g. "
+                          "targets=(('float16', 'loss'), ('bfloat16', 1.0)).")
     found: list[Target] = []
     for i, entry in enumerate(targets):
         if not isinstance(entry, (tuple, list)) or len(entry) != 2:

@@ -197,12 +197,6 @@ def format_table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-#: Why the rows match with --dtype bfloat16: what the demo shows for float16 does not apply.
-BFLOAT16_NOTE = ("bfloat16 has float32's exponent range (8 bits), so these gradients do not underflow "
-                 "in it: bfloat16 needs no loss scaling, and the three runs match. The gap that loss "
-                 "scaling closes is float16's (the default --dtype).")
-
-
 def summary(results: list[RunResult]) -> str:
     """One line per low-precision run: within tolerance of float32 or not (bfloat16: and why)."""
     reference = results[0]
@@ -210,5 +204,7 @@ def summary(results: list[RunResult]) -> str:
              f"(tolerance: loss within {LOSS_TOLERANCE}, test accuracy within {100 * ACCURACY_TOLERANCE:.0f} "
              "point)" for run in results[1:]]
     if reference is not results[-1] and results[-1].dtype == "bfloat16":
-        lines.append(BFLOAT16_NOTE)
+        lines.append("bfloat16 has float32's exponent range (8 bits), so these gradients do not underflow "
+                     "in it: bfloat16 needs no loss scaling, and the three runs match. The gap that loss "
+                     "scaling closes is float16's (the default --dtype).")
     return "\n".join(lines)

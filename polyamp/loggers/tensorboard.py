@@ -18,22 +18,6 @@ from .._errors import ConfigError
 from ..config import short_repr
 
 
-def summary_writer_class() -> type:
-    """``torch.utils.tensorboard.SummaryWriter``, else ``tensorboardX.SummaryWriter``."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError as exc:
-            raise ImportError(
-                "ScalerMetricsWriter needs torch.utils.tensorboard (the tensorboard package) or "
-                "tensorboardX, and neither imports here. Fix: pip install 'polyamp[tensorboard]' "
-                "(or install tensorboardX), or pass writer= an object with add_scalar()."
-            ) from exc
-    return SummaryWriter
-
-
 class ScalerMetricsWriter:
     """Add ``scaler.metrics()`` to a TensorBoard event file every ``every`` steps.
 
@@ -96,13 +80,24 @@ class ScalerMetricsWriter:
 
 
 def _open(log_dir: Any) -> Any:
-    """A new SummaryWriter in ``log_dir``; ConfigError naming it where it cannot be made there."""
+    """A new ``torch.utils.tensorboard`` (else ``tensorboardX``) SummaryWriter in ``log_dir``;
+    ConfigError naming it where it cannot be made there."""
     if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
         raise ConfigError(f"ScalerMetricsWriter(log_dir=...) must be a path or None, got "
                           f"log_dir={short_repr(log_dir)}. Fix: pass a folder, e.g. log_dir='runs/amp'.")
-    writer_class = summary_writer_class()  # its ImportError as it is
     try:
-        return writer_class(log_dir)
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(
+                "ScalerMetricsWriter needs torch.utils.tensorboard (the tensorboard package) or "
+                "tensorboardX, and neither imports here. Fix: pip install 'polyamp[tensorboard]' "
+                "(or install tensorboardX), or pass writer= an object with add_scalar()."
+            ) from exc
+    try:
+        return SummaryWriter(log_dir)
     except (OSError, ValueError) as exc:  # a folder that cannot be made or written, a NUL in the name
         raise ConfigError(
             f"ScalerMetricsWriter(log_dir=...) cannot open an event file in log_dir={short_repr(log_dir)}: "
