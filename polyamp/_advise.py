@@ -1,7 +1,5 @@
-"""``polyamp advise FILE``: the precision report of gradients saved to a file; nothing in it is executed.
-
-Reads a dict name -> unscaled gradient saved with ``np.savez`` (``allow_pickle=False``) or
-``torch.save`` (``torch.load(weights_only=True)``); anything else is a StateDictError naming the file.
+"""``polyamp advise FILE``: the precision report of gradients saved to a file; nothing in it is executed
+(``np.load(allow_pickle=False)``, ``torch.load(weights_only=True)``).
 """
 
 from __future__ import annotations

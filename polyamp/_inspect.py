@@ -1,8 +1,5 @@
-"""``polyamp inspect PATH``: what a checkpoint holds; nothing in it is ever executed.
-
-Reads polyamp's format, the facades' state dicts saved as JSON, and ``torch.save`` files through
-``torch.load(weights_only=True)`` (every scaler state inside). A field the format does not hold is
-reported as not saved, never as a default; anything else is a StateDictError naming the file.
+"""``polyamp inspect PATH``: what a checkpoint holds (polyamp's format, the facades' state dicts as
+JSON, ``torch.save`` files by ``torch.load(weights_only=True)``); nothing in it is ever executed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The precision meter inside an iteration: which steps it counts, the counts riding in the step's one
-agreement, and the report after the decision. Without a meter every call is a no-op.
-
-On a sample step (the first step and every ``every``-th step taken after it) the unscaled gradients
-are counted once unscaled, with no host read; with a reducer their counts (summed), extremes (max)
-and the scale (max: every rank's is the same) ride after the guard's values in the step's ONE
-collective; after the decision one host read builds the :class:`polyamp.PrecisionReport`.
+"""The precision meter inside an iteration: a sample step's gradients counted once unscaled (no host
+read), the counts riding after the guard's values in the step's ONE collective, and the report built by
+one host read after the decision. Without a meter every call is a no-op.
 """
 
 from __future__ import annotations
@@ -72,9 +68,8 @@ class Metering:
 
     def unscale(self, checks: Any, steps: int, scaling: Any, arrays: list[Any], check_only: bool, keep: bool,
                 squares: bool) -> tuple[Any, Any, Any]:
-        """``(found, sumsq, counted)`` of ``Scaling.unscale``: counted in the same pass where :meth:`fuses`
-        (``counted``: ``(counts, extremes)``), else keeping the values to count on a sample step (paddle's
-        kernel writes ``grad * 0`` on an overflow). No sync."""
+        """``(found, sumsq, counted)``: counted in the same pass where :meth:`fuses`, else unscaled keeping
+        the values to count on a sample step (paddle's kernel writes ``grad * 0`` on an overflow). No sync."""
         if self.fuses(checks, steps, scaling, arrays, not (check_only or keep or squares)):
             found, counted = scaling.unscale_counted(arrays, self.meter.bounds())
             return found, None, counted
@@ -107,9 +102,8 @@ class Metering:
         return xp.concat([*flat, xp.reshape(xp.astype(sample.scale, xp.float64), (1,))])
 
     def whose(self, whose: int, steps: int) -> int:
-        """``whose`` with the meter's settings and sampling phase (``steps`` taken modulo ``every``;
-        at phase 0 ``steps`` itself, which a report names) folded in: a rank whose meter differs, or
-        that samples at other steps, is misaligned."""
+        """``whose`` with the meter's settings and sampling phase (``steps % every``, at 0 ``steps``, which
+        a report names) folded in: a rank whose meter differs, or samples at other steps, is misaligned."""
         if self.meter is None:
             return whose
         return _folded(whose, self._digest, steps % self.meter.every or steps)

@@ -1,8 +1,5 @@
-"""The advice of a :class:`polyamp.PrecisionReport`: short sentences a person can act on.
-
-Per target: one sentence on what it loses in total and, for the worst gradients (at most
-``MAX_SENTENCES``), one each naming the gradient, what it loses and the scale that fixes it
-(``PrecisionReport.suggested_scale``: the largest gradient stays a binade or more below the max).
+"""The advice of a :class:`polyamp.PrecisionReport`: per target, one sentence on what it loses in
+total and one for each of the worst gradients, naming it, what it loses and the scale that fixes it.
 """
 
 from __future__ import annotations

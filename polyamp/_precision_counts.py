@@ -89,12 +89,9 @@ class Kinds(NamedTuple):
 
 
 def count(xp: Any, grads: Sequence[Any], scale: Any, bounds: Sequence[Bounds], kinds: Kinds) -> Measured:
-    """``Measured(counts, extremes)`` of ``grads`` (non-empty, on one device) for each target's ``bounds``.
-
-    ``xp`` is the arrays' namespace (array-API functions: astype, reshape, abs, isfinite, where,
-    zeros_like, full_like, count_nonzero, max, min, stack, asarray). ``scale`` is the loss scale
-    ("loss" targets): a 0-d array on the gradients' device or a number.
-    """
+    """``Measured(counts, extremes)`` of ``grads`` (non-empty, on one device) for each target's ``bounds``;
+    ``xp``: their namespace (astype, reshape, abs, isfinite, where, zeros_like, full_like, count_nonzero,
+    max, min, stack, asarray); ``scale``: the loss scale, a 0-d array on their device or a number."""
     if any(b.scale == "loss" for b in bounds):
         scale = xp.astype(scale, kinds.floats) if hasattr(scale, "shape") else float(scale)
     parts, amaxes, neg_amins = zip(*(_one(xp, g, scale, bounds, kinds) for g in grads))

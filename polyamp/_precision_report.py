@@ -1,8 +1,5 @@
-"""What a :class:`polyamp.PrecisionMeter` found on one sample step, and what to do about it.
-
-Built on the host from the two arrays the counts make (``polyamp._precision_counts``), once they are
-summed and max-reduced over the ranks, so every rank builds the same report. Fractions are of the
-finite non-zero values (what a cast can lose): zeros and inf/nan are counted on their own.
+"""What a :class:`polyamp.PrecisionMeter` found on one sample step, and what to do about it: built
+on the host from the counts summed and max-reduced over the ranks, so every rank builds the same.
 """
 
 from __future__ import annotations
@@ -49,12 +46,7 @@ class TensorPrecision:
 @dataclass(frozen=True)
 class PrecisionReport:
     """One sample step's precision: per gradient and in total, per target, what the scale leaves.
-
-    ``step``: the step measured (None: not from a step, e.g. ``polyamp advise``); ``scale``: its
-    loss scale ("loss" targets), None where none was given; ``targets``: the meter's; ``tensors``:
-    one :class:`TensorPrecision` per gradient, named.
-    ``totals``, ``fractions()`` and ``advice`` are derived from them; ``str()`` is a readable table.
-    """
+    ``step`` and ``scale`` are None where not known (``polyamp advise``); ``str()`` is a table."""
 
     step: int | None
     scale: float | None
@@ -81,7 +73,6 @@ class PrecisionReport:
         return cls(None if step is None else int(step), None if scale is None else float(scale),
                    tuple(targets), tensors)
 
-    # -- totals -----------------------------------------------------------------------------------
     @property
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
@@ -131,7 +122,6 @@ class PrecisionReport:
         """Short sentences a person can act on (see docs/precision.md, "Reading the advice")."""
         return advise(self)
 
-    # -- output ------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable data: the fields, the totals, the fractions and the advice."""
         def counts(c: TargetCounts) -> dict[str, int]:

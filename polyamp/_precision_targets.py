@@ -1,8 +1,5 @@
-"""The formats a :class:`polyamp.PrecisionMeter` measures against, and their exact thresholds.
-
-A format's constants come from its parameters (exponent bits, mantissa bits, encoding), so no
-library is imported for them (``tests/test_precision_counts.py`` holds them to ``ml_dtypes.finfo``).
-Every threshold is a sum of two powers of two that float64 (and float32) holds exactly.
+"""The formats a :class:`polyamp.PrecisionMeter` measures against, and their exact thresholds: from the
+format's parameters (no library imported), each a sum of two powers of two float64 holds exactly.
 """
 
 from __future__ import annotations

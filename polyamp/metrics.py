@@ -7,9 +7,6 @@
     skipped_steps          steps skipped for inf/nan gradients
     skipped_last_1000      skipped steps among the last WINDOW (1000) steps
     last_overflow/<name>   diagnose=True: non-finite values of the last skipped step's top tensors
-
-The window's skips are counted on the host from the decisions ``step()`` already read. A call reads
-the scale once, the torch facade's pending flags of fused optimizers in that same read.
 """
 
 from __future__ import annotations

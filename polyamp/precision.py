@@ -27,9 +27,7 @@ __all__ = ["FloatFormat", "Measured", "PrecisionMeter", "PrecisionReport", "Targ
 @dataclass(frozen=True, kw_only=True)
 class PrecisionMeter:
     """Which steps are measured (the first and every ``every``-th after it) and against which
-    ``targets``: ``(dtype, scale)`` pairs, stored as :class:`polyamp.precision.Target` tuples; see
-    docs/precision.md for the dtypes and scales taken.
-    """
+    ``targets`` (``(dtype, scale)`` pairs, stored as :class:`Target` tuples; docs/precision.md)."""
 
     every: int = 100
     targets: tuple[Any, ...] = (("float16", "loss"), ("bfloat16", 1.0))
@@ -65,9 +63,8 @@ class PrecisionMeter:
         return zlib.crc32(repr(settings).encode())
 
     def count(self, backend: Any, grads: Sequence[Any], scale: Any = None) -> Measured:
-        """``Measured(counts, extremes)`` of the unscaled ``grads`` (one library and device, see
-        :meth:`layout`; ``backend``: ``polyamp.get_backend(name)``), no host read; ``scale``: the
-        step's loss scale (a 0-d array or a number), needed by "loss" targets."""
+        """``Measured(counts, extremes)`` of the unscaled ``grads`` (one library and device; :meth:`layout`),
+        no host read; ``scale``: the step's loss scale (a 0-d array or a number) for "loss" targets."""
         if self.needs_scale:
             _check_scale(scale)
         if not grads:

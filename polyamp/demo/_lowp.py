@@ -1,7 +1,5 @@
-"""Rounding float32 values to a compute dtype, for the demo MLP's low-precision arithmetic.
-
-Values stay in float32 arrays, rounded bit-identically: NumPy converts float16 subnormals 10-20x
-slower than normal values, and subnormals are the regime the demo studies.
+"""Rounding float32 values to a compute dtype, bit-identically but kept in float32 arrays: NumPy converts
+float16 subnormals 10-20x slower than normal values, and subnormals are the regime the demo studies.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The demo's model, optimizer and loss for each array library it can run on.
-
-``numpy`` and ``cupy`` train the hand-written :class:`~polyamp.demo.mlp.MLP` with
-``polyamp.optim.Adam``, ``torch`` the same network as an ``nn.Module`` with ``torch.optim.Adam``,
-from the same initial weights. Libraries are imported only when their backend is asked for.
+"""The demo's model, optimizer and loss for numpy and cupy (the hand-written MLP, ``polyamp.optim.Adam``)
+and torch (the same network and initial weights); a library is imported only when asked for.
 """
 
 from __future__ import annotations
@@ -51,11 +48,8 @@ def _array_kit(name: str, xp: Any) -> Kit:
     def fraction(mask: Any) -> float:
         return float(xp.count_nonzero(mask)) / mask.size
 
-    return Kit(
-        name, xp.asarray, build,
-        accuracy=lambda model, x, y: fraction(model.predict(x) == y),
-        zero_fraction=lambda flat: fraction(flat == 0),
-    )
+    return Kit(name, xp.asarray, build, accuracy=lambda model, x, y: fraction(model.predict(x) == y),
+               zero_fraction=lambda flat: fraction(flat == 0))
 
 
 def _torch_kit() -> Kit:

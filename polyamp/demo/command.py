@@ -1,7 +1,5 @@
-"""``polyamp demo``: check every setting, run the three trainings, print the table, write the plot.
-
-With ``--distributed mpi|torch`` every rank trains on its shard of the batch; rank 0 prints the
-table (the same as one process's) and writes the plot, the other ranks print nothing.
+"""``polyamp demo``: check every setting, run the three trainings, print the table, write the plot
+(with ``--distributed`` on rank 0; every rank trains on its shard of the batch).
 """
 
 from __future__ import annotations

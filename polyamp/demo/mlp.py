@@ -1,7 +1,5 @@
-"""A ReLU multilayer perceptron with a hand-written backward pass, for NumPy or CuPy arrays.
-
-A :class:`polyamp.ArrayModel`: float32 masters in one flat array, and every activation and
-gradient rounded to the compute dtype, so float16 gradients underflow exactly as on a GPU.
+"""A ReLU multilayer perceptron with a hand-written backward pass, for NumPy or CuPy arrays: every
+activation and gradient rounded to the compute dtype, so float16 gradients underflow as on a GPU.
 """
 
 from __future__ import annotations

@@ -152,9 +152,8 @@ def write_plot(results: list[RunResult], path: str | Path, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError(f"the demo plot needs matplotlib: {INSTALL_HINT}") from exc
-    fig, (ax_loss, ax_scale) = plt.subplots(
-        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
-    )
+    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
+                                            gridspec_kw={"height_ratios": [3, 2]})
     _plot_losses(ax_loss, results, title)
     _plot_scales(ax_scale, [r for r in results if r.loss_scaling])
     fig.tight_layout()

@@ -114,10 +114,8 @@ def _label(dtype: str, loss_scaling: bool) -> str:
     return f"{dtype} + polyamp" if loss_scaling else f"{dtype}, no loss scaling"
 
 
-def train_once(
-    settings: DemoSettings, dtype: str, loss_scaling: bool, data: tuple, progress: Progress | None = None,
-    world: World | None = None,
-) -> RunResult:
+def train_once(settings: DemoSettings, dtype: str, loss_scaling: bool, data: tuple,
+               progress: Progress | None = None, world: World | None = None) -> RunResult:
     """Train one fresh model (the same initial weights every time) and evaluate it on test data;
     with a ``world`` of several ranks, on this rank's shard of the batch."""
     world = world or World()
@@ -155,14 +153,12 @@ def preflight(settings: DemoSettings, world: World | None = None) -> None:
     (world or World()).share(settings.batch, "--batch")
 
 
-def run_demo(
-    settings: DemoSettings, progress: Progress | None = None, world: World | None = None
-) -> list[RunResult]:
+def run_demo(settings: DemoSettings, progress: Progress | None = None,
+             world: World | None = None) -> list[RunResult]:
     """The demo's three runs, on the same spirals and from the same initial weights (on every rank)."""
     preflight(settings, world)
-    x, y = spirals(settings.batch, seed=settings.seed)
-    x_test, y_test = spirals(settings.test_size, seed=settings.seed + 1)
-    data = (x, y, x_test, y_test)
+    data = (*spirals(settings.batch, seed=settings.seed),  # train, then test
+            *spirals(settings.test_size, seed=settings.seed + 1))
     runs = [("float32", False), (settings.dtype, False), (settings.dtype, True)]
     with single_threaded(settings.backend):  # small matmuls: spinning BLAS threads only cost
         return [train_once(settings, dtype, scaling, data, progress, world) for dtype, scaling in runs]
@@ -170,10 +166,8 @@ def run_demo(
 
 def within_tolerance(run: RunResult, reference: RunResult) -> bool:
     """Whether ``run`` ends within LOSS_TOLERANCE and ACCURACY_TOLERANCE of ``reference``."""
-    return (
-        abs(run.final_loss - reference.final_loss) <= LOSS_TOLERANCE
-        and abs(run.accuracy - reference.accuracy) <= ACCURACY_TOLERANCE
-    )
+    return (abs(run.final_loss - reference.final_loss) <= LOSS_TOLERANCE
+            and abs(run.accuracy - reference.accuracy) <= ACCURACY_TOLERANCE)
 
 
 def _power_of_two(value: float) -> str:

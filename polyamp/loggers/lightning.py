@@ -1,10 +1,7 @@
-"""``ScalerMetrics``: a Lightning ``Callback`` that logs the scaler's ``metrics()`` (needs ``lightning``).
+"""``ScalerMetrics``: a Lightning ``Callback`` that logs the scaler's ``metrics()`` (docs/integrations.md).
 
-Logs after the first optimizer step, every ``trainer.log_every_n_steps`` steps (``pl_module.log``)
-and after the last; the first and last go to ``trainer.loggers`` directly, at Lightning's row
-(``global_step - 1``), since Lightning drops values logged between its intervals. Without a polyamp
-scaler (given, or the precision plugin's) it warns once at the start, naming the fix. Between logging
-steps nothing is read from the device (docs/integrations.md).
+The first and last steps go to ``trainer.loggers`` directly, at Lightning's row (``global_step - 1``),
+since Lightning drops values logged between its intervals. Between logging steps nothing is read.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""``ScalerMetricsWriter``: the scaler's ``metrics()`` in TensorBoard event files, for plain loops.
-
-Writes through ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package), else
-``tensorboardX.SummaryWriter``; a clear ImportError naming both when neither imports. Call
-:meth:`ScalerMetricsWriter.step` once per iteration: every ``every`` steps it reads the metrics
-(one host read) and adds one scalar per key; other steps read nothing.
+"""``ScalerMetricsWriter``: the scaler's ``metrics()`` in TensorBoard event files, for plain loops:
+one host read every ``every`` steps, none between.
 """
 
 from __future__ import annotations
@@ -19,10 +15,8 @@ from ..config import short_repr
 
 
 class ScalerMetricsWriter:
-    """Add ``scaler.metrics()`` to a TensorBoard event file every ``every`` steps.
-
-    ``log_dir`` opens a new ``SummaryWriter`` there (closed by :meth:`close`); ``writer=`` uses yours.
-    """
+    """Add ``scaler.metrics()`` to a TensorBoard event file every ``every`` steps: a new ``SummaryWriter``
+    in ``log_dir`` (closed by :meth:`close`), or ``writer=`` yours."""
 
     def __init__(self, scaler: Any, log_dir: str | None = None, *, every: int = 50, prefix: str = "scaler/",
                  diagnose: bool = False, writer: Any = None) -> None:

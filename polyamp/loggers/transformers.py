@@ -1,9 +1,5 @@
 """``ScalerMetricsCallback``: a ``transformers.TrainerCallback`` that adds the scaler's ``metrics()``
-to the Trainer's logs (``on_log`` updates ``logs``: every reporter and ``state.log_history`` get them).
-
-transformers gives callbacks no scaler: pass ``scaler=`` or ``trainer=`` (its ``accelerator.scaler``,
-read at each log); :meth:`ScalerMetricsCallback.attach` puts it before the ``report_to`` reporters.
-One host read per log, none between logs.
+to the Trainer's logs (every reporter and ``state.log_history`` get them): one host read per log.
 """
 
 from __future__ import annotations
