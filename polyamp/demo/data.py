@@ -11,9 +11,8 @@ from polyamp._errors import ConfigError
 __all__ = ["spirals"]
 
 
-def spirals(
-    n: int, *, classes: int = 3, turns: float = 1.0, noise: float = 0.1, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
+def spirals(n: int, *, classes: int = 3, turns: float = 1.0, noise: float = 0.1,
+            seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``n`` points of ``classes`` interleaved spiral arms (``turns`` windings, Gaussian angle
     noise): float32 (n, 2) inputs, int64 labels."""
     for name, value in (("n", n), ("classes", classes)):

@@ -23,9 +23,8 @@ __all__ = ["MLP", "softmax_cross_entropy"]
 class MLP:
     """``Linear -> ReLU -> ... -> Linear``; weights of std ``weight_std`` (None: He's), biases 0."""
 
-    def __init__(
-        self, sizes: Sequence[int], *, weight_std: float | None = None, seed: int = 0, like: Any = None
-    ) -> None:
+    def __init__(self, sizes: Sequence[int], *, weight_std: float | None = None, seed: int = 0,
+                 like: Any = None) -> None:
         sizes = list(sizes)
         if len(sizes) < 2 or not all(isinstance(n, int) and n > 0 for n in sizes):
             raise ConfigError(f"sizes must list >= 2 positive ints (inputs ... outputs), got sizes={sizes!r}")
