@@ -109,13 +109,13 @@ class PrecisionReport:
         return self.scale if target.scale == "loss" else float(target.scale)
 
     def suggested_scale(self, target: Target) -> float | None:
-        """The largest power of two ``2**k`` with ``amax * 2**k <= M / 2`` for ``target``'s format
-        (None when no value is finite and non-zero)."""
+        """The largest power of two ``2**k`` with ``amax * 2**k <= M / 2`` for ``target``'s format, at most
+        float64's largest, 2**1023 (None when no value is finite and non-zero)."""
         if self.amax <= 0:
             return None
         half, k = math.frexp(target.format.max / 2)  # exact: compare the mantissas, add the exponents
         mantissa, exponent = math.frexp(self.amax)
-        return math.ldexp(1.0, k - exponent - (mantissa > half))
+        return math.ldexp(1.0, min(k - exponent - (mantissa > half), 1023))
 
     @property
     def advice(self) -> tuple[str, ...]:

@@ -115,6 +115,14 @@ def test_the_suggested_scale_is_the_largest_power_of_two_under_half_the_max():
         assert s == 2.0**k and np.float32(amax) * s <= 65504 / 2 < np.float32(amax) * 2 * s
 
 
+def test_the_suggested_scale_holds_for_formats_as_wide_as_float64():
+    meter = PrecisionMeter(targets=[(FloatFormat("wide", 11, 52), 1.0)])
+    for amax, expected in ((1.0, 2.0**1022), (2.0**-1000, 2.0**1023), (5e-324, 2.0**1023)):
+        counts, extremes = meter.count(NUMPY, [np.array([amax])], 1.0)
+        report = meter.report(1, 1.0, ["w"], counts, extremes)
+        assert report.suggested_scale(report.targets[0]) == expected  # 2**1023: float64's largest
+
+
 def test_advice_names_the_gradient_the_loss_and_the_scale_that_keeps_it():
     rng = np.random.default_rng(0)
     lost = (rng.uniform(1, 2, 1000) * 2.0**-40).astype(np.float32)  # all underflow at 2**10
