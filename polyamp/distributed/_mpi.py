@@ -106,18 +106,17 @@ class MPIReducer(Reducer):
         )
 
     def _allreduce(self, array: Any, op: Op) -> None:
+        buffer = array
+        if not isinstance(array, np.ndarray):  # a CuPy array
+            stream = sys.modules["cupy"].cuda.get_current_stream()
+            if self._cuda_aware:  # MPI reads device memory but knows no stream: finish the writers first
+                stream.synchronize()
+            else:
+                buffer = array.get(stream=stream)  # synchronises with the stream
         mpi, what = self._mpi, f"all-reduce ({op})"
-        if isinstance(array, np.ndarray):
-            self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, array, op=self._ops[op]), what, array)
-            return
-        stream = sys.modules["cupy"].cuda.get_current_stream()
-        if self._cuda_aware:  # MPI reads device memory but knows no stream: finish the writers first
-            stream.synchronize()
-            self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, array, op=self._ops[op]), what, array)
-            return
-        host = array.get(stream=stream)  # synchronises with the stream
-        self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, host, op=self._ops[op]), what, host)
-        array.set(host, stream=stream)
+        self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, buffer, op=self._ops[op]), what, buffer)
+        if buffer is not array:
+            array.set(buffer, stream=stream)
 
     def _barrier(self) -> None:
         self._wait(self.comm.Ibarrier, "barrier", None)
