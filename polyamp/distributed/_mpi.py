@@ -79,20 +79,17 @@ class MPIReducer(Reducer):
         return self.comm
 
     def _prepare(self, array: Any) -> Any:
-        cupy = sys.modules.get("cupy")
-        if isinstance(array, np.ndarray):
-            buffer = array
-        elif cupy is not None and isinstance(array, cupy.ndarray):
+        cupy, buffer = sys.modules.get("cupy"), array
+        if cupy is not None and isinstance(array, cupy.ndarray):
             if self._cuda_aware is None:  # asked once, before the first CuPy collective
                 self._cuda_aware = mpi_is_cuda_aware(self._mpi)
-            buffer = array
-        elif _on_cpu(array):  # e.g. a CPU torch or paddle tensor: a NumPy view of its memory
-            try:
+        elif not isinstance(array, np.ndarray):
+            if not _on_cpu(array):
+                raise self._refuse(array, "")
+            try:  # e.g. a CPU torch or paddle tensor: a NumPy view of its memory
                 buffer = np.from_dlpack(array)
             except Exception as exc:
                 raise self._refuse(array, f" (DLPack refused: {exc})") from exc
-        else:
-            raise self._refuse(array, "")
         writeable = buffer.flags.writeable if isinstance(buffer, np.ndarray) else True
         check_buffer(self.describe(), f"a {type(array).__name__}", buffer.dtype.name, DTYPES,
                      {"C-contiguous": bool(buffer.flags.c_contiguous), "writeable": bool(writeable)})

@@ -67,12 +67,9 @@ class NCCLReducer(Reducer):
 
     def _allreduce(self, array: Any, op: Op) -> None:
         stream = sys.modules["cupy"].cuda.get_current_stream()
-        ptr = array.data.ptr
-        self._run(
-            lambda: self.comm.allReduce(ptr, ptr, array.size, self._dtypes[array.dtype.name],
-                                        self._ops[op], stream.ptr),
-            stream, f"all-reduce ({op})",
-        )
+        ptr, dtype = array.data.ptr, self._dtypes[array.dtype.name]
+        self._run(lambda: self.comm.allReduce(ptr, ptr, array.size, dtype, self._ops[op], stream.ptr),
+                  stream, f"all-reduce ({op})")
 
     def _barrier(self) -> None:
         cupy = sys.modules["cupy"]

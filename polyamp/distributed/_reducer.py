@@ -204,10 +204,8 @@ class Reducer(abc.ABC):
 
     def __repr__(self) -> str:
         limit = "engine default" if self.timeout is None else f"{self.timeout:g} s"
-        return (
-            f"<{type(self).__name__} {self.name!r} rank {self.rank} of {self.size}, "
-            f"timeout {limit}, {self._collectives} collectives>"
-        )
+        return (f"<{type(self).__name__} {self.name!r} rank {self.rank} of {self.size}, "
+                f"timeout {limit}, {self._collectives} collectives>")
 
     @abc.abstractmethod
     def _prepare(self, array: Any) -> Any:
