@@ -1,9 +1,8 @@
 """The across-ranks half of LossScaler: one all-reduce per step agrees the flag and checks the ranks.
 
-Every rank sends its flag with a digest of what must be equal on every rank (config, position, scale
-and trackers: :mod:`polyamp.distributed._fingerprint`) in the format ``_wire.wire_for`` picks. All
-ranks reach the same verdict: skip together, or name the difference and raise ``RankMismatchError``
-on every rank. ``polyamp.distributed`` is imported only when a reducer is given.
+Every rank sends its flag with a digest of its :mod:`~polyamp.distributed._fingerprint` in the format
+``_wire.wire_for`` picks; all skip together, or all raise ``RankMismatchError`` naming the difference.
+``polyamp.distributed`` is imported only when a reducer is given.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ def _next_owner(group: Any) -> int:
         entry = _OWNERS_BY_ID.setdefault(id(group), [group, 0])
         entry[1] += 1
         return entry[1] - 1
+
 
 class Agreed(NamedTuple):
     """What :meth:`polyamp.LossScaler.agree_` returns: device arrays, nothing read on the host.
@@ -137,13 +137,11 @@ class Agreement:
         self, found_inf: Any, extra: Any, config: LossScaleConfig, state: Any, *, payload: int = 0,
         whose: int = 0, maxed: tuple[bool, ...] = (), metered: int = 0,
     ) -> Agreed:
-        """Whether some rank found an inf/nan, and ``extra`` (at most MAX_EXTRA values, plus
-        ``metered`` of a precision meter's) summed over ranks, in ONE collective.
+        """Whether some rank found an inf/nan, and ``extra`` (at most MAX_EXTRA values, plus ``metered``
+        of a precision meter's) summed over ranks (by their max where ``maxed``), in ONE collective.
 
-        ``state`` is digested with the config, the position, ``payload`` and the number of extras.
-        ``maxed``: per extra value, True where the ranks' values combine by their max. Returns new
-        arrays: the flag (0 or 1, also 1 on a device-found mismatch) as float32 on ``extra``'s (else
-        the flag's) device, and ``extra`` summed in its dtype and shape.
+        Returns new arrays: the flag (0 or 1, also 1 on a device-found mismatch) as float32 on
+        ``extra``'s (else the flag's) device, and ``extra`` summed in its dtype and shape.
         """
         extras = 0 if extra is None else _size(extra)
         check_extra(extra, MAX_EXTRA + metered)
@@ -225,9 +223,7 @@ class Agreement:
         return place.fields(host, tuple(state))
 
     def _reduce(self, wire: Any, message: Any) -> Any:
-        red = self.reducer
-        (red.allreduce_sum_ if wire.op == "sum" else red.allreduce_max_)(message)
-        return message
+        return (self.reducer.allreduce_sum_ if wire.op == "sum" else self.reducer.allreduce_max_)(message)
 
     def _judge(self, wire: Any, message: Any, fields: Any, state: Any, like: Any, extra: Any,
                clean: bool = False) -> Agreed:

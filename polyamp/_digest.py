@@ -1,10 +1,6 @@
-"""128-bit digests of what every rank must hold equal and no fingerprint field holds as it is (a
-config, a guard's settings and histories, whose flag it is): BLAKE2b of the exact bytes.
-
-They enter the rank fingerprint as four 32-bit words each, every 16-bit half with a weight of its
-own, as the scale's bits do (:mod:`polyamp.distributed._fingerprint`): two different contents share
-a digest with probability 2**-128 (a 32-bit CRC shared one with 2**-32, and a colliding pair was
-found in a second), far below the agreement's documented 2**-41 per step.
+"""128-bit digests (BLAKE2b of the exact bytes) of what every rank must hold equal and no fingerprint
+field holds as it is: a config, a guard's settings and histories, whose flag it is. Why 128 bits
+(a 32-bit CRC collided): docs/distributed.md, "Every field is covered by the bound below".
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def test_reducer_specs_are_staticmethods() -> None:
         assert getattr(raw.__func__, f"{_hookspecs.PROJECT}_spec", None) is not None, name
 
 
-@pytest.mark.parametrize("make", [_discovery._Plugins, _registry._plugins.__wrapped__],
+@pytest.mark.parametrize("make", [_discovery._plugins.__wrapped__, _registry._plugins.__wrapped__],
                          ids=["reducers", "backends"])
 def test_plugin_sets_load_with_warnings_as_errors(make) -> None:
     """Under ``-W error`` (pluggy 1.7 warned for every ReducerSpec spec) the plugin sets still load."""
@@ -33,7 +33,7 @@ def test_plugin_sets_load_with_warnings_as_errors(make) -> None:
 
 def test_reducer_spec_arguments_are_the_hook_arguments() -> None:
     """The staticmethod spec keeps both arguments (no implicit first one stripped), on any pluggy."""
-    plugins = _discovery._Plugins()
+    plugins = _discovery._plugins.__wrapped__()
     caller = plugins.manager.hook.make_reducer
     assert tuple(caller.spec.argnames) == ("group", "timeout"), pluggy.__version__
     assert caller.spec.opts["firstresult"] is True

@@ -11,16 +11,7 @@ from ._errors import RankMismatchError, ReducerError, ReducerTimeoutError, Reduc
 from ._reducer import DEFAULT_TIMEOUT, Reducer, check_timeout, wait_until
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
-    "RankMismatchError",
-    "Reducer",
-    "ReducerError",
-    "ReducerTimeoutError",
-    "ReducerUnavailableError",
-    "check_same_config",
-    "check_timeout",
-    "config_fingerprint",
-    "reducer",
-    "register_reducer",
-    "wait_until",
+    "DEFAULT_TIMEOUT", "RankMismatchError", "Reducer", "ReducerError", "ReducerTimeoutError",
+    "ReducerUnavailableError", "check_same_config", "check_timeout", "config_fingerprint", "reducer",
+    "register_reducer", "wait_until",
 ]

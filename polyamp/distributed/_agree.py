@@ -30,8 +30,9 @@ def check_same_config(reducer: Reducer, config: LossScaleConfig, like: Any = Non
     """
     mine = config_fingerprint(config)
     words = [(mine >> shift) & 0xFFFFFFFF for shift in range(0, BITS, 32)]
-    host = np.array([*words, *(-w for w in words)], dtype=np.float64)  # exact: |w| < 2**32
-    buffer = _on_device_of(host, like)
+    buffer = np.array([*words, *(-w for w in words)], dtype=np.float64)  # exact: |w| < 2**32
+    if like is not None and not isinstance(like, np.ndarray):
+        buffer = backend_of(like).from_host(buffer, like, None)
     reducer.allreduce_max_(buffer)
     sums = to_host_array(buffer)
     high, neg_low = sums[:len(words)], sums[len(words):]
@@ -41,13 +42,6 @@ def check_same_config(reducer: Reducer, config: LossScaleConfig, like: Any = Non
             f"{mine:#x}: {config!r}). Every rank must build its scaler with the same config; fix the "
             "ranks whose settings differ."
         )
-
-
-def _on_device_of(host: np.ndarray, like: Any) -> Any:
-    """``host`` copied to ``like``'s library and device (its backend's ``from_host``)."""
-    if like is None or isinstance(like, np.ndarray):
-        return host
-    return backend_of(like).from_host(host, like, None)
 
 
 def to_host_array(buffer: Any) -> np.ndarray:

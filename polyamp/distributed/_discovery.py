@@ -20,27 +20,21 @@ from ._reducer import OnFault, Reducer, check_on_fault, check_timeout
 _lock = threading.Lock()
 
 
-class _Plugins(PluginSet):
-    """The reducer plugin manager plus the entry points that failed to load (and why)."""
-
-    def __init__(self) -> None:
-        super().__init__(_hookspecs.ReducerSpec, _hookspecs.REDUCER_GROUP, _hookspecs.REDUCER_HOOKS,
-                         "reducer")
-
-    def accepted(self) -> str:
-        """What the plugins accept, one clause each, for error messages."""
-        kinds = [str(k) for k in self.manager.hook.reducer_accepts() if k]
-        kinds.append("a polyamp.distributed.Reducer")
-        names = sorted(n for n, _ in self.manager.list_name_plugin())
-        text = "; ".join(kinds) + f" (reducer plugins: {', '.join(names) or 'none'}"
-        if self.broken:
-            text += "; failed to load: " + ", ".join(f"{n} ({why})" for n, why in sorted(self.broken.items()))
-        return text + ")"
-
-
 @functools.cache
-def _plugins() -> _Plugins:
-    return _Plugins()
+def _plugins() -> PluginSet:
+    """The reducer plugin manager plus the entry points that failed to load (and why)."""
+    return PluginSet(_hookspecs.ReducerSpec, _hookspecs.REDUCER_GROUP, _hookspecs.REDUCER_HOOKS, "reducer")
+
+
+def _accepted(plugins: PluginSet) -> str:
+    """What the plugins accept, one clause each, for error messages."""
+    kinds = [str(k) for k in plugins.manager.hook.reducer_accepts() if k]
+    kinds.append("a polyamp.distributed.Reducer")
+    names = sorted(n for n, _ in plugins.manager.list_name_plugin())
+    text = "; ".join(kinds) + f" (reducer plugins: {', '.join(names) or 'none'}"
+    if plugins.broken:
+        text += "; failed to load: " + ", ".join(f"{n} ({why})" for n, why in sorted(plugins.broken.items()))
+    return text + ")"
 
 
 def register_reducer(module: Any, name: str) -> None:
@@ -77,7 +71,7 @@ def reducer(group: Any, *, timeout: float | None = None, on_fault: OnFault = "ab
         error = ConfigError if isinstance(group, str) else TypeError
         raise error(
             f"polyamp.distributed.reducer() cannot build a reducer from {short_repr(group)} "
-            f"(type {what}). It accepts: {plugins.accepted()}. Fix: pass one of these, or install "
+            f"(type {what}). It accepts: {_accepted(plugins)}. Fix: pass one of these, or install "
             f"the plugin for yours (entry-point group {_hookspecs.REDUCER_GROUP!r})."
         )
     if not isinstance(made, Reducer):

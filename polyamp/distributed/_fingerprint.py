@@ -1,10 +1,9 @@
 """What every rank must hold equal (the :class:`Fingerprint`), digested and encoded where a message lives.
 
 The digests are universal hashes (:class:`Hash`): ``sum(w * h) mod p`` over the fields' 16-bit halves
-``h``, weights fixed by :data:`SEED`; two fingerprints that differ collide for at most one value of a
-differing half's weight. The encodings (:class:`Encoding`) carry the fields digit by digit in a SUM:
-a digit summed over ``n`` ranks has ``sum**2 == n * sum_of_squares`` exactly when every rank sent the
-same digit. :class:`Place` computes both once for host and device, with no host read on a device.
+``h``, weights fixed by :data:`SEED`. The encodings (:class:`Encoding`) carry the fields digit by digit
+in a SUM: a digit summed over ``n`` ranks has ``sum**2 == n * sum_of_squares`` exactly when every rank
+sent the same digit. :class:`Place` computes both for host and device, with no host read on a device.
 """
 
 from __future__ import annotations
@@ -18,13 +17,28 @@ import numpy as np
 
 from .._skip_log import scale_text
 
-#: The fields of a fingerprint, in message order (:data:`WORDS` 32-bit words each). ``extras``: how many extra
-#: values the agreement carries (a clip's sum of squares pair), so that ranks must agree on it too.
-#: ``whose``: whose flag this is: the scaler (its place among the agreements this process made) and
-#: what the caller names (the sharded facade: the optimizer's shape), so that swapped optimizers or
-#: scalers are found.
-FIELDS = ("config", "iteration", "collective", "sequence", "payload", "extras", "whose", "scale",
-          "growth_tracker", "backoff_tracker")
+
+class Fingerprint(NamedTuple):
+    """One rank's fingerprint as host integers (the scale as its float32 bit pattern), in message order.
+
+    ``extras``: how many extra values the agreement carries (a clip's sum of squares pair). ``whose``:
+    whose flag this is: the scaler (its place among the agreements this process made) and what the
+    caller names (the sharded facade: the optimizer's shape), so that swapped optimizers are found.
+    """
+
+    config: int
+    iteration: int
+    collective: int
+    sequence: int
+    payload: int
+    extras: int
+    whose: int
+    scale: int
+    growth_tracker: int
+    backoff_tracker: int
+
+
+FIELDS = Fingerprint._fields
 #: Fields known on the host; the last three come from the scaler's state arrays.
 HOST_FIELDS = 7
 WIDTH = 32
@@ -34,6 +48,8 @@ _MASK = 2**WIDTH - 1
 WORDS = tuple(4 if name in ("config", "whose") else 1 for name in FIELDS)
 #: Words in a whole fingerprint, and in its host fields.
 N_WORDS, HOST_WORDS = sum(WORDS), sum(WORDS[:HOST_FIELDS])
+#: The index of each field's first word among a fingerprint's words.
+_OFFSETS = tuple(sum(WORDS[:i]) for i in range(len(WORDS)))
 
 
 def words(values: Any) -> list[int]:
@@ -41,52 +57,23 @@ def words(values: Any) -> list[int]:
     return [(v >> (WIDTH * k)) & _MASK for v, n in zip(values, WORDS) for k in range(n)]
 
 
-#: The fields that stay the same from one step to the next (their share is kept per value), and the
-#: others (one word each), of a whole fingerprint and of its host fields.
-#: ``whose`` stays the same from step to step unless a guard's history moves it (a share per value).
-_STATIC = tuple(FIELDS.index(name) for name in ("config", "payload", "extras", "whose"))
-_DYNAMIC = tuple(i for i in range(len(FIELDS)) if i not in _STATIC)
-_STATIC_OF = itemgetter(*_STATIC)
-_DYNAMIC_ALL = itemgetter(*_DYNAMIC)
-_DYNAMIC_HOST = itemgetter(*(i for i in _DYNAMIC if i < HOST_FIELDS))
-#: How many static shares a place keeps (a few scalers and optimizers; cleared when full).
-_SHARES_KEPT = 256
-assert all(WORDS[i] == 1 for i in _DYNAMIC)
-
-
-#: The index of each field's first word among a fingerprint's words.
-_OFFSETS = tuple(sum(WORDS[:i]) for i in range(len(WORDS)))
-
-
-def _words_share(host: list[int], fields: tuple[int, ...], digest: Any) -> int:
-    """``sum(w * h)`` (not reduced) over the halves of ``fields``' words."""
-    pairs = digest.pairs
-    total = 0
-    for i in fields:
-        for k in range(WORDS[i]):
-            word, at = (host[i] >> (WIDTH * k)) & _MASK, 2 * (_OFFSETS[i] + k)
-            total += pairs[at] * (word & 0xFFFF) + pairs[at + 1] * (word >> 16)
-    return total
-
-
-_DYNAMIC_PAIRS: dict[tuple[int, bool], list[tuple[int, int]]] = {}
-
-
-def _dynamic_pairs(digest: Any, full: bool) -> list[tuple[int, int]]:
-    """The weights of the dynamic fields' (low, high) halves, in the order :meth:`Place.share` takes them."""
-    pairs = _DYNAMIC_PAIRS.get((digest.prime, full))
-    if pairs is None:
-        fields = _DYNAMIC if full else tuple(i for i in _DYNAMIC if i < HOST_FIELDS)
-        weights = digest.pairs
-        pairs = _DYNAMIC_PAIRS[(digest.prime, full)] = [
-            (weights[2 * _OFFSETS[i]], weights[2 * _OFFSETS[i] + 1]) for i in fields]
-    return pairs
-
-
 def _joined(field_words: Any) -> list[Any]:
     """Per-word values back into field values (None where a word is None)."""
     parts = [list(field_words[i:i + n]) for i, n in zip(_OFFSETS, WORDS)]
     return [None if None in p else sum(int(w) << (WIDTH * k) for k, w in enumerate(p)) for p in parts]
+
+
+#: The fields that stay the same from one step to the next (their share is kept per value; ``whose``
+#: moves only with a guard's history), and the others, one word each: of the host fields, then of a
+#: whole fingerprint (indexed by "whole").
+_STATIC = tuple(FIELDS.index(name) for name in ("config", "payload", "extras", "whose"))
+_DYNAMIC = tuple(i for i in range(len(FIELDS)) if i not in _STATIC)
+_DYNAMIC_SETS = (tuple(i for i in _DYNAMIC if i < HOST_FIELDS), _DYNAMIC)
+_STATIC_OF = itemgetter(*_STATIC)
+_DYNAMIC_OF = tuple(itemgetter(*fields) for fields in _DYNAMIC_SETS)
+#: How many static shares a place keeps (a few scalers and optimizers; cleared when full).
+_SHARES_KEPT = 256
+assert all(WORDS[i] == 1 for i in _DYNAMIC)
 
 #: The two-value digest's primes (the largest two below 2**25), the one-value digest's (the largest
 #: below 2**43), and the label their weights are drawn from.
@@ -117,52 +104,30 @@ BYTES = Encoding(8, True)
 BITS = Encoding(1, False)
 
 
-class Fingerprint(NamedTuple):
-    """One rank's fingerprint as host integers (the scale as its float32 bit pattern)."""
-
-    config: int
-    iteration: int
-    collective: int
-    sequence: int
-    payload: int
-    extras: int
-    whose: int
-    scale: int
-    growth_tracker: int
-    backoff_tracker: int
-
-
-def _weights(prime: int, label: str) -> np.ndarray:
-    """One weight in [1, prime) per 16-bit half of every word, from SHA-256 (the same everywhere):
-    int64 of shape (words, 2), the low half's weight first."""
-    def draw(i: int) -> int:
-        word = hashlib.sha256(f"{SEED}/{label}/{i}".encode()).digest()
-        return 1 + int.from_bytes(word[:8], "little") % (prime - 1)
-
-    return np.array([(draw(2 * i), draw(2 * i + 1)) for i in range(N_WORDS)], np.int64)
-
-
 class Hash(NamedTuple):
     """A digest of the fields: ``sum(w * h) mod prime`` over their 16-bit halves ``h``."""
 
     prime: int
     weights: np.ndarray  # (words, 2): the weights of each word's low and high half
-
-    @property
-    def pairs(self) -> list[int]:
-        """The weights as Python ints, word by word (low half, high half): the host's share needs
-        no array."""
-        pairs = _PAIRS.get(self.prime)
-        if pairs is None:
-            pairs = _PAIRS[self.prime] = [int(w) for w in self.weights.reshape(-1)]
-        return pairs
+    pairs: list[int]  # the same as Python ints, word by word (low, high): the host's share needs no array
+    dynamic: tuple[list[tuple[int, int]], ...]  # the (low, high) weights of _DYNAMIC_SETS' fields
 
 
-_PAIRS: dict[int, list[int]] = {}  # prime -> Hash.pairs, made once
+def _hash(prime: int, label: str) -> Hash:
+    """The digest mod ``prime`` whose weights, one in [1, prime) per 16-bit half of every word, are
+    drawn from SHA-256 of ``label`` (the same everywhere), the low half's weight first."""
+    def draw(i: int) -> int:
+        word = hashlib.sha256(f"{SEED}/{label}/{i}".encode()).digest()
+        return 1 + int.from_bytes(word[:8], "little") % (prime - 1)
+
+    pairs = [draw(i) for i in range(2 * N_WORDS)]
+    dynamic = tuple([(pairs[2 * _OFFSETS[i]], pairs[2 * _OFFSETS[i] + 1]) for i in fields]
+                    for fields in _DYNAMIC_SETS)
+    return Hash(prime, np.array(pairs, np.int64).reshape(N_WORDS, 2), pairs, dynamic)
 
 
 #: The one-value message's digest (``D``) and the two halves of the two-value message's (``d1``, ``d2``).
-LANE, HIGH, LOW = Hash(Q, _weights(Q, "q")), Hash(P1, _weights(P1, "p1")), Hash(P2, _weights(P2, "p2"))
+LANE, HIGH, LOW = _hash(Q, "q"), _hash(P1, "p1"), _hash(P2, "p2")
 
 
 def share(xp: Any, halves: Any, weights: Any, prime: int, base: Any = 0) -> Any:
@@ -183,11 +148,6 @@ class Fields(NamedTuple):
 
     host: list[int]
     state: Any
-
-    @property
-    def words(self) -> list[int]:
-        """The host fields' 32-bit words (:func:`words`)."""
-        return words(self.host)
 
 
 def _pattern(xp: Any, powers: Any, scale: Any) -> Any:
@@ -235,26 +195,28 @@ class Place:
         if fields is None:  # a group of one: the fields carry nothing
             return 0
         host, prime = fields.host, digest.prime
-        # config, payload, extras and whose (it changes with a guard's history): their share kept per value
-        total = self._static_share(digest, (prime, *_STATIC_OF(host)), host)
+        total = self._static_share(digest, host)
         full = len(host) == len(FIELDS)
-        dynamic = (_DYNAMIC_ALL if full else _DYNAMIC_HOST)(host)  # one word each
-        for (low, high), word in zip(_dynamic_pairs(digest, full), dynamic):
+        for (low, high), word in zip(digest.dynamic[full], _DYNAMIC_OF[full](host)):
             total += low * (word & 0xFFFF) + high * (word >> 16 & 0xFFFF)  # Python ints: exact, reduced once
-        base = total % prime
-        n = HOST_WORDS
         if fields.state is None:
-            return base
-        weights = self.constant(digest.prime, digest.weights[n:])
-        return share(self.xp, fields.state, weights, digest.prime, base)
+            return total % prime
+        weights = self.constant(prime, digest.weights[HOST_WORDS:])
+        return share(self.xp, fields.state, weights, prime, total % prime)
 
-    def _static_share(self, digest: Hash, key: Any, host: list[int]) -> int:
-        """The share of the fields that stay the same from step to step, kept per ``key``."""
+    def _static_share(self, digest: Hash, host: list[int]) -> int:
+        """``sum(w * h)`` (not reduced) over the halves of the static fields' words, kept per value."""
+        key = (digest.prime, *_STATIC_OF(host))
         known = self._shares.get(key)
         if known is None:
             if len(self._shares) >= _SHARES_KEPT:
                 self._shares.clear()
-            known = self._shares[key] = _words_share(host, _STATIC, digest)
+            pairs, known = digest.pairs, 0
+            for i in _STATIC:
+                for k in range(WORDS[i]):
+                    word, at = (host[i] >> (WIDTH * k)) & _MASK, 2 * (_OFFSETS[i] + k)
+                    known += pairs[at] * (word & 0xFFFF) + pairs[at + 1] * (word >> 16)
+            self._shares[key] = known
         return known
 
     def encode(self, fields: Fields | None, encoding: Encoding) -> Any:
@@ -262,7 +224,8 @@ class Place:
         xp, bits = self.xp, encoding.digit_bits
         if fields is None:  # a group of one: the fields carry nothing
             return xp.zeros(encoding.size, dtype=xp.float64, device=self.device)
-        words_ = np.array(fields.words, np.int64) if self.host else self.vector(fields.words, "int64")
+        mine = words(fields.host)
+        words_ = np.array(mine, np.int64) if self.host else self.vector(mine, "int64")
         halves = _halves(xp, words_)  # on the host a new array: the HOST place is shared by threads
         if fields.state is not None:
             halves = xp.concat([halves, fields.state])
@@ -355,17 +318,17 @@ def _position(mine: Fingerprint, other: dict[str, int | None]) -> str:
     return f"the ranks' collectives are not aligned: {here} on this rank, {there} on the other ranks"
 
 
+#: How a field's value reads in a RankMismatchError (the scale: its value, from its bits).
+_SHOWN = {"config": "config fingerprint {:#x}", "payload": "{} values summed",
+          "extras": "{} extra values agreed (e.g. a global-norm clip's sum of squares, a meter's counts)",
+          "whose": "the flag of scaler/optimizer {:#x}"}
+
+
 def _field(name: str, mine: int, other: int | None) -> str:
     def show(v: int) -> str:
         if name == "scale":
             return f"scale {scale_text(_from_bits(v))}"
-        if name == "extras":
-            return f"{v} extra values agreed (e.g. a global-norm clip's sum of squares, a meter's counts)"
-        if name == "whose":
-            return f"the flag of scaler/optimizer {v:#x}"
-        if name == "config":
-            return f"config fingerprint {v:#x}"
-        return f"{v} values summed" if name == "payload" else f"{name} {v}"
+        return _SHOWN.get(name, name + " {}").format(v)
 
     # the others disagree among themselves: at least one differs from this rank, maybe not all
     there = "another value on at least one other rank (the other ranks do not all agree)" if other is None \

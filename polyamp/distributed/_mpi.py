@@ -79,20 +79,17 @@ class MPIReducer(Reducer):
         return self.comm
 
     def _prepare(self, array: Any) -> Any:
-        cupy = sys.modules.get("cupy")
-        if isinstance(array, np.ndarray):
-            buffer = array
-        elif cupy is not None and isinstance(array, cupy.ndarray):
+        cupy, buffer = sys.modules.get("cupy"), array
+        if cupy is not None and isinstance(array, cupy.ndarray):
             if self._cuda_aware is None:  # asked once, before the first CuPy collective
                 self._cuda_aware = mpi_is_cuda_aware(self._mpi)
-            buffer = array
-        elif _on_cpu(array):  # e.g. a CPU torch or paddle tensor: a NumPy view of its memory
-            try:
+        elif not isinstance(array, np.ndarray):
+            if not _on_cpu(array):
+                raise self._refuse(array, "")
+            try:  # e.g. a CPU torch or paddle tensor: a NumPy view of its memory
                 buffer = np.from_dlpack(array)
             except Exception as exc:
                 raise self._refuse(array, f" (DLPack refused: {exc})") from exc
-        else:
-            raise self._refuse(array, "")
         writeable = buffer.flags.writeable if isinstance(buffer, np.ndarray) else True
         check_buffer(self.describe(), f"a {type(array).__name__}", buffer.dtype.name, DTYPES,
                      {"C-contiguous": bool(buffer.flags.c_contiguous), "writeable": bool(writeable)})
@@ -106,18 +103,17 @@ class MPIReducer(Reducer):
         )
 
     def _allreduce(self, array: Any, op: Op) -> None:
+        buffer = array
+        if not isinstance(array, np.ndarray):  # a CuPy array
+            stream = sys.modules["cupy"].cuda.get_current_stream()
+            if self._cuda_aware:  # MPI reads device memory but knows no stream: finish the writers first
+                stream.synchronize()
+            else:
+                buffer = array.get(stream=stream)  # synchronises with the stream
         mpi, what = self._mpi, f"all-reduce ({op})"
-        if isinstance(array, np.ndarray):
-            self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, array, op=self._ops[op]), what, array)
-            return
-        stream = sys.modules["cupy"].cuda.get_current_stream()
-        if self._cuda_aware:  # MPI reads device memory but knows no stream: finish the writers first
-            stream.synchronize()
-            self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, array, op=self._ops[op]), what, array)
-            return
-        host = array.get(stream=stream)  # synchronises with the stream
-        self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, host, op=self._ops[op]), what, host)
-        array.set(host, stream=stream)
+        self._wait(lambda: self.comm.Iallreduce(mpi.IN_PLACE, buffer, op=self._ops[op]), what, buffer)
+        if buffer is not array:
+            array.set(buffer, stream=stream)
 
     def _barrier(self) -> None:
         self._wait(self.comm.Ibarrier, "barrier", None)

@@ -27,14 +27,18 @@ def mpi_is_cuda_aware(mpi: Any) -> bool:
         kinds = mpi.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
     except Exception:  # an MPI older than 4.1 has no such key
         kinds = ""
-    if "cuda" in kinds.lower():
-        return True
-    return _openmpi_query()
+    return "cuda" in kinds.lower() or _openmpi_query()
 
 
 def _openmpi_query() -> bool:
-    """Open MPI's ``MPIX_Query_cuda_support()`` from the libmpi already loaded (False elsewhere)."""
-    for path in _loaded_libmpi():
+    """Open MPI's ``MPIX_Query_cuda_support()`` from a libmpi mapped into this process (False elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:  # Linux
+            fields = [line.split() for line in maps]
+    except OSError:
+        return False
+    paths = {f[-1] for f in fields if len(f) >= 6 and os.path.basename(f[-1]).startswith("libmpi.so")}
+    for path in sorted(paths):
         try:
             library = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))
             query = getattr(library, "MPIX_Query_cuda_support", None)
@@ -43,13 +47,3 @@ def _openmpi_query() -> bool:
         if query is not None:
             return bool(query())
     return False
-
-
-def _loaded_libmpi() -> list[str]:
-    """Paths of the libmpi shared objects mapped into this process (Linux; [] elsewhere)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            fields = [line.split() for line in maps]
-    except OSError:
-        return []
-    return sorted({f[-1] for f in fields if len(f) >= 6 and os.path.basename(f[-1]).startswith("libmpi.so")})

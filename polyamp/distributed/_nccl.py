@@ -45,13 +45,7 @@ class NCCLReducer(Reducer):
         self.comm, self._nccl = comm, nccl
         self._device = comm.device_id()
         self._ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX}
-        self._dtypes = {
-            "float16": nccl.NCCL_FLOAT16,
-            "float32": nccl.NCCL_FLOAT32,
-            "float64": nccl.NCCL_FLOAT64,
-            "int32": nccl.NCCL_INT32,
-            "int64": nccl.NCCL_INT64,
-        }
+        self._dtypes = {name: getattr(nccl, f"NCCL_{name.upper()}") for name in DTYPES}
         super().__init__("cupy:nccl", comm.rank_id(), comm.size(), timeout or DEFAULT_TIMEOUT)
 
     def group_key(self) -> Any:
@@ -73,12 +67,9 @@ class NCCLReducer(Reducer):
 
     def _allreduce(self, array: Any, op: Op) -> None:
         stream = sys.modules["cupy"].cuda.get_current_stream()
-        ptr = array.data.ptr
-        self._run(
-            lambda: self.comm.allReduce(ptr, ptr, array.size, self._dtypes[array.dtype.name],
-                                        self._ops[op], stream.ptr),
-            stream, f"all-reduce ({op})",
-        )
+        ptr, dtype = array.data.ptr, self._dtypes[array.dtype.name]
+        self._run(lambda: self.comm.allReduce(ptr, ptr, array.size, dtype, self._ops[op], stream.ptr),
+                  stream, f"all-reduce ({op})")
 
     def _barrier(self) -> None:
         cupy = sys.modules["cupy"]

@@ -1,14 +1,9 @@
 """The Reducer contract: in-place all-reduces over an existing engine, counted, with a deadline.
 
-Subclasses (one module per engine) implement ``_prepare`` (the buffer to reduce: the array or
-a zero-copy view of it; refuse it before anything is issued), ``_allreduce``/``_barrier``
-(issue one collective, raise ``ReducerError`` on a fault) and ``_abort`` (end the job the way
-the engine does). The base class counts collectives and retires the reducer after a fault,
-because the ranks' sequences of collectives no longer match and every later collective would
-mismatch. After a timeout or a dead peer a collective left pending on one rank could still
-complete on a late one, which would then apply a step the others did not: so by default
-(``on_fault="abort"``) a fault ends the job through the engine (MPI ``Abort``; torch aborts the
-process group), and ``on_fault="raise"`` only raises, where the user accepts that risk.
+Subclasses (one module per engine) implement ``_prepare``, ``_allreduce``/``_barrier`` and
+``_abort``. The base class counts collectives and retires the reducer after a fault (the ranks'
+sequences of collectives no longer match); by default (``on_fault="abort"``) a fault also ends the
+job, so that no late rank completes the abandoned collective alone (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -29,12 +24,9 @@ from ._errors import ReducerError, ReducerTimeoutError
 
 #: Seconds a collective may take, where the engine has no timeout of its own (MPI, NCCL).
 DEFAULT_TIMEOUT = 300.0
-#: Seconds of back-to-back polls of a pending collective before polyamp yields the CPU between polls.
-TIGHT = 5e-5
-#: Seconds of back-to-back polls of a pending collective before polyamp sleeps between polls.
-SPIN = 2e-3
-#: The longest sleep between two polls of a pending collective (seconds).
-MAX_POLL_PAUSE = 1e-3
+#: Polling a pending collective (seconds): back to back for TIGHT, then yielding the CPU between polls
+#: until SPIN, then sleeping up to MAX_POLL_PAUSE between them.
+TIGHT, SPIN, MAX_POLL_PAUSE = 5e-5, 2e-3, 1e-3
 
 Op = Literal["sum", "max"]
 OnFault = Literal["abort", "raise"]
@@ -75,8 +67,7 @@ def check_on_fault(on_fault: Any) -> OnFault:
 def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     """Poll ``done()`` until it returns True (then True) or ``timeout`` seconds pass (then False).
 
-    Polls back to back for ``TIGHT`` seconds (a fast collective costs no yield), then yields the CPU
-    between polls until ``SPIN``, then sleeps up to ``MAX_POLL_PAUSE``: a slow one costs little CPU.
+    A fast collective costs no yield, a slow one little CPU (``TIGHT``, ``SPIN``, ``MAX_POLL_PAUSE``).
     """
     start = time.monotonic()
     deadline, tight_until, spin_until = start + timeout, start + TIGHT, start + SPIN
@@ -114,10 +105,7 @@ class Reducer(abc.ABC):
                 f"(size={size!r}). Fix: give this process's rank within the reducer's group (the "
                 "agreement's message counts on every rank of 0 .. size - 1 taking part), not a global rank."
             )
-        self.name = name
-        self.rank = int(rank)
-        self.size = int(size)
-        self.timeout = timeout
+        self.name, self.rank, self.size, self.timeout = name, int(rank), int(size), timeout
         self._collectives = 0
         self._retired: str | None = None
         self.on_fault: OnFault = "abort"
@@ -166,19 +154,15 @@ class Reducer(abc.ABC):
             f"an earlier {what} failed ({type(exc).__name__}), so the ranks' collectives no longer "
             "match. Restart the ranks (e.g. from the last checkpoint)."
         )
-        if self.on_fault == "abort":
-            self._report_and_abort(exc)
+        if self.on_fault == "abort":  # say why on the polyamp logger (or stderr), then end the job
+            logger.error("%s: %s -- ending the job (on_fault='abort'), so that no rank can complete the "
+                         "abandoned collective and apply a step the others did not.", type(exc).__name__, exc)
+            for handler in (*logger.handlers, *logging.getLogger().handlers, logging.lastResort):
+                if handler is not None:
+                    handler.flush()
+            sys.stderr.flush()
+            self._abort()
         raise exc
-
-    def _report_and_abort(self, error: ReducerError) -> None:
-        """Say why on the polyamp logger (stderr when logging is not configured), then end the job."""
-        logger.error("%s: %s -- ending the job (on_fault='abort'), so that no rank can complete the "
-                     "abandoned collective and apply a step the others did not.", type(error).__name__, error)
-        for handler in (*logger.handlers, *logging.getLogger().handlers, logging.lastResort):
-            if handler is not None:
-                handler.flush()
-        sys.stderr.flush()
-        self._abort()
 
     def retire(self, reason: str) -> None:
         """Make every later collective raise ReducerError, saying ``reason`` (e.g. misaligned ranks)."""
@@ -196,9 +180,8 @@ class Reducer(abc.ABC):
         """The error for a collective that did not complete within ``limit`` (default: ``timeout``)."""
         if limit is None:
             limit = f"timeout={self.timeout:g} s (polyamp.distributed.reducer(..., timeout=))"
-        return ReducerTimeoutError(
-            f"{self.describe()}: {what} did not complete within {limit}. {_HINT} {_RETIRED}"
-        )
+        return ReducerTimeoutError(f"{self.describe()}: {what} did not complete within {limit}. {_HINT} "
+                                   f"{_RETIRED}")
 
     def fault_error(self, what: str, cause: str, detail: str) -> ReducerError:
         """The error for a collective that failed for ``cause`` (e.g. 'a peer rank probably died')."""
@@ -221,10 +204,8 @@ class Reducer(abc.ABC):
 
     def __repr__(self) -> str:
         limit = "engine default" if self.timeout is None else f"{self.timeout:g} s"
-        return (
-            f"<{type(self).__name__} {self.name!r} rank {self.rank} of {self.size}, "
-            f"timeout {limit}, {self._collectives} collectives>"
-        )
+        return (f"<{type(self).__name__} {self.name!r} rank {self.rank} of {self.size}, "
+                f"timeout {limit}, {self._collectives} collectives>")
 
     @abc.abstractmethod
     def _prepare(self, array: Any) -> Any:

@@ -91,21 +91,16 @@ class TorchReducer(Reducer):
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
-        # Weakly: torch keeps its groups until destroy_process_group(); a strong reference kept
-        # past that (e.g. by a scaler that a module-level function sees) is destroyed at
-        # interpreter exit, where gloo aborts the process ("terminate called ...").
+        # Weakly: torch keeps its groups until destroy_process_group(); a strong reference kept past
+        # that (e.g. by a scaler) is destroyed at interpreter exit, where gloo aborts the process.
         self._group = weakref.ref(group)
         self._explicit = timeout
         self._devices = {d.type for d in getattr(group, "_device_types", ())}
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
         self._views: dict[int, tuple[np.ndarray, Any]] = {}  # small NumPy buffers -> their tensor views
         self._abandoned: list[Any] = []  # (work, tensor) of timed-out waits: torch may still write
-        super().__init__(
-            f"torch:{dist.get_backend(group)}",
-            dist.get_rank(group),
-            dist.get_world_size(group),
-            timeout if timeout is not None else _group_timeout(group),
-        )
+        super().__init__(f"torch:{dist.get_backend(group)}", dist.get_rank(group), dist.get_world_size(group),
+                         timeout if timeout is not None else _group_timeout(group))
 
     @property
     def group(self) -> Any:
@@ -140,12 +135,15 @@ class TorchReducer(Reducer):
                 f"{self.describe()} cannot all-reduce {problem} in place. Fix: pass a dense, "
                 f"contiguous tensor on one of the group's devices ({sorted(self._devices)})."
             )
+        small = isinstance(array, np.ndarray) and array.size <= _VIEW_CACHE_VALUES
+        if small and len(self._views) < _VIEW_CACHE_ARRAYS:  # an agreement reuses its message buffer
+            self._views[id(array)] = (array, tensor)  # holding the array keeps its id its own
         return tensor
 
     def _as_tensor(self, array: Any) -> Any:
         """A tensor sharing ``array``'s memory: NumPy through from_numpy, others through DLPack."""
         if isinstance(array, np.ndarray) and array.flags.writeable:
-            return self._numpy_view(array)
+            return self._torch.from_numpy(array)
         what = f"a {type(array).__module__}.{type(array).__name__}"
         if isinstance(array, np.ndarray):
             what = "a read-only NumPy array"
@@ -158,17 +156,6 @@ class TorchReducer(Reducer):
             f"{self.describe()} cannot all-reduce {what} in place. Fix: pass a torch.Tensor, a "
             "writeable NumPy array, or another array that shares its memory through DLPack."
         )
-
-    def _numpy_view(self, array: np.ndarray) -> Any:
-        """``torch.from_numpy(array)``, remembered for small arrays (an agreement reuses its message
-        buffer every step; the cache holds the array, so its id stays its own)."""
-        cached = self._views.get(id(array))
-        if cached is not None and cached[0] is array:
-            return cached[1]
-        tensor = self._torch.from_numpy(array)
-        if array.size <= _VIEW_CACHE_VALUES and len(self._views) < _VIEW_CACHE_ARRAYS:
-            self._views[id(array)] = (array, tensor)
-        return tensor
 
     def _allreduce(self, tensor: Any, op: Op) -> None:
         if self._explicit is None:  # the per-step path: the process group's own timeout, no wrapper
@@ -184,11 +171,8 @@ class TorchReducer(Reducer):
                   f"all-reduce ({op})", tensor)
 
     def _barrier(self) -> None:
-        self._run(
-            lambda: self._dist.barrier(group=self.group, async_op=self._explicit is not None),
-            "barrier",
-            None,
-        )
+        async_op = self._explicit is not None
+        self._run(lambda: self._dist.barrier(group=self.group, async_op=async_op), "barrier", None)
 
     def _abort(self) -> None:
         """Abort the process group (torch's own abort): its connections close, so a late rank's
@@ -222,11 +206,8 @@ class TorchReducer(Reducer):
             if self._explicit is not None:
                 return self.timeout_error(what)
             seconds = "" if self.timeout is None else f" of {self.timeout:g} s"
-            limit = (
-                f"the process group's timeout{seconds} (set by torch.distributed."
-                "init_process_group(timeout=...) or new_group(timeout=...))"
-            )
-            return self.timeout_error(what, limit)
+            return self.timeout_error(what, f"the process group's timeout{seconds} (set by torch.distributed."
+                                            "init_process_group(timeout=...) or new_group(timeout=...))")
         if any(k in text for k in _PEER_GONE):
             cause = "a peer rank probably died or exited (its connection closed)"
             return self.fault_error(what, cause, str(exc))

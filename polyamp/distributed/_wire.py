@@ -1,27 +1,8 @@
 """The step agreement's wire formats: one class each behind one interface (:class:`Wire`), and the
-one place that picks one (:func:`wire_for`).
-
-Each rank's message carries its flag (1 when it found an inf/nan) with a digest of its
-:class:`~polyamp.distributed._fingerprint.Fingerprint`, in ONE all-reduce; every rank reads the same
-reduced message and reaches the same verdict. A format is written once for host and device: it
-builds and reads its message through a :class:`~polyamp.distributed._fingerprint.Place`.
-
-- :class:`OneValue`: ONE int64, summed: ``f * B + (c * D mod Q)`` (:func:`lane`), ``D`` the
-  fingerprint's LANE digest and ``c = g(rank) - g(rank + 1)``, the ranks in a circle and ``g`` drawn
-  anew for each collective: the ``c`` sum to 0, so ranks with one ``D`` send ``v`` parts that sum to
-  0 mod Q. The sum is exact (below 1023 * (B + Q) < 2**63) and splits into the flags' count
-  (``total // B``) and the ``v`` (``total % B``). Ranks that differ, in any pattern, sum to 0 with
-  probability 1/Q for one collective, and their digests collide with probability at most 1/(Q - 1):
-  below 2**-41 in all.
-- :class:`TwoValueMax`: ``[4*d + f, f - 4*d, *slots]`` (float64), MAX: ``d < 2**50`` the HIGH and
-  LOW digests; after the MAX, ``a + b == 2 * OR(f)`` when every rank sent the same ``d``, and ``a + b
-  >= 4`` otherwise: exact at any number of ranks (a MAX never rounds; ``4d + 1 < 2**53``). ``slots``:
-  each rank's extra values in slots of its own, -inf in the others' (a MAX keeps each rank's own).
-- :class:`PayloadBits`: a payload (the trainer's float32 gradients) summed with the fingerprint's
-  bits after it (a bit's sum is 0 or n: exact below 2**24 ranks); the payload's own check is the flag.
-
-Where the ranks differ, :meth:`Wire.explain` names the difference: the first two run a second
-collective (the fingerprint's bytes and their squares summed); the bits already name it.
+one place that picks one (:func:`wire_for`). Each rank's message carries its flag with a digest of
+its fingerprint in ONE all-reduce, built and read through a :class:`~._fingerprint.Place` (host or
+device alike); the formats and why each is exact are in docs/distributed.md ("Ranks that are not
+aligned").
 """
 
 from __future__ import annotations
