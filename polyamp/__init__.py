@@ -37,49 +37,14 @@ if TYPE_CHECKING:  # loaded on first use by __getattr__ below; listed here for r
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArrayLossFn",
-    "ArrayModel",
-    "Backend",
-    "BackendError",
-    "BackendInfo",
-    "BackendNotFoundError",
-    "BackendUnavailableError",
-    "ConfigError",
-    "ForeignArrayError",
-    "GradBuffer",
-    "GradScaler",
-    "GuardHistory",
-    "GuardReport",
-    "HostState",
-    "LossScaleConfig",
-    "LossScaleState",
-    "LossScaler",
-    "MinScaleError",
-    "MixedPrecisionTrainer",
-    "NoOpLossScaler",
-    "OverflowReport",
-    "Parameter",
-    "PolyampError",
-    "PrecisionMeter",
-    "PrecisionReport",
-    "ScaledGradientsError",
-    "ScalerStateError",
-    "StateDictError",
-    "StepGuard",
-    "StepGuardError",
-    "StepMetrics",
-    "StepResult",
-    "TensorOverflow",
-    "available_backends",
-    "clip_grad_norm_",
-    "explain_overflow",
-    "get_backend",
-    "global_norm",
-    "make_scaler",
-    "next_host_state",
-    "next_state",
-    "register_backend",
-    "__version__",
+    "ArrayLossFn", "ArrayModel", "Backend", "BackendError", "BackendInfo", "BackendNotFoundError",
+    "BackendUnavailableError", "ConfigError", "ForeignArrayError", "GradBuffer", "GradScaler",
+    "GuardHistory", "GuardReport", "HostState", "LossScaleConfig", "LossScaleState", "LossScaler",
+    "MinScaleError", "MixedPrecisionTrainer", "NoOpLossScaler", "OverflowReport", "Parameter",
+    "PolyampError", "PrecisionMeter", "PrecisionReport", "ScaledGradientsError", "ScalerStateError",
+    "StateDictError", "StepGuard", "StepGuardError", "StepMetrics", "StepResult", "TensorOverflow",
+    "available_backends", "clip_grad_norm_", "explain_overflow", "get_backend", "global_norm",
+    "make_scaler", "next_host_state", "next_state", "register_backend", "__version__",
 ]
 
 
@@ -96,10 +61,9 @@ def make_scaler(
     if not enabled and guard is not None:
         if config is not None or fields:
             given = ", ".join(["config"] * (config is not None) + sorted(fields))
-            raise ConfigError(
-                f"make_scaler(enabled=False, guard=...) is a guard-only scaler, its scale fixed at 1: "
-                f"{given} would not be used. Fix: leave them out, or pass enabled=True to scale."
-            )
+            raise ConfigError("make_scaler(enabled=False, guard=...) is a guard-only scaler, its scale "
+                              f"fixed at 1: {given} would not be used. Fix: leave them out, or pass "
+                              "enabled=True to scale.")
         return LossScaler(FIXED_ONE, backend, guard=guard)
     if guard is not None:
         return LossScaler(config, backend, guard=guard, **fields)

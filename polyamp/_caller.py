@@ -6,11 +6,8 @@ import sys
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function name the user's line.
-
-    Counts the frames of polyamp's modules (``polyamp``, ``polyamp.compat``, ``polyamp.backends``:
-    by module name, wherever the files live) between that function and its first caller outside.
-    """
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function name the user's line:
+    the frames of modules named ``polyamp.*`` between that function and its first caller outside."""
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "polyamp":
         frame, level = frame.f_back, level + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import array_api_compat
@@ -27,10 +28,8 @@ def dtype_name(dtype: Any, param: str = "dtype") -> str:
         dtype = str(getattr(dtype, "name", None) or getattr(dtype, "__name__", dtype))
     name = dtype.rpartition(".")[2]  # torch.float16, array_api_strict.float32
     if name not in _NAMES:
-        raise ConfigError(
-            f"{param} must be one of {list(COMPUTE_DTYPES)} (a name or the library's dtype), "
-            f"got {param}={original!r}"
-        )
+        raise ConfigError(f"{param} must be one of {list(COMPUTE_DTYPES)} (a name or the library's dtype), "
+                          f"got {param}={original!r}")
     return name
 
 
@@ -38,10 +37,9 @@ def compute_dtype_name(dtype: Any) -> str:
     """Validate a compute dtype: float16, bfloat16 or float32 (float64 is refused)."""
     name = dtype_name(dtype, "compute_dtype")
     if name not in COMPUTE_DTYPES:
-        raise ConfigError(
-            f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got compute_dtype={dtype!r}; "
-            "mixed precision computes in a lower precision than the float32 masters"
-        )
+        raise ConfigError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got "
+                          f"compute_dtype={dtype!r}; mixed precision computes in a lower precision than the "
+                          "float32 masters")
     return name
 
 
@@ -52,10 +50,8 @@ def resolve(xp: Any, name: str) -> Any:
         return found
     if name == "bfloat16" and array_api_compat.is_numpy_namespace(xp):
         return numpy_bfloat16()
-    raise ConfigError(
-        f"the array library {getattr(xp, '__name__', xp)!r} has no dtype {name!r}; "
-        "use 'float16' or 'float32' with it, or arrays of a library that has it"
-    )
+    raise ConfigError(f"the array library {getattr(xp, '__name__', xp)!r} has no dtype {name!r}; use "
+                      "'float16' or 'float32' with it, or arrays of a library that has it")
 
 
 def numpy_bfloat16() -> Any:
@@ -91,17 +87,11 @@ def is_floating(array: Any) -> bool:
     return bool(xp.isdtype(array.dtype, "real floating"))
 
 
-_FLOAT64_OK: dict[tuple[int, Any], bool] = {}  # (id(namespace), device) -> computes in float64
-
-
+@functools.cache
 def computes_float64(xp: Any, device: Any) -> bool:
-    """Whether ``device`` of ``xp`` computes in float64 (Apple MPS does not); cached."""
-    key = (id(xp), device)
-    if key not in _FLOAT64_OK:
-        try:
-            kinds = xp.__array_namespace_info__().dtypes(device=device, kind="real floating")
-            ok = "float64" in kinds and getattr(device, "type", None) != "mps"
-        except (AttributeError, TypeError, ValueError):  # no inspection API, odd device
-            ok = False
-        _FLOAT64_OK[key] = ok
-    return _FLOAT64_OK[key]
+    """Whether ``device`` of ``xp`` computes in float64 (Apple MPS does not)."""
+    try:
+        kinds = xp.__array_namespace_info__().dtypes(device=device, kind="real floating")
+    except (AttributeError, TypeError, ValueError):  # no inspection API, odd device
+        return False
+    return "float64" in kinds and getattr(device, "type", None) != "mps"

@@ -25,8 +25,7 @@ internal and never leaves ``load``)::
 
 The facades' subclasses are also the builtin type torch or paddle raises there, so code written
 for those libraries keeps catching them. Every message names the parameter, the value received
-and what to do instead ("Fix: ..."); an optional part that is missing is named with
-:func:`install_hint`, the one way messages say how to install it.
+and what to do instead ("Fix: ...").
 """
 
 from __future__ import annotations
@@ -38,11 +37,8 @@ TORCH_CPU_ADVICE = (
 
 
 def install_hint(extra: str) -> str:
-    """``pip install 'polyamp[extra]'``: how every message says to install an optional part.
-
-    torch's adds :data:`TORCH_CPU_ADVICE`, as README's "Install and test" does: else pip pulls
-    torch's default build and several GB of CUDA packages that a CPU cannot use.
-    """
+    """``pip install 'polyamp[extra]'``: how every message says to install an optional part; torch's
+    adds the CPU build's index (else pip pulls several GB of CUDA packages a CPU cannot use)."""
     hint = f"pip install 'polyamp[{extra}]'"
     return f"{hint} ({TORCH_CPU_ADVICE})" if extra == "torch" else hint
 

@@ -1,8 +1,5 @@
-"""The check both halves of MixedPrecisionTrainer share: the model's parameters are float32 masters.
-
-Its own module so that ``trainer`` (the array-model half) and ``_trainer_torch`` (the torch
-half) each import it instead of each other.
-"""
+"""The check both halves of MixedPrecisionTrainer share (``trainer``, ``_trainer_torch``): the
+model's parameters are float32 masters."""
 
 from __future__ import annotations
 
@@ -21,12 +18,9 @@ def check_masters(params: list[Any], kind: type, data_of: Callable[[Any], Any]) 
         raise ConfigError("the model has no parameters to train; model.parameters() returned none")
     for i, p in enumerate(params):
         if not isinstance(p, kind):
-            raise TypeError(
-                f"model.parameters()[{i}] is a {type(p).__qualname__}, expected {kind.__qualname__}; "
-                "wrap master arrays as polyamp.Parameter(array)"
-            )
+            raise TypeError(f"model.parameters()[{i}] is a {type(p).__qualname__}, expected "
+                            f"{kind.__qualname__}; wrap master arrays as polyamp.Parameter(array)")
         if _dtypes.name_of(data_of(p)) != "float32":
-            raise ConfigError(
-                f"master weights must be float32, but model.parameters()[{i}] has dtype "
-                f"{data_of(p).dtype}; keep float32 masters (the trainer casts to the compute dtype)"
-            )
+            raise ConfigError(f"master weights must be float32, but model.parameters()[{i}] has dtype "
+                              f"{data_of(p).dtype}; keep float32 masters (the trainer casts to the compute "
+                              "dtype)")

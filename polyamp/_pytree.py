@@ -45,11 +45,10 @@ def _node(tree: Any) -> tuple[Any, ...]:
 def _check_same_node(tree: Any, other: Any) -> None:
     mine, theirs = _node(tree), _node(other)
     if mine != theirs:
-        raise ValueError(
-            f"the pytrees mapped together differ in structure: {_describe(tree)} against "
-            f"{_describe(other)}. Fix: pass trees of the same structure (the same dict keys, "
-            "sequence lengths, None and array leaves), e.g. where_finite(found_inf, new_params, params)"
-        )
+        raise ValueError(f"the pytrees mapped together differ in structure: {_describe(tree)} against "
+                         f"{_describe(other)}. Fix: pass trees of the same structure (the same dict keys, "
+                         "sequence lengths, None and array leaves), e.g. "
+                         "where_finite(found_inf, new_params, params)")
 
 
 def _describe(tree: Any) -> str:

@@ -87,16 +87,13 @@ def check_known(name: str, source: str = "backend=") -> None:
     """Raise unless ``name`` is an installed backend that loaded (names only: no library imported)."""
     plugins = _plugins()
     if name in plugins.broken:
-        raise BackendUnavailableError(
-            f"backend {name!r} (asked for by {source}) is installed but {plugins.broken[name]}. "
-            f"Installed backends: {_summary()}."
-        )
+        raise BackendUnavailableError(f"backend {name!r} (asked for by {source}) is installed but "
+                                      f"{plugins.broken[name]}. Installed backends: {_summary()}.")
     if plugins.manager.get_plugin(name) is None:
-        raise BackendNotFoundError(
-            f"unknown polyamp backend {name!r} (asked for by {source}). Installed backends: "
-            f"{_summary()}. Fix: use one of these names, or install the plugin that provides "
-            f"{name!r} (it registers under the 'polyamp' entry-point group)."
-        )
+        raise BackendNotFoundError(f"unknown polyamp backend {name!r} (asked for by {source}). Installed "
+                                   f"backends: {_summary()}. Fix: use one of these names, or install the "
+                                   f"plugin that provides {name!r} (it registers under the 'polyamp' "
+                                   "entry-point group).")
 
 
 def get_backend(name: str, source: str = "backend=") -> Backend:
@@ -109,11 +106,10 @@ def get_backend(name: str, source: str = "backend=") -> Backend:
 def _bound(name: str, source: str) -> Backend:
     info = _info(name)
     if not info.available:
-        raise BackendUnavailableError(
-            f"backend {name!r} (asked for by {source}) is unavailable: {info.reason}. "
-            f"{'Or' if 'Fix:' in info.reason else 'Fix:'} choose a backend available here ({_usable()}) "
-            f"with backend=... or {ENV_VAR}=..."
-        )
+        raise BackendUnavailableError(f"backend {name!r} (asked for by {source}) is unavailable: "
+                                      f"{info.reason}. {'Or' if 'Fix:' in info.reason else 'Fix:'} choose a "
+                                      f"backend available here ({_usable()}) with backend=... or "
+                                      f"{ENV_VAR}=...")
     from . import _hookspecs
 
     module = _plugins().manager.get_plugin(name)
@@ -135,9 +131,8 @@ def requested_backend(backend: str | None) -> tuple[str | None, str]:
     """The backend name asked for by argument or environment, and which of them asked."""
     if backend is not None:
         if not isinstance(backend, str) or not backend:
-            raise BackendNotFoundError(
-                f"backend must be a non-empty backend name such as 'numpy', got backend={backend!r}"
-            )
+            raise BackendNotFoundError("backend must be a non-empty backend name such as 'numpy', got "
+                                       f"backend={backend!r}")
         return backend, "backend="
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
@@ -154,11 +149,10 @@ def backend_for_array(array: Any) -> Backend:
             return get_backend(name, f"an array of type {type(array).__module__}.{type(array).__name__}")
     if isinstance(array, (int, float, list, tuple)):
         return get_backend(DEFAULT_BACKEND, "default")
-    raise ForeignArrayError(
-        f"no installed polyamp backend can hold an array of type "
-        f"{type(array).__module__}.{type(array).__name__}. Installed backends: {_summary()}. "
-        "Fix: pass arrays of one of these libraries, or install a backend plugin for yours."
-    )
+    raise ForeignArrayError("no installed polyamp backend can hold an array of type "
+                            f"{type(array).__module__}.{type(array).__name__}. Installed backends: "
+                            f"{_summary()}. Fix: pass arrays of one of these libraries, or install a backend "
+                            "plugin for yours.")
 
 
 #: type(array) -> the backend that owns arrays of that type (owns_array answers by type).
@@ -167,10 +161,9 @@ _owners: dict[type, Backend] = {}
 
 def backend_of(array: Any) -> Backend:
     """:func:`backend_for_array`, remembered per array type (for small per-step questions)."""
-    kind = type(array)
-    found = _owners.get(kind)
+    found = _owners.get(type(array))
     if found is None:
-        found = _owners[kind] = backend_for_array(array)
+        found = _owners[type(array)] = backend_for_array(array)
     return found
 
 
@@ -187,11 +180,9 @@ def map_tree(fn: Any, tree: Any, rest: tuple[Any, ...]) -> tuple[Any] | None:
 def check_owned(backend: Backend, array: Any, what: str) -> None:
     """Raise ForeignArrayError when the chosen ``backend`` cannot work on ``array``."""
     if not backend.accepts_array(array):
-        raise ForeignArrayError(
-            f"{what} is a {type(array).__module__}.{type(array).__name__}, which backend "
-            f"{backend.name!r} cannot hold. Fix: pass backend= for that library "
-            f"(installed: {_summary()}), or unset {ENV_VAR}."
-        )
+        raise ForeignArrayError(f"{what} is a {type(array).__module__}.{type(array).__name__}, which backend "
+                                f"{backend.name!r} cannot hold. Fix: pass backend= for that library "
+                                f"(installed: {_summary()}), or unset {ENV_VAR}.")
 
 
 def check_in_place(backend: Backend, array: Any = None) -> None:
@@ -199,12 +190,11 @@ def check_in_place(backend: Backend, array: Any = None) -> None:
     if backend.plugin.backend_info().get("in_place", True):
         return
     what = f"a {type(array).__module__}.{type(array).__name__}" if array is not None else "no array yet"
-    raise ForeignArrayError(
-        f"polyamp.LossScaler cannot use backend {backend.name!r} (given {what}): its arrays cannot "
-        "be changed in place, and the scaler unscales gradients in place. Fix: use "
-        "polyamp.functional (init, scale, unscale, update, where_finite: pure functions that trace "
-        "under jax.jit), or polyamp.optax.loss_scaled(optimizer) with optax."
-    )
+    raise ForeignArrayError(f"polyamp.LossScaler cannot use backend {backend.name!r} (given {what}): its "
+                            "arrays cannot be changed in place, and the scaler unscales gradients in place. "
+                            "Fix: use polyamp.functional (init, scale, unscale, update, where_finite: pure "
+                            "functions that trace under jax.jit), or polyamp.optax.loss_scaled(optimizer) "
+                            "with optax.")
 
 
 def first_array(tree: Iterable[Any] | Any) -> Any:

@@ -25,7 +25,8 @@ logger = logging.getLogger("polyamp")
 
 
 class Scaling:
-    """The config in force, the backend (None until arrays choose one) and the scale state."""
+    """The config in force, the backend (None until arrays choose one) and the scale state (None
+    until bound, and never without a backend)."""
 
     def __init__(self, config: LossScaleConfig, backend: Backend | None) -> None:
         if backend is not None:
@@ -39,7 +40,7 @@ class Scaling:
     def bind(self, array: Any) -> Backend:
         """Pick the backend from ``array`` if none is chosen, and create the state on its device."""
         backend = self.backend
-        if self.state is not None and backend is not None:  # bound already (per step: nothing to do)
+        if self.state is not None:  # bound already (per step: nothing to do)
             return backend
         _inputs.refuse_meta([array], "the scaler")  # before a backend or state is chosen by it
         if backend is None:
@@ -58,7 +59,7 @@ class Scaling:
 
     def gradients(self, given: Any, where: str, owned: bool = False) -> list[Any]:
         """``given`` as a list of the bound backend's arrays (``owned``: already checked)."""
-        if owned and self.backend is not None and self.state is not None:
+        if owned and self.state is not None:
             return given
         arrays = _inputs.gradient_list(given, where)
         if arrays:
@@ -75,7 +76,7 @@ class Scaling:
 
     def host_state(self) -> HostState:
         """The state as Python numbers: a device sync when the state lives on a GPU."""
-        if self.state is None or self.backend is None:
+        if self.state is None:
             return self.host
         to_host = self.backend.to_host
         scale, growth, backoff = self.state
@@ -118,7 +119,7 @@ class Scaling:
 
     def load(self, host: HostState) -> None:
         """Replace the state (arrays on their device where they exist)."""
-        if self.state is not None and self.backend is not None:
+        if self.state is not None:
             self.state = _make_state(self.backend, host, self.state.scale)
         self.host = host
 
@@ -131,7 +132,7 @@ class Scaling:
         fitted = fit_to_config(host, config)
         if fitted == host:
             return config
-        if self.state is None or self.backend is None:
+        if self.state is None:
             self.host = fitted
         else:
             full, like = self.backend.full, self.state.scale
@@ -141,7 +142,7 @@ class Scaling:
 
     def set_scale(self, scale: float) -> None:
         """Replace the scale (trackers kept)."""
-        if self.state is not None and self.backend is not None:
+        if self.state is not None:
             self.state = self.state._replace(scale=self.backend.full(scale, "float32", self.state.scale))
         else:
             self.host = self.host._replace(scale=scale)
@@ -162,14 +163,13 @@ class Scaling:
             return
         state = state or self.host_state()
         if backs_off_at_floor(state, self.config):
-            raise MinScaleError(
-                f"gradients overflowed with the loss scale already at its minimum {state.scale:g} "
-                f"(min_scale={self.config.min_scale!r}, floor {scale_floor(self.config):g}) and "
-                f"hysteresis spent: it cannot back off further, and raise_error_at_min_scale=True "
-                "(DeepSpeed's behaviour). The step was skipped; the scale and trackers are unchanged. "
-                "Fix: find what overflows (diagnose=True, polyamp.explain_overflow), lower min_scale, "
-                "or pass raise_error_at_min_scale=False to keep skipping such steps."
-            )
+            raise MinScaleError("gradients overflowed with the loss scale already at its minimum "
+                                f"{state.scale:g} (min_scale={self.config.min_scale!r}, floor "
+                                f"{scale_floor(self.config):g}) and hysteresis spent: it cannot back off "
+                                "further, and raise_error_at_min_scale=True (DeepSpeed's behaviour). The "
+                                "step was skipped; the scale and trackers are unchanged. Fix: find what "
+                                "overflows (diagnose=True, polyamp.explain_overflow), lower min_scale, or "
+                                "pass raise_error_at_min_scale=False to keep skipping such steps.")
 
     def warn_if_at_floor(self, skipped: bool, last_overflow: overflow.OverflowReport | None) -> None:
         """After a skipped step's update: warn once if the scale sits at SCALE_FLOOR."""

@@ -29,8 +29,6 @@ def iter_params(optimizer: Any) -> Iterator[Any]:
     if callable(getattr(optimizer, "parameters", None)):
         yield from optimizer.parameters()
         return
-    raise TypeError(
-        f"cannot find the parameters of optimizer={type(optimizer).__name__}: expected "
-        "torch-style param_groups, paddle-style _param_groups/_parameter_list, or parameters()"
-    )
+    raise TypeError(f"cannot find the parameters of optimizer={type(optimizer).__name__}: expected "
+                    "torch-style param_groups, paddle-style _param_groups/_parameter_list, or parameters()")
 

@@ -18,10 +18,9 @@ RULE_PRODUCTS: dict[str, ProductDtype] = {
     "torch": "float64", "paddle": "float32", "megatron": "float32", "deepspeed": "float64",
 }
 
-#: The smallest scale polyamp ever holds: float32's smallest normal (2**-126). Backoff stops
-#: here, so the scale never becomes subnormal or 0 (0 would turn the unscaled weights into NaN).
+#: The scale's range: float32's smallest normal (backoff stops there: a scale of 0 would turn the
+#: unscaled weights into NaN) to its largest finite value.
 SCALE_FLOOR = 2.0**-126
-#: The largest scale: float32's largest finite value.
 SCALE_CEILING = float(np.finfo(np.float32).max)
 
 
@@ -54,16 +53,12 @@ class LossScaleConfig:
         check_scale("init_scale", self.init_scale)
         _check_number("growth_factor", self.growth_factor)
         if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
-            raise ConfigError(
-                f"growth_factor must be a finite number > 1, got growth_factor={self.growth_factor!r}. "
-                "Fix: pass e.g. growth_factor=2.0"
-            )
+            raise ConfigError(f"growth_factor must be a finite number > 1, got growth_factor="
+                              f"{self.growth_factor!r}. Fix: pass e.g. growth_factor=2.0")
         _check_number("backoff_factor", self.backoff_factor)
         if not 0.0 < self.backoff_factor < 1.0:
-            raise ConfigError(
-                f"backoff_factor must be in (0, 1), got backoff_factor={self.backoff_factor!r}. "
-                "Fix: pass e.g. backoff_factor=0.5"
-            )
+            raise ConfigError(f"backoff_factor must be in (0, 1), got backoff_factor="
+                              f"{self.backoff_factor!r}. Fix: pass e.g. backoff_factor=0.5")
         _check_interval("growth_interval", self.growth_interval)
         _check_interval("backoff_interval", self.backoff_interval)
         _check_bounds(self.min_scale, self.max_scale)
@@ -72,10 +67,9 @@ class LossScaleConfig:
                               "Fix: pass dynamic=True (the scale moves) or dynamic=False (a fixed scale)")
         if self.product_dtype not in (None, "float64", "float32"):
             raise ConfigError(
-                "product_dtype must be None (the rule's own), 'float64' (torch) or 'float32' "
-                f"(paddle), got product_dtype={short_repr(self.product_dtype)}. Fix: leave product_dtype "
-                "unset (None), or pass product_dtype='float64' or 'float32'"
-            )
+                "product_dtype must be None (the rule's own), 'float64' (torch) or 'float32' (paddle), got "
+                f"product_dtype={short_repr(self.product_dtype)}. Fix: leave product_dtype unset (None), or "
+                "pass product_dtype='float64' or 'float32'")
         _check_rule(self)
 
     @property
@@ -88,7 +82,7 @@ class LossScaleConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field by name; derived from the dataclass so no field can be forgotten."""
+        """Every field by name."""
         return asdict(self)
 
     @classmethod
@@ -97,10 +91,9 @@ class LossScaleConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(
-                f"unknown LossScaleConfig field(s) {unknown}; expected some of {sorted(known)}. "
-                "Fix: drop or rename those keys (a dict from LossScaleConfig.to_dict() has only known ones)"
-            )
+            raise ConfigError(f"unknown LossScaleConfig field(s) {unknown}; expected some of "
+                              f"{sorted(known)}. Fix: drop or rename those keys (a dict from "
+                              "LossScaleConfig.to_dict() has only known ones)")
         return cls(**data)
 
 
@@ -110,36 +103,29 @@ def _check_bounds(min_scale: float | None, max_scale: float | None) -> None:
         if value is not None:
             check_scale(name, value)
     if min_scale is not None and max_scale is not None and min_scale > max_scale:
-        raise ConfigError(
-            f"min_scale must be <= max_scale, got min_scale={min_scale!r} and max_scale={max_scale!r}. "
-            "Fix: pass a min_scale no larger than max_scale, or leave one of them None"
-        )
+        raise ConfigError(f"min_scale must be <= max_scale, got min_scale={min_scale!r} and max_scale="
+                          f"{max_scale!r}. Fix: pass a min_scale no larger than max_scale, or leave one None")
 
 
 def _check_rule(config: LossScaleConfig) -> None:
     """``rule`` is known, its product precision is the engine's, DeepSpeed's options only with it."""
     if not isinstance(config.rule, str) or config.rule not in RULE_PRODUCTS:
-        raise ConfigError(
-            f"rule must be one of {', '.join(map(repr, RULE_PRODUCTS))}, got rule={short_repr(config.rule)}. "
-            "Fix: pass e.g. rule='torch' (the default)."
-        )
+        raise ConfigError(f"rule must be one of {', '.join(map(repr, RULE_PRODUCTS))}, got rule="
+                          f"{short_repr(config.rule)}. Fix: pass e.g. rule='torch' (the default).")
     own = RULE_PRODUCTS[config.rule]
     if config.rule != "torch" and config.product_dtype not in (None, own):
         raise ConfigError(
             f"rule={config.rule!r} forms scale*factor in {own}, got product_dtype={config.product_dtype!r}. "
             f"Fix: leave product_dtype unset (None), or use rule='torch' with product_dtype="
-            f"{config.product_dtype!r}."
-        )
+            f"{config.product_dtype!r}.")
     for name in ("consecutive_hysteresis", "raise_error_at_min_scale"):
         value = getattr(config, name)
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be True or False, got {name}={short_repr(value)}. "
                               f"Fix: pass {name}=True or {name}=False")
         if value and config.rule != "deepspeed":
-            raise ConfigError(
-                f"{name} is DeepSpeed's option, got {name}=True with rule={config.rule!r}. "
-                f"Fix: pass rule='deepspeed', or leave {name}=False."
-            )
+            raise ConfigError(f"{name} is DeepSpeed's option, got {name}=True with rule={config.rule!r}. "
+                              f"Fix: pass rule='deepspeed', or leave {name}=False.")
 
 
 def config_from(config: LossScaleConfig | None, fields_given: dict[str, Any], caller: str) -> LossScaleConfig:
@@ -150,15 +136,12 @@ def config_from(config: LossScaleConfig | None, fields_given: dict[str, Any], ca
     known = [f.name for f in fields(LossScaleConfig)]
     unknown = [name for name in fields_given if name not in known]
     if unknown:
-        raise TypeError(
-            f"{caller}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; valid "
-            f"keywords: config= or the LossScaleConfig fields {', '.join(known)}"
-        )
+        raise TypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                        f"valid keywords: config= or the LossScaleConfig fields {', '.join(known)}")
     if config is not None:
         raise TypeError(
-            f"{caller}() got both config= and the config field(s) {', '.join(fields_given)}. Fix: "
-            f"pass one of them, e.g. config=config.replace({', '.join(f'{k}=...' for k in fields_given)})"
-        )
+            f"{caller}() got both config= and the config field(s) {', '.join(fields_given)}. Fix: pass one "
+            f"of them, e.g. config=config.replace({', '.join(f'{k}=...' for k in fields_given)})")
     return LossScaleConfig(**fields_given)
 
 
@@ -171,8 +154,6 @@ def _plain(value: Any, integral: bool) -> Any:
     else as it is, for the checks to judge (a float interval or a NumPy bool is still refused)."""
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value[()]
-    if isinstance(value, np.bool_):
-        return value
     if isinstance(value, np.integer):
         return int(value) if integral else float(value)
     if isinstance(value, np.floating) and not integral:
@@ -208,10 +189,8 @@ def check_scale(name: str, value: Any, error: type[Exception] = ConfigError) -> 
                     f"Fix: pass a float, e.g. {name}=65536.0")
     number = float(value) if fits_float(value) else math.inf  # an int beyond float64, e.g. 10**400
     if not (math.isfinite(number) and SCALE_FLOOR <= number <= SCALE_CEILING):
-        raise error(
-            f"{name} must be a positive normal float32 value, between 2**-126 (~1.18e-38) and "
-            f"~3.40e38, got {name}={short_repr(value)}. Fix: pass e.g. {name}=65536.0"
-        )
+        raise error(f"{name} must be a positive normal float32 value, between 2**-126 (~1.18e-38) and "
+                    f"~3.40e38, got {name}={short_repr(value)}. Fix: pass e.g. {name}=65536.0")
     return number
 
 
@@ -224,10 +203,9 @@ def _check_interval(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be an int >= 1, got {name}={short_repr(value)}. "
                           f"Fix: pass a whole number of steps, e.g. {name}={_EXAMPLES[name]}")
     if value >= INTERVAL_LIMIT:
-        raise ConfigError(
-            f"{name} must be an int below 2**63 (the device compares it as int64), got {name}="
-            f"{short_repr(value)}. Fix: pass e.g. {name}=2**31, which the int32 trackers never reach."
-        )
+        raise ConfigError(f"{name} must be an int below 2**63 (the device compares it as int64), got {name}="
+                          f"{short_repr(value)}. Fix: pass e.g. {name}=2**31, which the int32 trackers "
+                          "never reach.")
 
 
 def short_repr(value: Any, limit: int = 40) -> str:

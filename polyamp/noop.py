@@ -43,19 +43,16 @@ class NoOpLossScaler:
     def unscale_(self, grads: Iterable[Any], *, check_only: bool = False) -> None:
         """Nothing to undo; once per iteration, before step(), as on LossScaler."""
         if self._stepped or self._unscaled:
-            raise ScalerStateError(
-                "unscale_() was already called (or step() was) in this iteration. Fix: remove the "
-                "second unscale_() call, and call update() after step()."
-            )
+            raise ScalerStateError("unscale_() was already called (or step() was) in this iteration. Fix: "
+                                   "remove the second unscale_() call, and call update() after step().")
         self._unscaled = True
 
     def step(self, grads: Iterable[Any], step_fn: Callable[[], Any]) -> StepResult:
         """Run ``step_fn``; never skipped (the result is truthy). Call update() next."""
         if self._stepped:
-            raise ScalerStateError(
-                "step() was already called in this iteration. Fix: call update() after step() "
-                "(the loop is `stepped = scaler.step(grads, step_fn); scaler.update()`)."
-            )
+            raise ScalerStateError("step() was already called in this iteration. Fix: call update() after "
+                                   "step() (the loop is `stepped = scaler.step(grads, step_fn); "
+                                   "scaler.update()`).")
         step_fn()
         self._stepped = True
         self.steps += 1

@@ -23,7 +23,6 @@ class Parameter:
     __slots__ = ("__weakref__", "_data", "_grad")
 
     def __init__(self, data: Any, grad: Any | None = None) -> None:
-        self._grad = None
         self.data = data
         self.grad = grad
 
@@ -35,11 +34,10 @@ class Parameter:
     @data.setter
     def data(self, value: Any) -> None:
         if not _is_array(value):
-            raise TypeError(
-                f"Parameter data must be an array-API array (numpy, cupy, torch, "
-                f"array_api_strict, ...), got {type(value).__module__}.{type(value).__qualname__}; "
-                f"convert it first, e.g. Parameter(numpy.asarray(value, dtype=numpy.float32))"
-            )
+            raise TypeError("Parameter data must be an array-API array (numpy, cupy, torch, "
+                            "array_api_strict, ...), got "
+                            f"{type(value).__module__}.{type(value).__qualname__}; convert it first, e.g. "
+                            "Parameter(numpy.asarray(value, dtype=numpy.float32))")
         self._data = value
 
     @property
@@ -49,20 +47,13 @@ class Parameter:
 
     @grad.setter
     def grad(self, value: Any | None) -> None:
-        if value is None:
-            self._grad = None
-            return
-        if not _is_array(value):
-            raise TypeError(
-                f"Parameter grad must be None or an array-API array, got "
-                f"{type(value).__module__}.{type(value).__qualname__}; convert it with the "
-                f"data's namespace, e.g. array_api_compat.array_namespace(p.data).asarray(value)"
-            )
-        if tuple(value.shape) != self.shape:
-            raise ValueError(
-                f"Parameter grad must have the data's shape {self.shape}, got "
-                f"{tuple(value.shape)}; compute the gradient of the same array"
-            )
+        if value is not None and not _is_array(value):
+            raise TypeError("Parameter grad must be None or an array-API array, got "
+                            f"{type(value).__module__}.{type(value).__qualname__}; convert it with the "
+                            "data's namespace, e.g. array_api_compat.array_namespace(p.data).asarray(value)")
+        if value is not None and tuple(value.shape) != self.shape:
+            raise ValueError(f"Parameter grad must have the data's shape {self.shape}, got "
+                             f"{tuple(value.shape)}; compute the gradient of the same array")
         self._grad = value
 
     @property
@@ -77,7 +68,5 @@ class Parameter:
 
     def __repr__(self) -> str:
         grad = "None" if self._grad is None else "set"
-        return (
-            f"Parameter(shape={self.shape}, dtype={self.dtype}, "
-            f"library={type(self._data).__module__.split('.')[0]}, grad={grad})"
-        )
+        library = type(self._data).__module__.split(".")[0]
+        return f"Parameter(shape={self.shape}, dtype={self.dtype}, library={library}, grad={grad})"

@@ -15,13 +15,11 @@ One rule with three parameters (:class:`RuleParams`) covers the four ``config.ru
             if new is finite: scale = min(new, max_scale)
             growth_tracker = growth_delay; backoff_tracker = 0
 
-``keeps_count`` (megatron, deepspeed): a spent hysteresis stays spent until a refill.
-``growth_delay`` is 1 for deepspeed (its window starts after the first finite step), else 0.
-``floor`` is ``min_scale`` when set, else ``SCALE_FLOOR`` (2**-126): never subnormal or 0, which
-torch allows. Products are formed in ``config.products`` and rounded to float32; ``dynamic=False``
-never changes the state. ``>=`` where the engines write ``==``: the same within
-:func:`tracker_limits`, and a state past them still moves (:func:`fit_to_config`). Every backend
-kernel must agree with :func:`next_host_state` within those limits; the tests hold each to it.
+``keeps_count`` (megatron, deepspeed): a spent hysteresis stays spent until a refill. ``growth_delay``
+is 1 for deepspeed (its window starts after the first finite step). ``floor`` is ``min_scale``, else
+``SCALE_FLOOR`` (2**-126; torch allows subnormals and 0). Products are formed in ``config.products``,
+rounded to float32; ``dynamic=False`` never moves. ``>=`` where the engines write ``==``: the same
+within :func:`tracker_limits`, where every backend kernel must agree with :func:`next_host_state`.
 """
 
 from __future__ import annotations
@@ -97,9 +95,7 @@ def _float32(value: float) -> float:
 
 def scale_floor(config: LossScaleConfig) -> float:
     """The lowest scale a backoff may leave: ``min_scale`` (as float32) when set, else SCALE_FLOOR."""
-    if config.min_scale is None:
-        return SCALE_FLOOR
-    return max(_float32(config.min_scale), SCALE_FLOOR)
+    return SCALE_FLOOR if config.min_scale is None else max(_float32(config.min_scale), SCALE_FLOOR)
 
 
 def backs_off_at_floor(state: HostState, config: LossScaleConfig) -> bool:
@@ -150,10 +146,7 @@ def next_state(
     state: LossScaleState, found_inf: Any, config: LossScaleConfig, xp: Any, *, products: str | None = None
 ) -> LossScaleState:
     """The rule as branch-free array code (``xp.where``): new arrays, no host read, never in place.
-
-    ``found_inf``: a 0-d float32 array, non-zero on overflow. ``products`` overrides
-    ``config.products`` for a library without float64 (JAX without x64: "float32").
-    """
+    ``products`` overrides ``config.products`` for a library without float64 (JAX without x64)."""
     if not config.dynamic:
         return state
     params = rule_params(config)
@@ -167,8 +160,8 @@ def next_state(
 
     wide = xp.float32 if (products or config.products) == "float32" else xp.float64
     scale_w = xp.astype(scale, wide)
-    backed = xp.astype(scale_w * float(config.backoff_factor), xp.float32)  # float: an int 10**30
-    # factor would not convert to a float32 tensor scalar (torch: "int too big to convert")
+    # float(): an int factor of 10**30 is "too big to convert" to a torch float32 scalar
+    backed = xp.astype(scale_w * float(config.backoff_factor), xp.float32)
     backed = xp.maximum(backed, xp.asarray(scale_floor(config), dtype=xp.float32))
     grown = xp.astype(scale_w * float(config.growth_factor), xp.float32)
     grow_ok = do_grow & xp.isfinite(grown)
