@@ -11,7 +11,8 @@ import numpy as np
 from ._errors import ConfigError, install_hint
 
 COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
-_NAMES = COMPUTE_DTYPES + ("float64",)
+#: The floating dtypes, by the last word of ``str(dtype)`` (numpy, torch, paddle, ...).
+FLOATING = frozenset(COMPUTE_DTYPES + ("float64",))
 
 
 def short_name(dtype: Any) -> str:
@@ -27,7 +28,7 @@ def dtype_name(dtype: Any, param: str = "dtype") -> str:
     if not isinstance(dtype, str):
         dtype = str(getattr(dtype, "name", None) or getattr(dtype, "__name__", dtype))
     name = dtype.rpartition(".")[2]  # torch.float16, array_api_strict.float32
-    if name not in _NAMES:
+    if name not in FLOATING:
         raise ConfigError(f"{param} must be one of {list(COMPUTE_DTYPES)} (a name or the library's dtype), "
                           f"got {param}={original!r}")
     return name

@@ -196,12 +196,10 @@ class ReducerSpec:
     @staticmethod
     @hookspec(firstresult=True)
     def make_reducer(group: Any, timeout: float | None) -> Any:
-        """A ``polyamp.distributed.Reducer`` over ``group``, or None when this plugin does not accept it.
-
-        ``timeout`` (seconds, validated; None: the plugin's default) bounds every collective. Must not
-        import a library just to look at ``group`` (use sys.modules). Raise, naming the value and the
-        fix, when ``group`` is this plugin's kind but unusable.
-        """
+        """A ``polyamp.distributed.Reducer`` over ``group``, every collective bounded by ``timeout``
+        (seconds, validated; None: the plugin's default), or None when this plugin does not accept ``group``
+        (looked up in sys.modules, never imported for it). Raise, naming the value and the fix, when
+        ``group`` is this plugin's kind but unusable."""
 
     @staticmethod
     @hookspec

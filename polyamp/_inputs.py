@@ -10,17 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from ._dtypes import short_name
+from ._dtypes import FLOATING, short_name
 from ._errors import ConfigError, ForeignArrayError
 from .backend import Backend
 from .config import check_scale, short_repr
 
 #: Gradient types no kernel can unscale in place (scalars; np.matrix stays 2-D under reshape(-1)).
 _NOT_IN_PLACE = (np.generic, np.matrix, int, float, complex)
-
-
-#: The dtypes a gradient may have, by the last word of ``str(dtype)`` (numpy, torch, paddle, ...).
-FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 _DTYPE = operator.attrgetter("dtype")
 # (dtype type, dtype) already found floating; the type keeps two libraries' dtypes from being compared
 _FLOATING_SEEN: set[tuple[type, Any]] = set()

@@ -18,7 +18,11 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     """``fn`` applied leaf by leaf to ``tree`` and the trees of the same structure in ``rest``
     (a different structure is refused: zip would silently drop or broadcast parts)."""
     for other in rest:
-        _check_same_node(tree, other)
+        if _node(tree) != _node(other):
+            raise ValueError(f"the pytrees mapped together differ in structure: {_describe(tree)} against "
+                             f"{_describe(other)}. Fix: pass trees of the same structure (the same dict "
+                             "keys, sequence lengths, None and array leaves), e.g. "
+                             "where_finite(found_inf, new_params, params)")
     if isinstance(tree, dict):
         return type(tree)((k, tree_map(fn, v, *(r[k] for r in rest))) for k, v in tree.items())
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple (optax states)
@@ -40,15 +44,6 @@ def _node(tree: Any) -> tuple[Any, ...]:
     if isinstance(tree, (list, tuple)):
         return (type(tree).__name__ if hasattr(tree, "_fields") else "sequence", len(tree))
     return ("None",) if tree is None else ("leaf",)
-
-
-def _check_same_node(tree: Any, other: Any) -> None:
-    mine, theirs = _node(tree), _node(other)
-    if mine != theirs:
-        raise ValueError(f"the pytrees mapped together differ in structure: {_describe(tree)} against "
-                         f"{_describe(other)}. Fix: pass trees of the same structure (the same dict keys, "
-                         "sequence lengths, None and array leaves), e.g. "
-                         "where_finite(found_inf, new_params, params)")
 
 
 def _describe(tree: Any) -> str:

@@ -11,11 +11,8 @@ from .overflow import check_diagnose
 
 
 class NoOpLossScaler:
-    """Same API and loop as :class:`polyamp.LossScaler`; scales by 1 and always applies the step.
-
-    It keeps the loop's order too (``step`` then ``update``, one ``unscale_``), so code written
-    against it keeps working when scaling is turned on. Copyable and picklable.
-    """
+    """Same API and loop order as :class:`polyamp.LossScaler` (so code written against it keeps
+    working when scaling is turned on); scales by 1 and always applies the step. Copyable, picklable."""
 
     enabled = False
     backend = None

@@ -1,8 +1,5 @@
-"""Stepping an LR scheduler only after an applied optimizer step.
-
-torch warns "Detected call of lr_scheduler.step() before optimizer.step()" when the
-first step was skipped for overflow, and a skipped step should not advance the schedule.
-"""
+"""Stepping an LR scheduler only after an applied optimizer step: a skipped step should not advance
+the schedule (torch warns "Detected call of lr_scheduler.step() before optimizer.step()")."""
 
 from __future__ import annotations
 
