@@ -74,7 +74,7 @@ _LAZY = {
     "GradBuffer": "grads", "ScaledGradientsError": "grads", "clip_grad_norm_": "grads",
     "global_norm": "grads", "Parameter": "parameter", "ArrayLossFn": "trainer", "ArrayModel": "trainer",
     "MixedPrecisionTrainer": "trainer", "StepMetrics": "trainer", "PrecisionMeter": "precision",
-    "PrecisionReport": "precision", "GradScaler": "compat.torch",
+    "PrecisionReport": "precision",
 }
 
 
@@ -83,6 +83,10 @@ def __getattr__(name: str):  # lazy: the facade, polyamp.optim and the helpers s
         value = getattr(_import_module(f"polyamp.{_LAZY[name]}"), name)
         globals()[name] = value  # later reads skip __getattr__
         return value
+    if name == "GradScaler":
+        from polyamp.compat.torch import GradScaler
+
+        return GradScaler
     if name in ("optim", "functional", "optax"):  # as torch.optim after `import torch`; optax
         return _import_module(f"polyamp.{name}")  # loads optax (and jax) only when asked for
     raise AttributeError(f"module 'polyamp' has no attribute {name!r}")
