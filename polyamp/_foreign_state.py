@@ -1,9 +1,6 @@
-"""Megatron-Core's and DeepSpeed's own loss-scaler state, read as polyamp's (issue 32, item 6).
-
-Megatron-Core's ``DynamicGradScaler.state_dict()`` is read with ``rule="megatron"``, DeepSpeed's
-``DynamicLossScaler`` ``vars()`` with ``rule="deepspeed"`` (docs/rule.md). The scaler's own config
-gives what the layout lacks; a setting the layout holds must equal it. Counters and a guard's history
-stay as they were.
+"""Megatron-Core's ``DynamicGradScaler.state_dict()`` and DeepSpeed's ``DynamicLossScaler`` ``vars()``,
+read as polyamp's with ``rule="megatron"`` / ``"deepspeed"`` (docs/rule.md). The scaler's own config
+gives what the layout lacks; a setting the layout holds must equal it. Counters and guard history stay.
 """
 
 from __future__ import annotations
@@ -47,10 +44,7 @@ def to_polyamp(state: Mapping[str, Any], current: dict[str, Any]) -> dict[str, A
     which = layout(state)
     where = f"{'Megatron-Core' if which == 'megatron' else 'DeepSpeed'} scaler state"
     config = _config(LossScaleConfig.from_dict(dict(current["config"])), which, where)
-    if which == "megatron":
-        scale, growth, backoff = _megatron(state, config, where)
-    else:
-        scale, growth, backoff = _deepspeed(state, config, where)
+    scale, growth, backoff = (_megatron if which == "megatron" else _deepspeed)(state, config, where)
     return {**current, "config": config.to_dict(), "scale": scale, "growth_tracker": growth,
             "backoff_tracker": backoff}
 
@@ -59,9 +53,8 @@ def _config(config: LossScaleConfig, rule: str, where: str) -> LossScaleConfig:
     """The scaler's config with the layout's rule (DeepSpeed's options only with its own)."""
     if rule == config.rule:
         return config
-    deepspeed_only = config.consecutive_hysteresis or config.raise_error_at_min_scale
     try:
-        if rule == "megatron" and deepspeed_only:
+        if rule == "megatron" and (config.consecutive_hysteresis or config.raise_error_at_min_scale):
             raise ConfigError("the scaler's config sets DeepSpeed's consecutive_hysteresis/"
                               "raise_error_at_min_scale, which Megatron's rule has not")
         return config.replace(rule=rule)

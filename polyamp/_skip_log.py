@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +42,7 @@ class SkipLog:
         self.skips = 0  # skipped steps seen
         self.opened: int | None = None  # self.steps when the open window's first skip came; None: none open
         self.opening_scale: float | None = None  # the scale before that skip (None if INFO was off)
-        self.window_skips = 0
-        self.reasons: dict[str, int] = {}  # the open window's skips per reason
+        self.reasons: Counter[str] = Counter()  # the open window's skips per reason
 
     def wants_scale(self, skipped: bool) -> bool:
         """Whether the caller must read the scale before this update (host-only: reads nothing)."""
@@ -71,10 +70,7 @@ class SkipLog:
             else:
                 if self.opened is None:
                     self.opened, self.opening_scale = self.steps, None if before is None else _scale(before)
-                self.window_skips += 1
-                why = reason or "overflow"
-                counts = self.reasons
-                self.reasons = {**counts, why: counts.get(why, 0) + 1}
+                self.reasons[reason or "overflow"] += 1
         if before is not None and logger.isEnabledFor(level):
             line = describe(skipped, before, read())
             if line is not None:
@@ -91,8 +87,8 @@ class SkipLog:
             why = ", ".join(f"{n} {r}" for r, n in reasons.items())
             why = f" ({why})" if set(reasons) - {"overflow"} else ""
             logger.info("%d skipped steps%s in the last %d steps, loss scale %s (each step's line is at "
-                        "DEBUG level)", self.window_skips, why, self.steps - self.opened + 1, moved)
-        self.opened, self.opening_scale, self.window_skips, self.reasons = None, None, 0, {}
+                        "DEBUG level)", reasons.total(), why, self.steps - self.opened + 1, moved)
+        self.opened, self.opening_scale, self.reasons = None, None, Counter()
 
 
 class SkipWindow:

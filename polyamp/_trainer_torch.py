@@ -33,10 +33,9 @@ class TorchSteps:
         """
         for name, value in (("input", input), ("target", target)):
             if value is not None and not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"train_step() needs {name} to be a torch.Tensor for a torch model, got "
-                    f"{type(value).__module__}.{type(value).__name__}. Fix: torch.as_tensor({name})."
-                )
+                raise TypeError(f"train_step() needs {name} to be a torch.Tensor for a torch "
+                                f"model, got {type(value).__module__}.{type(value).__name__}. "
+                                f"Fix: torch.as_tensor({name}).")
         x = _dtypes.cast(input, self.dtype) if input.is_floating_point() else input
         if target is not None and target.is_floating_point():
             target = _dtypes.cast(target, self.dtype)
@@ -46,9 +45,7 @@ class TorchSteps:
             loss = loss_fn(output, target)
         _step_inputs.torch_loss(loss)
         if loss.ndim != 0:
-            raise ValueError(
-                f"loss_fn must return a scalar (0-d) loss tensor, got shape {tuple(loss.shape)}; "
-                "reduce it, e.g. with reduction='mean'"
-            )
+            raise ValueError("loss_fn must return a scalar (0-d) loss tensor, got shape "
+                             f"{tuple(loss.shape)}; reduce it, e.g. with reduction='mean'")
         scaler.scale(loss / ranks if ranks > 1 else loss).backward()
         return loss.detach()

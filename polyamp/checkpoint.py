@@ -42,16 +42,9 @@ def to_state_dict(
     trackers past the config's limits are written fitted (the same trajectory), so it loads."""
     host = fit_to_config(host, config)
     extra = {} if guard is None else {"guard": guard.to_dict()}
-    return {**extra,
-        "format": FORMAT,
-        "version": VERSION,
-        "config": config.to_dict(),
-        "scale": host.scale,
-        "growth_tracker": host.growth_tracker,
-        "backoff_tracker": host.backoff_tracker,
-        "steps": steps,
-        "skipped_steps": skipped_steps,
-    }
+    return {**extra, "format": FORMAT, "version": VERSION, "config": config.to_dict(), "scale": host.scale,
+            "growth_tracker": host.growth_tracker, "backoff_tracker": host.backoff_tracker, "steps": steps,
+            "skipped_steps": skipped_steps}
 
 
 def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
@@ -62,11 +55,10 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
         raise _not_ours(sd)
     version = sd.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version > VERSION or version < 1:
-        raise StateDictError(
-            f"state_dict['version'] must be an int this polyamp reads (1..{VERSION}), got "
-            f"version={short_repr(version)}. Fix: load a state_dict written by LossScaler.state_dict() "
-            "(a newer polyamp's checkpoint needs that newer polyamp)."
-        )
+        raise StateDictError("state_dict['version'] must be an int this polyamp reads "
+                             f"(1..{VERSION}), got version={short_repr(version)}. Fix: "
+                             "load a state_dict written by LossScaler.state_dict() (a "
+                             "newer polyamp's checkpoint needs that newer polyamp).")
     missing = sorted({"config", "scale", "growth_tracker", "backoff_tracker"} - set(sd))
     if missing:
         raise StateDictError(f"state_dict lacks key(s) {missing}")
@@ -85,11 +77,10 @@ def from_state_dict(sd: Any) -> tuple[LossScaleConfig, HostState, int, int]:
     steps = _count(sd, "steps", COUNTER_LIMIT, "below 2**63", default=0)
     skipped = _count(sd, "skipped_steps", COUNTER_LIMIT, "below 2**63", default=0)
     if skipped > steps:
-        raise StateDictError(
-            f"state_dict['skipped_steps'] must not exceed state_dict['steps'] (skipped steps are counted "
-            f"among the steps), got skipped_steps={skipped} and steps={steps}. Fix: load a state_dict "
-            "written by LossScaler.state_dict(), or correct those counters."
-        )
+        raise StateDictError("state_dict['skipped_steps'] must not exceed state_dict['steps'] "
+                             "(skipped steps are counted among the steps), got "
+                             f"skipped_steps={skipped} and steps={steps}. Fix: load a state_dict "
+                             "written by LossScaler.state_dict(), or correct those counters.")
     return config, HostState(scale, growth, backoff), steps, skipped
 
 
@@ -144,10 +135,9 @@ def _count(sd: dict[str, Any], key: str, limit: int, rule: str, default: int | N
         return default
     value = sd[key]
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
-        raise StateDictError(
-            f"state_dict[{key!r}] must be an int >= 0 {rule}, got {key}={short_repr(value)}. "
-            "Fix: load a state_dict written by LossScaler.state_dict() with this config."
-        )
+        raise StateDictError(f"state_dict[{key!r}] must be an int >= 0 {rule}, got "
+                             f"{key}={short_repr(value)}. Fix: load a state_dict "
+                             "written by LossScaler.state_dict() with this config.")
     return value
 
 
@@ -175,21 +165,18 @@ def _write_all(f: IO[bytes], payload: bytes) -> None:
         if n is None and done == 0:  # a writer that does not count (returns None) took it all
             return
         if not isinstance(n, int) or not 0 < n <= len(payload) - done:
-            raise OSError(
-                f"save() could not write checkpoint {_name(f)}: its write() took {n!r} of the "
-                f"{len(payload) - done} bytes left ({done} of {len(payload)} written), so the file "
-                "is incomplete. Fix: save to a path (written atomically), or to a file whose write() "
-                "takes the bytes it is given (e.g. one opened with open(path, 'wb'))."
-            )
+            raise OSError(f"save() could not write checkpoint {_name(f)}: its write() took {n!r} of the "
+                          f"{len(payload) - done} bytes left ({done} of {len(payload)} written), so the file "
+                          "is incomplete. Fix: save to a path (written atomically), or to a file whose "
+                          "write() takes the bytes it is given (e.g. one opened with open(path, 'wb')).")
         done += n
 
 
 def _as_path(f: Any, verb: str) -> str:
     if not isinstance(f, (str, os.PathLike)):
-        raise TypeError(
-            f"{verb}() needs a path or a binary file object, got f={short_repr(f)} "
-            f"({type(f).__name__}). Fix: pass a str/pathlib.Path, or a file opened in binary mode."
-        )
+        raise TypeError(f"{verb}() needs a path or a binary file object, got "
+                        f"f={short_repr(f)} ({type(f).__name__}). Fix: pass a "
+                        "str/pathlib.Path, or a file opened in binary mode.")
     return os.fspath(f)
 
 
@@ -203,16 +190,12 @@ def read(f: Target) -> dict[str, Any]:
     try:
         return json.loads(raw, object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
-        raise StateDictError(
-            f"{name} is not a valid polyamp checkpoint: key {exc.args[0]!r} appears twice in one JSON "
-            "object, so which value holds is ambiguous. Fix: load a file written by LossScaler.save(), "
-            "or remove the repeated key."
-        ) from None
+        raise StateDictError(f"{name} is not a valid polyamp checkpoint: key {exc.args[0]!r} appears "
+                             "twice in one JSON object, so which value holds is ambiguous. Fix: load "
+                             "a file written by LossScaler.save(), or remove the repeated key.") from None
     except (ValueError, RecursionError) as exc:
-        raise StateDictError(
-            f"{name} is not a polyamp checkpoint: not valid JSON ({type(exc).__name__}: "
-            f"{str(exc)[:200]}). Fix: load a file written by LossScaler.save()."
-        ) from exc
+        raise StateDictError(f"{name} is not a polyamp checkpoint: not valid JSON ({type(exc).__name__}: "
+                             f"{str(exc)[:200]}). Fix: load a file written by LossScaler.save().") from exc
 
 
 class _DuplicateKey(Exception):
@@ -228,13 +211,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def load(f: Target, *, with_guard: bool = False) -> Any:
-    """Read and validate a checkpoint; every StateDictError names the file. ``with_guard``: the
-    parts and then :func:`guard_history`'s value."""
+def load(f: Target) -> tuple[LossScaleConfig, HostState, int, int, GuardHistory | None]:
+    """Read and validate a checkpoint into :func:`apply`'s parts; every StateDictError names the file."""
     data = read(f)
     try:
-        parts = from_state_dict(data)
-        return (*parts, guard_history(data)) if with_guard else parts
+        return (*from_state_dict(data), guard_history(data))
     except StateDictError as exc:
         raise StateDictError(f"{_name(f)}: {exc}") from exc
 
@@ -268,11 +249,10 @@ def _refuse_special(path: str, name: str) -> None:
     except OSError:
         kind = None
     if kind is not None:
-        raise StateDictError(
-            f"load() got {name}, which is {kind}, not a regular file: polyamp reads checkpoints from "
-            "regular files (a pipe would block until something writes to it). Fix: pass the path of the "
-            "file LossScaler.save() wrote, or open the stream yourself and pass the binary file object."
-        )
+        raise StateDictError(f"load() got {name}, which is {kind}, not a regular file: polyamp reads "
+                             "checkpoints from regular files (a pipe would block until something "
+                             "writes to it). Fix: pass the path of the file LossScaler.save() "
+                             "wrote, or open the stream yourself and pass the binary file object.")
 
 
 def regular_file(path: Any, *, path_fix: str, dir_fix: str, special_fix: str) -> str:
@@ -313,8 +293,6 @@ def _gunzip(raw: bytes, name: str) -> bytes:
             "corrupt. Fix: load an intact checkpoint written by LossScaler.save()."
         ) from exc
     if len(data) > MAX_BYTES:
-        raise StateDictError(
-            f"{name} decompresses to more than {MAX_BYTES} bytes (16 MiB): not a polyamp "
-            "checkpoint (a real one is under 1 KiB)."
-        )
+        raise StateDictError(f"{name} decompresses to more than {MAX_BYTES} bytes (16 "
+                             "MiB): not a polyamp checkpoint (a real one is under 1 KiB).")
     return data

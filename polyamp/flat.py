@@ -29,10 +29,8 @@ class FlatArrays:
         self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None, spare: int = 0
     ) -> None:
         if shapes is None or isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
-            raise ConfigError(
-                f"{type(self).__name__} needs shapes, a list of shapes, got shapes={shapes!r:.60}; pass "
-                "e.g. [(3, 4), (4,)]"
-            )
+            raise ConfigError(f"{type(self).__name__} needs shapes, a list of shapes, "
+                              f"got shapes={shapes!r:.60}; pass e.g. [(3, 4), (4,)]")
         shapes = [_check_shape(s) for s in shapes]
         if not shapes:
             raise ConfigError(f"{type(self).__name__} got shapes=[]; pass at least one shape")
@@ -103,7 +101,6 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
     except TypeError:
         dims = None
     if dims is None or not all(isinstance(n, numbers.Integral) and n >= 0 for n in dims):
-        raise ConfigError(
-            f"shapes must be sequences of ints >= 0, got shape={shape!r}; pass e.g. [(3, 4), (4,)]"
-        )
+        raise ConfigError("shapes must be sequences of ints >= 0, got "
+                          f"shape={shape!r}; pass e.g. [(3, 4), (4,)]")
     return tuple(int(n) for n in dims)

@@ -102,11 +102,9 @@ def _axis_max(flag: Any, axis_name: Any) -> Any:
     """``flag``'s maximum over the named axis, through its backend's ``axis_max`` hook."""
     backend = _registry.backend_of(flag)
     if backend.axis_max is None:
-        raise ValueError(
-            f"unscale(..., axis_name={axis_name!r}) needs an array library with named mapped axes "
-            f"(JAX under pmap or shard_map), got {backend.name} arrays. Fix: leave axis_name out, "
-            "or agree found_inf over your ranks yourself (e.g. a MAX all-reduce)"
-        )
+        raise ValueError(f"unscale(..., axis_name={axis_name!r}) needs an array library with named mapped "
+                         f"axes (JAX under pmap or shard_map), got {backend.name} arrays. Fix: leave "
+                         "axis_name out, or agree found_inf over your ranks yourself (e.g. a MAX all-reduce)")
     return backend.axis_max(flag, axis_name)
 
 
@@ -171,10 +169,8 @@ def config_or_default(config: LossScaleConfig | None) -> LossScaleConfig:
     if config is None:
         return LossScaleConfig()
     if not isinstance(config, LossScaleConfig):
-        raise TypeError(
-            f"config must be a polyamp.LossScaleConfig or None, got config={config!r}. "
-            "Fix: build one with polyamp.LossScaleConfig(init_scale=..., ...)"
-        )
+        raise TypeError(f"config must be a polyamp.LossScaleConfig or None, got config={config!r}. "
+                        "Fix: build one with polyamp.LossScaleConfig(init_scale=..., ...)")
     return config
 
 
@@ -184,17 +180,14 @@ def _namespace(array: Any) -> Any:
         return array_api_compat.array_namespace(array)
     except TypeError:
         if hasattr(array, "dtype"):  # an array of a library with no array-API namespace (paddle)
-            raise ForeignArrayError(
-                f"polyamp.functional needs an array-API library (NumPy, torch, CuPy, JAX, "
-                f"array-api-strict); {type(array).__module__}.{type(array).__name__} has no array-API "
-                "namespace. Fix: use the stateful polyamp.LossScaler (or polyamp.compat.paddle's "
-                "GradScaler) for these arrays"
-            ) from None
-        raise TypeError(
-            f"polyamp.functional expects the state's 0-d arrays, got a "
-            f"{type(array).__module__}.{type(array).__name__}. Fix: make the state with "
-            "polyamp.functional.init(config, like=...)"
-        ) from None
+            raise ForeignArrayError("polyamp.functional needs an array-API library (NumPy, torch, "
+                                    "CuPy, JAX, array-api-strict); "
+                                    f"{type(array).__module__}.{type(array).__name__} has no "
+                                    "array-API namespace. Fix: use the stateful polyamp.LossScaler "
+                                    "(or polyamp.compat.paddle's GradScaler) for these arrays") from None
+        raise TypeError("polyamp.functional expects the state's 0-d arrays, got a "
+                        f"{type(array).__module__}.{type(array).__name__}. Fix: make "
+                        "the state with polyamp.functional.init(config, like=...)") from None
 
 
 def _check_library(xp: Any, array: Any, what: str) -> None:
@@ -207,12 +200,11 @@ def _check_library(xp: Any, array: Any, what: str) -> None:
         return  # not an array: the caller says what it needs
     if mine is xp or (mine.__name__.endswith(".numpy") and xp.__name__.startswith("jax")):
         return
-    raise ForeignArrayError(
-        f"polyamp.functional got {what} of {mine.__name__} ({type(array).__module__}."
-        f"{type(array).__name__}) while the state (or found_inf) is of {xp.__name__}. Fix: build the "
-        f"state on the arrays' library, polyamp.functional.init(config, like=a_parameter), "
-        "and keep parameters, gradients and optimizer state on it"
-    )
+    raise ForeignArrayError(f"polyamp.functional got {what} of {mine.__name__} "
+                            f"({type(array).__module__}.{type(array).__name__}) while the state "
+                            f"(or found_inf) is of {xp.__name__}. Fix: build the state on the "
+                            "arrays' library, polyamp.functional.init(config, like=a_parameter), "
+                            "and keep parameters, gradients and optimizer state on it")
 
 
 def _wide_kinds(xp: Any) -> tuple[bool, bool]:
@@ -232,11 +224,10 @@ def _check_intervals(config: LossScaleConfig) -> None:
     for name in ("growth_interval", "backoff_interval"):
         value = getattr(config, name)
         if value > _INT32_MAX:
-            raise ConfigError(
-                f"{name} must be at most 2**31 - 1 where the array library has no int64 (JAX "
-                f"without jax_enable_x64), got {name}={value}. Fix: pass {name}=2**31 - 1, which "
-                "the int32 trackers reach only after as many steps, or enable jax_enable_x64."
-            )
+            raise ConfigError(f"{name} must be at most 2**31 - 1 where the array library has "
+                              f"no int64 (JAX without jax_enable_x64), got {name}={value}. "
+                              f"Fix: pass {name}=2**31 - 1, which the int32 trackers reach "
+                              "only after as many steps, or enable jax_enable_x64.")
 
 
 def _floating(xp: Any, dtype: Any) -> bool:
@@ -250,11 +241,9 @@ def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str, after: An
     """``array * factor`` (then ``* after``) in ``array``'s dtype, as the NumPy engine computes it."""
     dtype = getattr(array, "dtype", None)
     if dtype is None:
-        raise TypeError(
-            f"polyamp.functional needs arrays as {what}, got a {type(array).__module__}."
-            f"{type(array).__name__} ({array!r:.40}). Fix: pass an array of the state's library, "
-            "e.g. xp.asarray(value, dtype=xp.float32)"
-        )
+        raise TypeError(f"polyamp.functional needs arrays as {what}, got a "
+                        f"{type(array).__module__}.{type(array).__name__} ({array!r:.40}). Fix: pass "
+                        "an array of the state's library, e.g. xp.asarray(value, dtype=xp.float32)")
     _check_library(xp, array, what)
     if dtype == xp.float32:
         return _then(array * factor, after)
@@ -262,10 +251,8 @@ def _times(xp: Any, has_f64: bool, array: Any, factor: Any, what: str, after: An
         return _then(array * xp.astype(factor, xp.float64),
                      None if after is None else xp.astype(after, xp.float64))
     if not _floating(xp, dtype):
-        raise TypeError(
-            f"polyamp.functional needs floating-point {what}, got an array of dtype={dtype}. "
-            f"Fix: pass floating-point {what} (e.g. cast them with astype(float32))"
-        )
+        raise TypeError(f"polyamp.functional needs floating-point {what}, got an array of dtype={dtype}. "
+                        f"Fix: pass floating-point {what} (e.g. cast them with astype(float32))")
     return xp.astype(_then(xp.astype(array, xp.float32) * factor, after), dtype)
 
 

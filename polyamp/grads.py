@@ -39,11 +39,10 @@ def _check_unscaled(scaler: Any, what: str) -> None:
     if engine is None:
         return
     if getattr(engine, "enabled", True) and not getattr(engine, "has_pending_check", False):
-        raise ScaledGradientsError(
-            f"{what} got gradients still multiplied by the loss scale: scaler={type(scaler).__name__} "
-            "has not unscaled them this iteration, so the norm would be ~scale times too big. "
-            "Fix: call scaler.unscale_(grads) (or buffer.unscale_(scaler)) first."
-        )
+        raise ScaledGradientsError(f"{what} got gradients still multiplied by the loss scale: "
+                                   f"scaler={type(scaler).__name__} has not unscaled them this "
+                                   "iteration, so the norm would be ~scale times too big. Fix: "
+                                   "call scaler.unscale_(grads) (or buffer.unscale_(scaler)) first.")
 
 
 def _distributed_engine(scaler: Any) -> Any:
@@ -59,10 +58,8 @@ def _arrays(grads: Any, scaler: Any, what: str) -> list[Any]:
     empty only with a distributed scaler (a rank without gradients still takes part)."""
     if isinstance(grads, GradBuffer):
         if grads.scaled:
-            raise ScaledGradientsError(
-                f"{what} got a GradBuffer still multiplied by the loss scale (buffer.scaled is "
-                "True). Fix: call buffer.unscale_(scaler) first."
-            )
+            raise ScaledGradientsError(f"{what} got a GradBuffer still multiplied by the loss scale "
+                                       "(buffer.scaled is True). Fix: call buffer.unscale_(scaler) first.")
         arrays = [grads.flat]
     elif array_api_compat.is_array_api_obj(grads):
         arrays = [grads]
@@ -192,10 +189,8 @@ def _half_range(xp: Any, dtype: Any) -> float:
 
 def _check_max_norm(max_norm: Any) -> float:
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
-        raise ConfigError(
-            f"max_norm must be a number > 0 (math.inf disables clipping), got max_norm={max_norm!r}; "
-            "pass e.g. max_norm=1.0"
-        )
+        raise ConfigError("max_norm must be a number > 0 (math.inf disables clipping), "
+                          f"got max_norm={max_norm!r}; pass e.g. max_norm=1.0")
     return float(max_norm)
 
 
@@ -225,23 +220,18 @@ def _check_writable(arrays: Sequence[Any]) -> None:
     """Refuse read-only arrays (NumPy's ``flags.writeable``): clipping writes every gradient in place."""
     for grad in arrays:
         if not getattr(getattr(grad, "flags", None), "writeable", True):
-            raise ValueError(
-                f"clip_grad_norm_ scales gradients in place, but got a read-only array "
-                f"({_inputs.describe(grad)}, flags.writeable is False); nothing was changed. Fix: pass "
-                "writable gradients (np.array(g) is a writable copy), or clip with global_norm()."
-            )
+            raise ValueError("clip_grad_norm_ scales gradients in place, but got a "
+                             f"read-only array ({_inputs.describe(grad)}, flags.writeable "
+                             "is False); nothing was changed. Fix: pass writable gradients "
+                             "(np.array(g) is a writable copy), or clip with global_norm().")
 
 
 class GradBuffer(FlatArrays):
     """Gradients as views of one flat array: zero, scale, norm and clip are one call each, however
     many tensors; ``flat`` goes to ``LossScaler.unscale_`` as a single gradient."""
 
-    def __init__(
-        self, shapes: Iterable[Sequence[int]], dtype: Any = "float32", *, like: Any = None, spare: int = 0
-    ) -> None:
-        super().__init__(shapes, dtype, like=like, spare=spare)
-        self._params: list[Any] = []
-        self._scaled = False
+    _params: Sequence[Any] = ()  # whose ``.grad`` the views are (:meth:`attach`)
+    _scaled = False
 
     @classmethod
     def attach(cls, params: Iterable[Any], *, spare: int = 0) -> GradBuffer:
@@ -255,10 +245,8 @@ class GradBuffer(FlatArrays):
         datas = [getattr(p, "data", p) for p in params]
         names = {_dtypes.name_of(d) for d in datas}
         if len(names) != 1 or None in names:
-            raise ConfigError(
-                f"GradBuffer.attach needs parameters of one floating dtype, got dtypes "
-                f"{sorted(str(d.dtype) for d in datas)}; make one buffer per dtype"
-            )
+            raise ConfigError("GradBuffer.attach needs parameters of one floating dtype, got dtypes "
+                              f"{sorted(str(d.dtype) for d in datas)}; make one buffer per dtype")
         buffer = cls([tuple(d.shape) for d in datas], names.pop(), like=datas[0], spare=spare)
         buffer._params = params
         buffer.reattach()
@@ -316,9 +304,7 @@ def _check_parameters(params: Sequence[Any]) -> None:
     for i, param in enumerate(params):
         data = getattr(param, "data", None)
         if not hasattr(param, "grad") or not array_api_compat.is_array_api_obj(data):
-            raise TypeError(
-                f"GradBuffer.attach needs parameters with an array in .data and a settable .grad "
-                f"(polyamp.Parameter, torch tensors), got params[{i}] of type "
-                f"{type(param).__module__}.{type(param).__name__}. Fix: wrap arrays as "
-                "polyamp.Parameter(array), or build GradBuffer(shapes, dtype) for bare arrays."
-            )
+            raise TypeError("GradBuffer.attach needs parameters with an array in .data and a settable "
+                            f".grad (polyamp.Parameter, torch tensors), got params[{i}] of type "
+                            f"{type(param).__module__}.{type(param).__name__}. Fix: wrap arrays as "
+                            "polyamp.Parameter(array), or build GradBuffer(shapes, dtype) for bare arrays.")

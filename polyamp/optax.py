@@ -21,8 +21,6 @@ from .policy import LossScaleState
 
 __all__ = ["LossScaledState", "current_scale", "loss_scaled", "skip_count", "skipped"]
 
-_INT32_MAX = 2**31 - 1
-
 
 class LossScaledState(NamedTuple):
     """The state of :func:`loss_scaled`: the loss-scale state, the inner optimizer's state, whether
@@ -42,10 +40,8 @@ def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | N
     """
     config = functional.config_or_default(config)
     if not (hasattr(inner, "init") and hasattr(inner, "update")):
-        raise TypeError(
-            f"inner must be an optax.GradientTransformation, got inner={inner!r}. "
-            "Fix: pass an optax optimizer, e.g. loss_scaled(optax.adam(1e-3))"
-        )
+        raise TypeError(f"inner must be an optax.GradientTransformation, got inner={inner!r}. "
+                        "Fix: pass an optax optimizer, e.g. loss_scaled(optax.adam(1e-3))")
 
     def init_fn(params: Any) -> LossScaledState:
         leaves = jax.tree_util.tree_leaves(params)
@@ -63,7 +59,7 @@ def loss_scaled(inner: optax.GradientTransformation, config: LossScaleConfig | N
         updates = functional.where_finite(found_inf, updates, zeros)
         inner_state = functional.where_finite(found_inf, inner_state, state.inner_state)
         skipped = found_inf != 0
-        skips = state.skips + (skipped & (state.skips < _INT32_MAX)).astype(jnp.int32)
+        skips = state.skips + (skipped & (state.skips < functional._INT32_MAX)).astype(jnp.int32)
         return updates, LossScaledState(functional.update(state.loss_scale, found_inf, config), inner_state,
                                         skipped, skips)
 
@@ -90,28 +86,23 @@ def _find(state: Any, caller: str) -> LossScaledState:
     """The one :class:`LossScaledState` in ``state``; none, two, or one under MultiSteps refused."""
     found = list(_walk(state, "opt_state", None))
     if not found:
-        raise TypeError(
-            f"{caller}() needs the state of polyamp.optax.loss_scaled, got a "
-            f"{type(state).__name__} that holds none. Fix: pass tx.init(params)'s result, where "
-            "tx = polyamp.optax.loss_scaled(optimizer)"
-        )
+        raise TypeError(f"{caller}() needs the state of polyamp.optax.loss_scaled, got a "
+                        f"{type(state).__name__} that holds none. Fix: pass tx.init(params)'s "
+                        "result, where tx = polyamp.optax.loss_scaled(optimizer)")
     for path, _, multi_steps in found:
         if multi_steps is not None:
-            raise ConfigError(
-                f"{caller}() found polyamp.optax.loss_scaled's state at {path}, inside "
-                f"optax.MultiSteps' state (at {multi_steps}): MultiSteps accumulates the scaled "
-                "gradients, so after one overflow its accumulator holds NaN (0 * inf) and every later "
-                "step is skipped. Fix: accumulate inside the loss scaling, "
-                "polyamp.optax.loss_scaled(optax.MultiSteps(optimizer, every_k_schedule=k))"
-            )
+            raise ConfigError(f"{caller}() found polyamp.optax.loss_scaled's state at {path}, inside "
+                              f"optax.MultiSteps' state (at {multi_steps}): MultiSteps accumulates the "
+                              "scaled gradients, so after one overflow its accumulator holds NaN (0 * inf) "
+                              "and every later step is skipped. Fix: accumulate inside the loss scaling, "
+                              "polyamp.optax.loss_scaled(optax.MultiSteps(optimizer, every_k_schedule=k))")
     if len(found) > 1:
         paths = ", ".join(path for path, _, _ in found)
-        raise ConfigError(
-            f"{caller}() found {len(found)} polyamp.optax.loss_scaled states in opt_state, at {paths}: "
-            "one loss carries one scale, so which one is meant is unclear. Fix: wrap the whole "
-            "optimizer in one loss_scaled (e.g. loss_scaled(optax.multi_transform(...))), or pass "
-            f"the part you mean, e.g. {caller}({found[0][0]})"
-        )
+        raise ConfigError(f"{caller}() found {len(found)} polyamp.optax.loss_scaled states "
+                          f"in opt_state, at {paths}: one loss carries one scale, so which "
+                          "one is meant is unclear. Fix: wrap the whole optimizer in one "
+                          "loss_scaled (e.g. loss_scaled(optax.multi_transform(...))), or "
+                          f"pass the part you mean, e.g. {caller}({found[0][0]})")
     return found[0][1]
 
 

@@ -100,9 +100,7 @@ def explain_overflow(
     ``loss`` (a number or 1-element array) is checked too.
     """
     named = named_arrays(grads, names)
-    scale = _checked_scale(scale)
-    _checked_loss(loss)  # before any array is read: a bad argument reads nothing
-    return build_report(named, loss=loss, scale=scale)
+    return build_report(named, loss=loss, scale=_checked_scale(scale))  # the loss checked before any read
 
 
 def _checked_scale(scale: Any) -> float | None:
@@ -111,11 +109,9 @@ def _checked_scale(scale: Any) -> float | None:
         return None
     value = _real(scale)
     if value is None or not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"scale must be a positive, finite number (the loss scale the gradients carry), got "
-            f"scale={short_repr(scale)} ({type(scale).__name__}). Fix: pass scaler.get_scale(), or leave "
-            "scale out."
-        )
+        raise ValueError("scale must be a positive, finite number (the loss scale the gradients "
+                         f"carry), got scale={short_repr(scale)} ({type(scale).__name__}). Fix: "
+                         "pass scaler.get_scale(), or leave scale out.")
     return value
 
 
@@ -130,15 +126,12 @@ def _checked_loss(loss: Any) -> None:
         try:
             float(loss)
         except OverflowError:
-            raise ValueError(
-                f"loss must be a number float64 can hold or a 1-element array, got an int of "
-                f"{len(str(abs(loss)))} digits. Fix: pass the loss as the float your model computed."
-            ) from None
+            raise ValueError("loss must be a number float64 can hold or a 1-element "
+                             f"array, got an int of {len(str(abs(loss)))} digits. "
+                             "Fix: pass the loss as the float your model computed.") from None
     elif _real(loss) is None:
-        raise TypeError(
-            f"loss must be a number or a 1-element array, got loss={short_repr(loss)} "
-            f"({type(loss).__name__}). Fix: pass the loss value, e.g. loss=loss.item()."
-        )
+        raise TypeError(f"loss must be a number or a 1-element array, got loss={short_repr(loss)} "
+                        f"({type(loss).__name__}). Fix: pass the loss value, e.g. loss=loss.item().")
 
 
 def _real(value: Any) -> float | None:
@@ -157,16 +150,12 @@ def named_arrays(grads: Any, names: Sequence[str] | None = None) -> list[tuple[s
     """``[(name, array), ...]`` from a sequence (with ``names``) or a mapping; errors name the argument."""
     if isinstance(grads, Mapping):
         if names is not None:
-            raise TypeError(
-                "explain_overflow got grads as a mapping and names= too; a mapping's keys are "
-                "its names. Fix: leave out names=, or pass grads as a sequence."
-            )
+            raise TypeError("explain_overflow got grads as a mapping and names= too; a mapping's "
+                            "keys are its names. Fix: leave out names=, or pass grads as a sequence.")
         pairs = [(str(k), v) for k, v in grads.items()]
     elif hasattr(grads, "shape") or isinstance(grads, (str, bytes)) or not hasattr(grads, "__iter__"):
-        raise TypeError(
-            f"grads must be a sequence of arrays or a mapping name -> array, got {short_repr(grads)} "
-            f"({type(grads).__name__}). Fix: pass [grad] for one array."
-        )
+        raise TypeError("grads must be a sequence of arrays or a mapping name -> array, got "
+                        f"{short_repr(grads)} ({type(grads).__name__}). Fix: pass [grad] for one array.")
     else:
         grads = [_gradient_of(g) for g in grads]
         if names is None:
@@ -175,17 +164,15 @@ def named_arrays(grads: Any, names: Sequence[str] | None = None) -> list[tuple[s
             names = list(names)  # an iterator (a generator, map) is read once, here
         if isinstance(names, str) or not isinstance(names, list) or len(names) != len(grads) or not all(
                 isinstance(n, str) for n in names):
-            raise ValueError(
-                f"names must be a sequence of {len(grads)} str, one per gradient, got "
-                f"names={short_repr(names)}. Fix: pass one name per entry of grads (or a mapping)."
-            )
+            raise ValueError(f"names must be a sequence of {len(grads)} str, one "
+                             f"per gradient, got names={short_repr(names)}. Fix: "
+                             "pass one name per entry of grads (or a mapping).")
         pairs = list(zip(names, grads))
     for name, array in pairs:
         if array is not None and not hasattr(array, "shape"):
-            raise TypeError(
-                f"gradient {name!r} is not an array: got {short_repr(array)} ({type(array).__name__}). "
-                "Fix: pass arrays (NumPy, torch, CuPy, paddle or array-API), or None to leave one out."
-            )
+            raise TypeError(f"gradient {name!r} is not an array: got {short_repr(array)} "
+                            f"({type(array).__name__}). Fix: pass arrays (NumPy, torch, "
+                            "CuPy, paddle or array-API), or None to leave one out.")
     named = [(name, array) for name, array in pairs if array is not None]
     _check_readable(named)
     return named
@@ -202,11 +189,9 @@ def _check_readable(named: list[tuple[str, Any]]) -> None:
             else f"has dtype {array.dtype}; only float16, bfloat16, float32 and float64 are checked"
         )
         if problem is not None:
-            raise TypeError(
-                f"explain_overflow: gradient {name!r} {problem}. Fix: pass dense floating gradients "
-                "(a sparse one's grad.coalesce().values(); torch.view_as_real(g) for a complex one; "
-                "g.float() for float8), or leave it out."
-            )
+            raise TypeError(f"explain_overflow: gradient {name!r} {problem}. Fix: pass dense floating "
+                            "gradients (a sparse one's grad.coalesce().values(); torch.view_as_real(g) "
+                            "for a complex one; g.float() for float8), or leave it out.")
 
 
 def _gradient_of(item: Any) -> Any:
@@ -295,10 +280,9 @@ def floor_note(report: OverflowReport | None) -> str:
 def check_diagnose(value: Any) -> bool:
     """``diagnose=`` as given, a bool; TypeError naming it otherwise."""
     if not isinstance(value, bool):
-        raise TypeError(
-            f"diagnose must be True or False, got diagnose={short_repr(value)} ({type(value).__name__}). "
-            "Fix: pass diagnose=True to get a report on each skipped step."
-        )
+        raise TypeError("diagnose must be True or False, got "
+                        f"diagnose={short_repr(value)} ({type(value).__name__}). Fix: "
+                        "pass diagnose=True to get a report on each skipped step.")
     return value
 
 
@@ -334,19 +318,12 @@ def _tensor_overflow(name: str, array: Any) -> TensorOverflow:
 
 
 def _loss_finite(loss: Any) -> bool:
-    """Whether ``loss`` (a number or 1-element array) is finite; ValueError naming ``loss`` otherwise."""
+    """Whether ``loss`` (a number or 1-element array) is finite; an error naming ``loss`` otherwise."""
+    _checked_loss(loss)
     if not hasattr(loss, "shape"):
-        try:
-            return math.isfinite(float(loss))
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"loss must be a number or a 1-element array, got loss={short_repr(loss)} "
-                f"({type(loss).__name__}). Fix: pass the loss value, e.g. loss=loss.item()."
-            ) from None
+        return math.isfinite(float(loss))
     if math.prod(tuple(loss.shape)) != 1:
-        raise ValueError(
-            f"loss must be a number or a 1-element array, got an array of shape {tuple(loss.shape)}. "
-            "Fix: pass the reduced (scalar) loss."
-        )
+        raise ValueError("loss must be a number or a 1-element array, got an array of "
+                         f"shape {tuple(loss.shape)}. Fix: pass the reduced (scalar) loss.")
     value = backend_of(loss).to_numpy(loss).reshape(-1)[0]
     return math.isfinite(float(value))

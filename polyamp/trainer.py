@@ -8,9 +8,8 @@
     -> global norm / clip (one call) -> optimizer step on the masters unless the gradients or
     their norm hold inf/nan -> update
 
-Torch models (``torch.nn.Module``) run under ``torch.autocast``; anything else follows the
-:class:`ArrayModel` protocol (NumPy, CuPy, any array-API library). torch is imported only
-when a torch model is given. ``reducer=`` trains data parallel (docs/distributed.md).
+Torch models (``torch.nn.Module``, torch imported only then) run under ``torch.autocast``; anything
+else follows :class:`ArrayModel` (NumPy, CuPy, any array-API library). ``reducer=``: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -49,11 +48,11 @@ __all__ = ["ArrayLossFn", "ArrayModel", "MixedPrecisionTrainer", "StepMetrics"]
 class ArrayModel(Protocol):
     """A model without autograd that the trainer can run in any compute dtype.
 
-    ``parameters()`` returns polyamp.Parameters holding float32 masters. ``forward`` gets
-    inputs already cast to the compute dtype and should compute from low-precision copies of
-    the masters; ``backward`` gets d(scaled loss)/d(output) in the compute dtype, propagates
-    it in the compute dtype, and writes (overwrites) each gradient into ``p.grad``, a float32
-    view of the trainer's GradBuffer; that write is the cast back to float32.
+    ``parameters()`` returns polyamp.Parameters holding float32 masters. ``forward`` gets inputs already
+    cast to the compute dtype and should compute from low-precision copies of the masters; ``backward``
+    gets d(scaled loss)/d(output) in the compute dtype, propagates it in the compute dtype, and writes
+    (overwrites) each gradient into ``p.grad``, a float32 view of the trainer's GradBuffer; that write is
+    the cast back to float32.
     """
 
     def parameters(self) -> Any: ...
@@ -73,9 +72,9 @@ class ArrayLossFn(Protocol):
 class StepMetrics:
     """What one :meth:`MixedPrecisionTrainer.train_step` did, as host numbers.
 
-    ``loss_scale`` is the scale this step's backward used; ``grad_norm`` is the global norm
-    of the unscaled gradients before clipping (inf or nan on a skipped step). ``overflow``:
-    with ``diagnose=True``, the report on a skipped step's gradients and loss, else None.
+    ``loss_scale`` is the scale this step's backward used; ``grad_norm`` is the global norm of the
+    unscaled gradients before clipping (inf or nan on a skipped step). ``overflow``: with
+    ``diagnose=True``, the report on a skipped step's gradients and loss, else None.
     """
 
     loss: float
@@ -99,25 +98,25 @@ class StepMetrics:
 class MixedPrecisionTrainer:
     """Train ``model`` with float32 master weights, ``compute_dtype`` compute, dynamic loss scaling.
 
-    ``config`` configures the :class:`polyamp.LossScaler`; ``loss_scaling=False`` uses the
-    no-op scaler instead (to see what goes wrong without it; a step with inf/nan gradients is
-    still skipped). ``max_grad_norm`` clips by global norm. Each step reads the loss, the skip
-    decision and the norm on the host.
+    ``config`` configures the :class:`polyamp.LossScaler`; ``loss_scaling=False`` uses the no-op scaler
+    instead (to see what goes wrong without it; a step with inf/nan gradients is still skipped).
+    ``max_grad_norm`` clips by global norm. Each step reads the loss, the skip decision and the norm on
+    the host.
 
-    ``reducer`` (see ``polyamp.distributed.reducer``: a torch process group, ``"torch"``, an
-    mpi4py communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of the
-    batch, the loss's gradient is divided by the number of ranks before the backward and the float32
-    gradients are summed after it: with equal shards, the step of one process on the whole batch.
-    One collective per step, and one more at the first to check the ranks' scaler configs.
+    ``reducer`` (see ``polyamp.distributed.reducer``: a torch process group, ``"torch"``, an mpi4py
+    communicator, ``"mpi"``, ...) makes it data parallel: each rank passes its shard of the batch, the
+    loss's gradient is divided by the number of ranks before the backward and the float32 gradients are
+    summed after it: with equal shards, the step of one process on the whole batch. One collective per
+    step, and one more at the first to check the ranks' scaler configs.
 
-    ``diagnose=True`` puts an :class:`polyamp.OverflowReport` in ``StepMetrics.overflow`` on
-    skipped steps (gradients named by the model's ``named_parameters()``, else ``params[i]``).
+    ``diagnose=True`` puts an :class:`polyamp.OverflowReport` in ``StepMetrics.overflow`` on skipped steps
+    (gradients named by the model's ``named_parameters()``, else ``params[i]``).
 
-    ``meter`` (a :class:`polyamp.PrecisionMeter`) counts the unscaled master gradients of each sample
-    step, named as ``diagnose`` names them: :attr:`last_precision`, and the fractions in
-    ``scaler.metrics()``. With ``loss_scaling=False`` it counts at a scale fixed at 1 (the scaler is
-    then a :class:`polyamp.LossScaler` at 1, as with a guard). With ``reducer=`` it counts the summed
-    gradients (the same on every rank); ranks whose meters differ raise ``RankMismatchError``.
+    ``meter`` (a :class:`polyamp.PrecisionMeter`) counts the unscaled master gradients of each sample step,
+    named as ``diagnose`` names them: :attr:`last_precision`, and the fractions in ``scaler.metrics()``.
+    With ``loss_scaling=False`` it counts at a scale fixed at 1 (the scaler is then a
+    :class:`polyamp.LossScaler` at 1, as with a guard). With ``reducer=`` it counts the summed gradients
+    (the same on every rank); ranks whose meters differ raise ``RankMismatchError``.
     """
 
     def __init__(
@@ -231,13 +230,14 @@ class MixedPrecisionTrainer:
         host_loss = _host_loss(loss)  # the loss's one read, before any weight or counter moves
         if scaler.enabled:
             grads.mark_scaled()
+        summed = None  # with a loss slot: the ranks' mean loss
         if reducer is not None:
-            self._sum_over_ranks(grads, loss / ranks if self._loss_slot else None)
+            summed = self._sum_over_ranks(grads, loss / ranks if self._loss_slot else None)
         metering = self._iteration.metering
         sampled = metering.active and metering.due(False, self._iteration.steps, None)
         grads.unscale_(scaler, names=self._names() if sampled else None)  # a sample step: named
         if self._scaler.enabled and self._scaler.guard is not None:
-            self._iteration.take_loss(self._summed_loss() if self._loss_slot else loss, "train_step()")
+            self._iteration.take_loss(summed if self._loss_slot else loss, "train_step()")
         norm = grads.norm() if self._max_grad_norm is None else grads.clip_(self._max_grad_norm)
         finite = self._check_norm(norm)
         try:
@@ -260,18 +260,13 @@ class MixedPrecisionTrainer:
 
     def _explain(self, loss: float, scale: float) -> OverflowReport:
         """The report on a skipped step: each parameter's gradient (a view of the buffer), the loss."""
-        grads = [(name, p.grad) for name, p in zip(self._names(), self._steps.params)]
-        return build_report([(n, g) for n, g in grads if g is not None], loss=loss, scale=scale,
-                            skipped=True)
+        named = [(name, p.grad) for name, p in zip(self._names(), self._steps.params) if p.grad is not None]
+        return build_report(named, loss=loss, scale=scale, skipped=True)
 
-    def _summed_loss(self) -> Any:
-        """The ranks' mean loss, summed with the gradients in the loss slot (a device view)."""
-        size = int(self._grads.flat.shape[0])
-        return self._grads.storage[size:size + 1]
-
-    def _sum_over_ranks(self, grads: GradBuffer, loss: Any = None) -> None:
+    def _sum_over_ranks(self, grads: GradBuffer, loss: Any = None) -> Any:
         """Sum the gradients (and the loss slot) over the ranks in place: ONE collective, with the
-        fingerprint (:meth:`polyamp._iteration.Iteration.sum_payload`); the first also checks sizes."""
+        fingerprint (:meth:`polyamp._iteration.Iteration.sum_payload`); the first also checks sizes.
+        Returns the loss slot (the ranks' mean loss, a device view), or None without one."""
         size = int(grads.flat.shape[0])
         if loss is not None:  # the guard's loss slot rides with the gradients
             xp = array_api_compat.array_namespace(grads.storage)
@@ -283,6 +278,7 @@ class MixedPrecisionTrainer:
         like = None if self._aligned_once else grads.flat
         self._iteration.sum_payload(grads.storage, size, whose=whose, like=like)
         self._aligned_once = True
+        return None if loss is None else grads.storage[size - 1:size]
 
     def _check_norm(self, norm: Any) -> bool:
         """False when a non-finite norm keeps this step off the weights: with loss scaling it joins the
@@ -300,10 +296,8 @@ class MixedPrecisionTrainer:
         return not decision.skipped
 
     def __repr__(self) -> str:
-        return (
-            f"MixedPrecisionTrainer(model={type(self._model).__name__}, "
-            f"compute_dtype={self._dtype!r}, scaler={self._scaler!r})"
-        )
+        return (f"MixedPrecisionTrainer(model={type(self._model).__name__}, compute_dtype={self._dtype!r}, "
+                f"scaler={self._scaler!r})")
 
 
 class ArraySteps:
@@ -311,10 +305,9 @@ class ArraySteps:
 
     def __init__(self, model: Any, dtype: str) -> None:
         if not isinstance(model, ArrayModel):
-            raise TypeError(
-                f"model must be a torch.nn.Module or follow polyamp.ArrayModel (parameters(), "
-                f"forward(x, compute_dtype), backward(grad_output)), got {type(model).__qualname__}"
-            )
+            raise TypeError("model must be a torch.nn.Module or follow polyamp.ArrayModel "
+                            "(parameters(), forward(x, compute_dtype), "
+                            f"backward(grad_output)), got {type(model).__qualname__}")
         self.params = list(model.parameters())
         check_masters(self.params, Parameter, lambda p: p.data)
         self.model, self.dtype = model, dtype
@@ -348,7 +341,5 @@ def _check_optimizer_holds(optimizer: Any, params: list[Any]) -> None:
     held = {id(p) for p in iter_params(optimizer)}
     missing = [i for i, p in enumerate(params) if id(p) not in held]
     if missing:
-        raise ConfigError(
-            f"the optimizer does not hold model parameters at indices {missing}; build it from "
-            "model.parameters(), e.g. polyamp.optim.Adam(model.parameters())"
-        )
+        raise ConfigError(f"the optimizer does not hold model parameters at indices {missing}; build "
+                          "it from model.parameters(), e.g. polyamp.optim.Adam(model.parameters())")

@@ -8,14 +8,7 @@ import array_api_compat
 
 from .._errors import ConfigError
 from ..parameter import Parameter
-from .optimizer import (
-    Optimizer,
-    ParamsT,
-    _round_to_float32,
-    check_nonnegative,
-    fma,
-    write_param,
-)
+from .optimizer import Optimizer, ParamsT, _round_to_float32, check_nonnegative, fma, write_param
 
 __all__ = ["Adam", "AdamW"]
 
@@ -59,20 +52,16 @@ class Adam(Optimizer):
             raise ConfigError(f"Invalid betas: betas={betas!r}; expected a pair (beta1, beta2)")
         for i, beta in enumerate(betas):
             if not 0.0 <= beta < 1.0:
-                raise ConfigError(
-                    f"Invalid beta parameter at index {i}: betas[{i}]={beta!r}; "
-                    f"expected 0 <= betas[{i}] < 1"
-                )
+                raise ConfigError(f"Invalid beta parameter at index {i}: betas[{i}]={beta!r}; "
+                                  f"expected 0 <= betas[{i}] < 1")
         check_nonnegative("weight_decay", group["weight_decay"], "weight_decay value")
 
     def _init_state(self, xp: Any, param: Parameter, state: dict[str, Any], amsgrad: bool) -> None:
         """Create the step count and moment buffers on first use, as torch's ``_init_group``."""
         if not state:
             if not xp.isdtype(param.dtype, "real floating"):
-                raise TypeError(
-                    f"{type(self).__name__} needs real floating-point parameters, got "
-                    f"dtype={param.dtype}; cast the data, e.g. to float32"
-                )
+                raise TypeError(f"{type(self).__name__} needs real floating-point parameters, "
+                                f"got dtype={param.dtype}; cast the data, e.g. to float32")
             state["step"] = 0.0
             state["exp_avg"] = xp.zeros_like(param.data)
             state["exp_avg_sq"] = xp.zeros_like(param.data)
@@ -93,8 +82,7 @@ class Adam(Optimizer):
                 grad = fma(grad, param.data, weight_decay)  # grad.add(param, alpha=weight_decay)
         exp_avg = state["exp_avg"] = _lerp(state["exp_avg"], grad, 1 - beta1)
         # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        exp_avg_sq = fma(state["exp_avg_sq"] * beta2, grad * (1 - beta2), grad)
-        state["exp_avg_sq"] = exp_avg_sq
+        exp_avg_sq = state["exp_avg_sq"] = fma(state["exp_avg_sq"] * beta2, grad * (1 - beta2), grad)
         if group["amsgrad"]:
             exp_avg_sq = state["max_exp_avg_sq"] = xp.maximum(state["max_exp_avg_sq"], exp_avg_sq)
         step = state["step"]

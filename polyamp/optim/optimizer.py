@@ -78,16 +78,12 @@ def _to_param_space(param: Parameter, key: Any, value: Any) -> Any:
 def _check_same_layout(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
     """Raise StateDictError unless ``saved`` matches ``groups`` in group count and sizes."""
     if len(saved) != len(groups):
-        raise StateDictError(
-            f"loaded state dict has {len(saved)} parameter groups, but the optimizer has "
-            f"{len(groups)}; build the optimizer with the same groups"
-        )
+        raise StateDictError(f"loaded state dict has {len(saved)} parameter groups, but the "
+                             f"optimizer has {len(groups)}; build the optimizer with the same groups")
     for i, (s, g) in enumerate(zip(saved, groups, strict=True)):
         if len(s["params"]) != len(g["params"]):
-            raise StateDictError(
-                f"loaded state dict's parameter group {i} has {len(s['params'])} params, "
-                f"but the optimizer's has {len(g['params'])}; build it with the same params"
-            )
+            raise StateDictError(f"loaded state dict's parameter group {i} has {len(s['params'])} params, "
+                                 f"but the optimizer's has {len(g['params'])}; build it with the same params")
 
 
 class Optimizer:
@@ -95,10 +91,8 @@ class Optimizer:
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
         if isinstance(params, (Parameter, dict, set)) or array_api_compat.is_array_api_obj(params):
-            raise TypeError(
-                f"params must be an ordered iterable of Parameters or of dicts (param groups), "
-                f"got {type(params).__qualname__}; pass a list, e.g. [param]"
-            )
+            raise TypeError("params must be an ordered iterable of Parameters or of dicts (param "
+                            f"groups), got {type(params).__qualname__}; pass a list, e.g. [param]")
         self._check_hyperparameters(defaults)
         self.defaults = defaults
         self.state: defaultdict[Parameter, dict[str, Any]] = defaultdict(dict)
@@ -128,33 +122,25 @@ class Optimizer:
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of parameters with its own hyper-parameters; missing ones take defaults."""
         if not isinstance(param_group, dict):
-            raise TypeError(
-                f"param_group must be a dict, got {type(param_group).__qualname__}; "
-                f"use {{'params': [...], 'lr': ...}}"
-            )
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__qualname__}; "
+                            "use {'params': [...], 'lr': ...}")
         params = param_group["params"]
         if isinstance(params, set):
-            raise TypeError(
-                "optimizer parameters must be an ordered collection, but got a set, whose "
-                "order changes between runs; use a list instead"
-            )
+            raise TypeError("optimizer parameters must be an ordered collection, but got "
+                            "a set, whose order changes between runs; use a list instead")
         params = [params] if isinstance(params, Parameter) else list(params)
         for p in params:
             if not isinstance(p, Parameter):
-                raise TypeError(
-                    f"optimizer can only optimize Parameters, but one of the params is "
-                    f"{type(p).__module__}.{type(p).__qualname__}; wrap it: Parameter(array)"
-                )
+                raise TypeError("optimizer can only optimize Parameters, but one of the params is "
+                                f"{type(p).__module__}.{type(p).__qualname__}; wrap it: Parameter(array)")
         group = {**param_group, "params": params}
         for name, default in self.defaults.items():
             group.setdefault(name, default)
         self._check_hyperparameters(group)
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if len({id(p) for p in params}) != len(params) or seen & {id(p) for p in params}:
-            raise ConfigError(
-                "some parameters appear more than once in the optimizer's param groups; "
-                "list each Parameter exactly once"
-            )
+            raise ConfigError("some parameters appear more than once in the optimizer's "
+                              "param groups; list each Parameter exactly once")
         self.param_groups.append(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -37,11 +37,9 @@ class SGD(Optimizer):
         check_nonnegative("momentum", group["momentum"], "momentum value")
         check_nonnegative("weight_decay", group["weight_decay"], "weight_decay value")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ConfigError(
-                f"Nesterov momentum requires a momentum and zero dampening: "
-                f"momentum={group['momentum']!r}, dampening={group['dampening']!r}; "
-                f"expected momentum > 0 and dampening == 0"
-            )
+            raise ConfigError("Nesterov momentum requires a momentum and zero dampening: "
+                              f"momentum={group['momentum']!r}, dampening={group['dampening']!r}; "
+                              "expected momentum > 0 and dampening == 0")
 
     def _update(self, param: Parameter, state: dict[str, Any], group: dict[str, Any]) -> None:
         """One SGD step on ``param``, in the operation order of torch's ``_single_tensor_sgd``."""
