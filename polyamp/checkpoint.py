@@ -90,10 +90,9 @@ def _not_ours(sd: dict[str, Any]) -> StateDictError:
     fix = "" if foreign is None else (
         f". It is {foreign}'s own scaler state: load it with LossScaler.load_state_dict(sd) on a scaler "
         f"built with that run's settings (it is read with rule={foreign!r}; docs/checkpoints.md)")
-    return StateDictError(
-        f"state_dict has format={short_repr(sd.get('format'))}, expected {FORMAT!r}: it was not "
-        f"written by polyamp.LossScaler.state_dict() (facades load their own formats){fix}"
-    )
+    return StateDictError(f"state_dict has format={short_repr(sd.get('format'))}, expected {FORMAT!r}: it "
+                          f"was not written by polyamp.LossScaler.state_dict() (facades load their own "
+                          f"formats){fix}")
 
 
 def guard_history(sd: dict[str, Any]) -> GuardHistory | None:
