@@ -452,7 +452,6 @@ _AFTER_AGREEMENT = (
     "non-finite gradients)."
 )
 
-
 #: The error of an update() with nothing checked.
 _NO_CHECKS = ("update() found no inf checks recorded this iteration. Fix: call unscale_(grads) or "
               "step(grads, step_fn) first, or pass found_inf=.")
