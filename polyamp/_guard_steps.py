@@ -82,9 +82,9 @@ class GuardSteps:
         return len(history.loss if verdict.reason == "loss_spike" else history.grad_norm)
 
     def describer(self, group: int, verdict: guard.Verdict) -> Callable[[bool, Any, Any], str]:
-        """The log line of a guard-skipped step (the history's size read now: it moves on first)."""
-        held = self.judged(group, verdict)
-        return lambda skipped, before, after: guard.describe(verdict, self.guard, before.scale, held)
+        """The log line of a guard-skipped step (worded now: the history moves on first)."""
+        why = self.diagnosis(group, verdict)
+        return lambda skipped, before, after: f"{why}: step skipped, loss scale kept at {before.scale:g}"
 
     def diagnosis(self, group: int, verdict: guard.Verdict) -> str:
         """Why the guard skipped, in one line (for a report)."""

@@ -47,8 +47,13 @@ def one_value(array: Any) -> bool:
     return shape is not None and math.prod(tuple(shape)) == 1
 
 
-def loss_value(loss: Any, backend: Backend, like: Any, where: str) -> Any:
-    """``loss`` as a 1-value array on ``like``'s device (no sync, unless from another library)."""
+def loss_on(scaling: Any, loss: Any, where: str) -> Any:
+    """``loss`` as a 1-value array on ``scaling``'s device (or its own library's before any); no sync,
+    unless it comes from another library."""
+    backend = scaling.backend
+    if scaling.state is None:
+        backend = scaling.bind(loss) if hasattr(loss, "shape") else scaling.ready()[0]
+    like = scaling.ready()[1].scale
     loss_check(loss, where)
     if isinstance(loss, numbers.Real):
         return backend.from_host(np.asarray([float(loss)], np.float64), like, None)
@@ -58,17 +63,6 @@ def loss_value(loss: Any, backend: Backend, like: Any, where: str) -> Any:
         host = np.asarray(backend_of(value).to_numpy(value), np.float64).reshape(1)
         return backend.from_host(host, like, None)
     return backend.pack([value], like)
-
-
-def loss_on(scaling: Any, loss: Any, where: str) -> Any:
-    """``loss`` as a 1-value array on ``scaling``'s device (or its own library's before any). No sync."""
-    backend = scaling.backend
-    if scaling.state is None:
-        backend = scaling.bind(loss) if hasattr(loss, "shape") else scaling.ready()[0]
-    return loss_value(loss, backend, scaling.ready()[1].scale, where)
-
-
-
 
 
 class GuardValues(NamedTuple):
@@ -124,8 +118,6 @@ MOST = len(SLOTS)
 
 def read(backend: Backend, flag: Any, sent: Any) -> tuple[bool, list[float]]:
     """The skip flag and the guard values in ONE host read (one small array packed on the device)."""
-    if sent is None:
-        return (flag if isinstance(flag, bool) else bool(backend.read_flag(flag))), []
     if isinstance(flag, bool):
         host = np.asarray(backend.to_numpy(sent), np.float64).reshape(-1)
         return flag, [float(v) for v in host]

@@ -65,12 +65,12 @@ class Decision(NamedTuple):
         return "overflow" if self.skipped else None
 
     @property
-    def held(self) -> bool:
-        """The guard skipped with finite gradients: the scale state stays as it is."""
+    def worst(self) -> str | None:
+        """The first of ``guard.REASONS`` among the verdicts (None: all applied, or no guard)."""
         if not self.verdicts:
-            return False
+            return None
         reasons = {v.reason for _, v in self.verdicts}
-        return "overflow" not in reasons and bool(reasons - {None})
+        return next((r for r in guard.REASONS if r in reasons), None)
 
 
 class Checks(NamedTuple):
@@ -193,9 +193,10 @@ class Iteration:
         if self.agreement is None:
             self.checks = self.checks._replace(values=sent)
             return Agreed(found, extra)
-        both, users = _guard_values.joined(extra, sent)
-        agreed, metered = self.metering.agree(self.agreement, found, both, _maxed(self.guarding, users),
-                                              self.checks.metered, self.scaling, self.whose(0))
+        both, users = _guard_values.joined(extra, sent)  # the user's values are summed, the guard's its way
+        maxed = () if self.guarding is None else (False,) * users + self.guarding.maxed
+        agreed, metered = self.metering.agree(self.agreement, found, both, maxed, self.checks.metered,
+                                              self.scaling, self.whose(0))
         theirs, values = _guard_values.split(agreed.extra, users, extra, sent)
         self.checks = self.checks._replace(agreed=agreed.found_inf, values=values, metered=metered)
         return Agreed(agreed.found_inf, theirs)
@@ -220,8 +221,9 @@ class Iteration:
         sent = self._sent(self.checks.measured._replace(sumsq=squares))
         if self.agreement is None:
             return Agreed(found, sent)
-        agreed, metered = self.metering.agree(self.agreement, found, sent, _maxed(self.guarding, 0),
-                                              self.checks.metered, self.scaling, self.whose(whose, group))
+        maxed = () if self.guarding is None else self.guarding.maxed
+        agreed, metered = self.metering.agree(self.agreement, found, sent, maxed, self.checks.metered,
+                                              self.scaling, self.whose(whose, group))
         self.checks = self.checks._replace(metered=metered)
         return agreed
 
@@ -382,7 +384,8 @@ class Iteration:
 
     def _update(self, decision: Decision, describe: Describe | None) -> None:
         """The scale rule on ``decision.flag`` (unless the guard held it), its log line, the floor."""
-        skipped, flag, held = decision.skipped, decision.flag, decision.held
+        skipped, flag, reason = decision.skipped, decision.flag, decision.worst
+        held = reason not in (None, "overflow")  # the guard skipped with finite gradients
         log, scaling = self.log, self.scaling
         before = scaling.host_state() if skipped is not None and log.wants_scale(skipped) else None
         if skipped is not False and not held and scaling.config.raise_error_at_min_scale:
@@ -396,10 +399,6 @@ class Iteration:
         if held:
             describe = self.guarding.describer(*next(gv for gv in decision.verdicts if gv[1].reason))
         if skipped is not None:
-            reason = None
-            if decision.verdicts:  # the line names the first of guard.REASONS among the verdicts
-                reasons = {v.reason for _, v in decision.verdicts}
-                reason = next((r for r in guard.REASONS if r in reasons), None)
             detail = "" if self.last_overflow is None else overflow.log_summary(self.last_overflow)
             log.after_update(skipped, before, read, describe or scaling.describe_change, detail, reason)
         if skipped and not held:
@@ -428,17 +427,16 @@ def _skip_report(iteration: Iteration, named: Named | None = None, local: Any = 
         local = None if not agreed or local is None else iteration.scaling.read_flag(local)
         grads = named() if named is not None else list(checks.checked)
         scale = iteration.scaling.host_state().scale
-        last = checks.decisions[-1] if checks.decisions else None
-        if last is None or not last.verdicts or last.reason == "overflow":
-            report = overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed, local_flag=local)
-            if last is None or not last.verdicts:
-                return report
-            verdict = last.verdicts[-1][1]  # an overflow: the guard's values, and was the loss a spike?
-            note = guard.overflow_note(verdict, iteration.guarding.guard)
-            return replace(report, verdict=verdict, diagnosis=report.diagnosis + note)
-        group, verdict = last.verdicts[-1]  # the guard's skip
-        return replace(overflow.build_report(grads, scale=scale), verdict=verdict,
-                       diagnosis=iteration.guarding.diagnosis(group, verdict))
+        verdicts = checks.decisions[-1].verdicts if checks.decisions else ()
+        if not verdicts:
+            return overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed, local_flag=local)
+        group, verdict = verdicts[-1]
+        if verdict.reason != "overflow":  # the guard's skip
+            return replace(overflow.build_report(grads, scale=scale), verdict=verdict,
+                           diagnosis=iteration.guarding.diagnosis(group, verdict))
+        report = overflow.build_report(grads, scale=scale, skipped=True, agreed=agreed, local_flag=local)
+        note = guard.overflow_note(verdict, iteration.guarding.guard)  # and was the loss a spike?
+        return replace(report, verdict=verdict, diagnosis=report.diagnosis + note)
     except Exception as exc:  # noqa: BLE001 - any failure of the report, reported and survived
         logger.warning("diagnose=True: the overflow report on this skipped step could not be built "
                        "(%s: %s); the step was skipped as decided. Fix: call polyamp.explain_overflow "
@@ -454,7 +452,6 @@ _AFTER_AGREEMENT = (
     "non-finite gradients)."
 )
 
-
 #: The error of an update() with nothing checked.
 _NO_CHECKS = ("update() found no inf checks recorded this iteration. Fix: call unscale_(grads) or "
               "step(grads, step_fn) first, or pass found_inf=.")
@@ -463,9 +460,3 @@ _NO_CHECKS = ("update() found no inf checks recorded this iteration. Fix: call u
 _IN_ITERATION = ("a LossScaler can be copied or pickled only between update() and the next "
                  "unscale_()/step(): this iteration's overflow checks live on the device. "
                  "Fix: call update() first.")
-
-
-def _maxed(guarding: GuardSteps | None, users: int) -> tuple[bool, ...]:
-    """Per extra value agreed: whether the ranks' values combine by their max (the guard's rule per
-    slot; the user's ``users`` values are summed)."""
-    return () if guarding is None else (False,) * users + guarding.maxed

@@ -129,8 +129,7 @@ class LossScaler:
     @property
     def guard_history(self) -> _guard.GuardHistory:
         """The guard's histories of applied steps and its streak of skips (immutable)."""
-        guarding = self._iteration.guarding
-        return _guard.GuardHistory() if guarding is None else guarding.history_of(0)
+        return self._iteration.histories.get(0, _guard.GuardHistory())
 
     @property
     def reducer(self) -> Any:

@@ -1,19 +1,8 @@
 """The step guard: skip a step whose loss or gradient norm is a spike against the applied steps.
 
-The rule, in plain Python on host floats (the iteration brings the values, agreed over the ranks,
-in the step's one collective and its one host read)::
-
-    reason = "overflow"         if the gradients are not finite
-           | "grad_norm_limit"  if norm > max_grad_norm
-           | "grad_norm_spike"  if z(norm) > grad_norm_zscore, or the norm is not finite
-           | "loss_spike"       if z(loss) > loss_zscore, or the loss is not finite
-           | None               (the step is applied)
-    z(x) = (x - mean(h)) / std(h, ddof=1), h = x's values of the last `window` APPLIED steps,
-           judged only once len(h) >= min_history and std(h) > 0 (one-sided: x below the mean never is)
-    applied: x joins h (the oldest leaves past `window`); streak = 0
-    skipped: streak += 1; at max_consecutive_skips: on_streak(GuardReport), then streak = 0
-
-A skipped step's values never enter a history, so a run of spikes cannot make itself normal.
+The rule (docs/guard.md, "The rule") in plain Python on host floats: the iteration brings the values,
+agreed over the ranks, in the step's one collective and its one host read. A skipped step's values
+never enter a history, so a run of spikes cannot make itself normal.
 """
 
 from __future__ import annotations
@@ -38,8 +27,6 @@ REASONS = ("overflow", "grad_norm_limit", "grad_norm_spike", "loss_spike")
 #: The quantities a guard keeps histories of (StepResult.zscores' keys).
 QUANTITIES = ("loss", "grad_norm")
 
-OnStreak = Callable[["GuardReport"], Any]
-
 
 @dataclass(frozen=True, kw_only=True)
 class StepGuard:
@@ -59,7 +46,7 @@ class StepGuard:
     window: int = 128
     min_history: int | None = None
     max_consecutive_skips: int | None = None
-    on_streak: str | OnStreak = "raise"
+    on_streak: str | Callable[[GuardReport], Any] = "raise"
 
     def __post_init__(self) -> None:
         for name in ("window", "min_history", "max_consecutive_skips"):  # NumPy scalars: Python ints,
@@ -260,11 +247,12 @@ def _ldexp(value: float, shift: int) -> float:
 
 def judge(guard: StepGuard, history: GuardHistory, *, overflow: bool, loss: float | None,
           grad_norm: float | None) -> Verdict:
-    """The decision of the module docstring's rule on host floats (pure; nothing changes)."""
+    """The decision of the guard's rule on host floats (pure; nothing changes)."""
     zscores: dict[str, float] | None = None
-    for name, value in (("loss", loss), ("grad_norm", grad_norm)):
-        past = getattr(history, name)
-        if name in guard.thresholds() and len(past) >= guard.history_needed and value is not None:
+    values = {"loss": loss, "grad_norm": grad_norm}
+    for name in guard.thresholds():
+        value, past = values[name], getattr(history, name)
+        if len(past) >= guard.history_needed and value is not None:
             mean, std = mean_std(past)
             zscores = {} if zscores is None else zscores
             if std > 0 and not math.isnan(value):  # an inf (squares past float32's range) is a spike
@@ -314,9 +302,8 @@ def advance(guard: StepGuard, history: GuardHistory, verdict: Verdict
             ) -> tuple[GuardHistory, GuardReport | None]:
     """The history after ``verdict`` (pure), and the report when a streak reached its end."""
     if verdict.reason is None:
-        kept = guard.thresholds()
         keep = {name: (getattr(history, name) + (float(getattr(verdict, name)),))[-guard.window:]
-                for name in QUANTITIES if name in kept and getattr(verdict, name) is not None}
+                for name in guard.thresholds() if getattr(verdict, name) is not None}
         return history._replace(streak=0, reasons=(), **keep), None
     streak, reasons = history.streak + 1, (*history.reasons, verdict.reason)
     limit = guard.max_consecutive_skips
@@ -340,11 +327,6 @@ def act(guard: StepGuard, report: GuardReport) -> None:
         logger.warning("StepGuard: %s", report)
         return
     guard.on_streak(report)  # type: ignore[operator]
-
-
-def describe(verdict: Verdict, guard: StepGuard, scale: float, held: int) -> str:
-    """The log line of a guard-skipped step (finite gradients: the scale stays)."""
-    return f"{diagnosis(verdict, guard, held)}: step skipped, loss scale kept at {scale:g}"
 
 
 def diagnosis(verdict: Verdict, guard: StepGuard, held: int) -> str:
