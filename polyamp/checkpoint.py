@@ -210,11 +210,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def load(f: Target) -> tuple[LossScaleConfig, HostState, int, int, GuardHistory | None]:
-    """Read and validate a checkpoint into :func:`apply`'s parts; every StateDictError names the file."""
+def load(f: Target, *, with_guard: bool = False) -> Any:
+    """Read and validate a checkpoint; every StateDictError names the file. ``with_guard``: the
+    parts and then :func:`guard_history`'s value."""
     data = read(f)
     try:
-        return (*from_state_dict(data), guard_history(data))
+        parts = from_state_dict(data)
+        return (*parts, guard_history(data)) if with_guard else parts
     except StateDictError as exc:
         raise StateDictError(f"{_name(f)}: {exc}") from exc
 

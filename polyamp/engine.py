@@ -286,7 +286,7 @@ class LossScaler:
 
     def load(self, f: str | os.PathLike[str] | IO[bytes]) -> None:
         """Load a checkpoint written by :meth:`save` from a path or a binary file; errors name it."""
-        checkpoint.apply(self._iteration, checkpoint.load(f))
+        checkpoint.apply(self._iteration, checkpoint.load(f, with_guard=True))
 
     def __getstate__(self) -> dict[str, Any]:
         """The iteration's state as plain data (refused inside an iteration)."""
