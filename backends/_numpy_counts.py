@@ -2,21 +2,16 @@
 
 The counts are :mod:`polyamp._precision_counts`'s, bit for bit, without float64 arithmetic per value:
 ``v = |g| * s`` rounded in float64 is monotonic in ``|g|``, so each test ``v <= t`` (or ``v < t``)
-holds exactly for the non-negative values of the gradient's dtype up to one bit pattern, found once
-per (dtype, s, t) by bisection on the host with the same float64 product. Per value the kernel then
-compares its bits ``b = bits & ~sign`` (ordered as the values are, inf and NaN above every finite one)
-with those patterns. Per block of ``BLOCK`` values (cache-sized): ``_numpy_kernels``' compiled unscale
-of the block, then the counts of the unscaled block while it is still in cache, so memory sees one
-read and one write. An ``"amax"`` target's scale needs the gradient's amax first: its counts take a
-second, read-only pass.
-
-numba only (the compiled kernels of ``_numpy_kernels``, which must be the requested path); a
-gradient the kernel cannot take (no numba, a non-contiguous or read-only one, float16 without
-hardware conversions) is unscaled and counted by the unfused passes. Importing it imports only NumPy.
+holds exactly up to one bit pattern of the dtype, found once per (dtype, s, t) by bisection on the
+host; the kernel compares each value's ``bits & ~sign`` with those patterns. Per cache-sized block:
+``_numpy_kernels``' compiled unscale, then the counts while the block is in cache. An ``"amax"``
+target's counts take a second, read-only pass (its scale needs the amax). numba only; a gradient
+the kernel cannot take is unscaled and counted by the unfused passes. Imports only NumPy.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Callable, Sequence
@@ -25,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from polyamp._precision_counts import FLOAT64_MAX
+
+from . import _numpy_kernels as k
 
 #: Values per block: the unscale and the counts of a block share one trip through memory.
 BLOCK = 16384
@@ -40,7 +37,6 @@ _BITS = {
 _kernels: dict[str, Callable[..., bool]] | None = None
 _count_le: Callable[..., None] | None = None
 _tried = False
-_limits: dict[tuple[str, float, float, bool], int] = {}  # (dtype, s, t, strict) -> the last bits that pass
 
 
 def value(bits: int, name: str) -> float:
@@ -52,13 +48,10 @@ def value(bits: int, name: str) -> float:
     return struct.unpack("<f", struct.pack("<I", bits << 16 if name == "bfloat16" else bits))[0]
 
 
+@functools.lru_cache(maxsize=4096)  # a scale that keeps changing: the oldest go
 def limit(name: str, s: float, t: float, strict: bool) -> int:
     """The largest finite non-negative bits ``b`` of dtype ``name`` with ``value(b) * s <= t`` (``< t``
     when ``strict``), the product rounded in float64; 0 passes always (``t > 0``). Remembered."""
-    key = (name, s, t, strict)
-    found = _limits.get(key)
-    if found is not None:
-        return found
 
     def passes(b: int) -> bool:
         v = value(b, name) * s
@@ -70,9 +63,6 @@ def limit(name: str, s: float, t: float, strict: bool) -> int:
     while hi - lo > 1:  # passes(lo), not passes(hi)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if passes(mid) else (lo, mid)
-    if len(_limits) > 4096:  # a scale that keeps changing: forget the old ones
-        _limits.clear()
-    _limits[key] = lo
     return lo
 
 
@@ -80,9 +70,7 @@ def limit(name: str, s: float, t: float, strict: bool) -> int:
 def _counts(bits: Any, absmask: Any, inf: Any, limits: Any, out: Any, ext: Any) -> None:  # numba
     """Add one block's counts to ``out``: zeros, non-finite, then per limit #(|bits| <= limit); keep
     in ``ext`` the largest finite |bits| and the smallest non-zero finite |bits| (``inf``: none).
-
-    A limit at or above the block's largest finite value counts every finite value, one below its
-    smallest non-zero value only the zeros: only a limit inside the block's range is compared."""
+    Only a limit inside the block's range of finite non-zero values is compared value by value."""
     zeros = nonfinite = np.int32(0)  # a block's counts fit (BLOCK < 2**31)
     top, low = absmask & 0, absmask
     for i in range(bits.size):  # the usual block: no zero, no inf or nan, two reductions tell
@@ -146,8 +134,6 @@ def _load() -> dict[str, Callable[..., bool]] | None:
     if _tried:
         return _kernels
     _tried = True
-    from . import _numpy_kernels as k
-
     if k._load_compiled() is None:
         return None
     try:
@@ -164,8 +150,6 @@ def _load() -> dict[str, Callable[..., bool]] | None:
 
 def fused_available() -> bool:
     """Whether the compiled fused kernels run here (numba, and the compiled NumPy kernels requested)."""
-    from . import _numpy_kernels as k
-
     return k._requested() == "compiled" and _load() is not None
 
 
@@ -177,16 +161,14 @@ class _Plan:
         self.bounds = tuple(bounds)
         self.known = [j for j, b in enumerate(bounds) if b.scale != "amax"]
         self.amax = [j for j, b in enumerate(bounds) if b.scale == "amax"]
-        self.scales = {j: scale if b.scale == "loss" else float(b.scale) for j, b in enumerate(bounds)
-                       if j in self.known}
+        self.scales = {j: scale if bounds[j].scale == "loss" else float(bounds[j].scale) for j in self.known}
         self.known_limits: dict[str, np.ndarray] = {}  # per dtype name: the known targets' limits
 
     def of_known(self, name: str) -> np.ndarray:
         """:meth:`limits` of the targets with a known scale, once per dtype."""
-        found = self.known_limits.get(name)
-        if found is None:
-            found = self.known_limits[name] = self.limits(name, self.known, self.scales)
-        return found
+        if name not in self.known_limits:
+            self.known_limits[name] = self.limits(name, self.known, self.scales)
+        return self.known_limits[name]
 
     def limits(self, name: str, targets: Sequence[int], scales: dict[int, float]) -> np.ndarray:
         """Per target of ``targets``: its three limits (underflow, subnormal, not overflow), as bits."""
@@ -207,8 +189,6 @@ def _amax_scale(bound: Any, amax: float) -> float:
 def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[bool, list[int], float, float]:
     """Unscale, check and count one flat, writable, contiguous gradient: (bad, its counts in the
     layout's order, amax, -amin)."""
-    from . import _numpy_kernels as k
-
     name = k._name(g.dtype)
     kind, absmask, inf, _ = _BITS[name]
     bits = g.view(kind)
@@ -231,7 +211,7 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
     bad = any(k.on_threads(run, len(spans), workers))
     out = outs[0] if len(outs) == 1 else np.sum(outs, axis=0)
     top, low = max(int(e[0]) for e in exts), min(int(e[1]) for e in exts)
-    amax, amin = value(top, name), (value(low, name) if low != inf else None)
+    amax, neg_amin = value(top, name), (-value(low, name) if low != inf else -math.inf)
     le = {j: out[2 + 3 * i:5 + 3 * i].tolist() for i, j in enumerate(plan.known)}
     if plan.amax:  # their scale needs the amax: a second, read-only pass
         scales = {j: _amax_scale(plan.bounds[j], amax) for j in plan.amax}
@@ -243,13 +223,11 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
     for j in range(len(plan.bounds)):
         under, sub, kept = le[j]
         row += [under - zeros, sub - under, numel - kept - nonfinite]
-    return bad, row, amax, (-amin if amin is not None else -math.inf)
+    return bad, row, amax, neg_amin
 
 
 def _flat(g: np.ndarray) -> np.ndarray | None:
     """A flat view the fused kernel takes: C-contiguous, aligned, native, writable, of a compiled dtype."""
-    from . import _numpy_kernels as k
-
     if not (g.flags.c_contiguous and g.flags.aligned and g.flags.writeable and g.dtype.isnative):
         return None
     return g.reshape(-1) if _kernels is not None and k._name(g.dtype) in _kernels else None
@@ -261,8 +239,6 @@ def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float
     the loss scale as a float, for "loss" targets), fused per gradient where the kernel takes it.
     ``(counts int64, extremes float64)`` as the count lays them out."""
     from polyamp import _precision_counts as precision
-
-    from . import _numpy_kernels as k
 
     k.check_writable(grads, not inv == 1.0)
     fused = fused_available() and inv == inv

@@ -1,25 +1,17 @@
 """NumPy fused unscale-and-check, as torch's ``_amp_foreach_non_finite_check_and_unscale_``.
 
-Three interchangeable paths give bit-identical gradients and the same flag:
-
-* ``compiled``: one numba loop per gradient that reads each value once, ORs the exponent bits
-  into an integer flag and writes ``v * inv`` (compiled lazily, cached on disk). float16 and
-  bfloat16 are widened to float32, multiplied and rounded back to nearest-even, as torch does:
-  float16 through the CPU's conversion instructions (F16C on x86), bfloat16 as integer bit
-  operations on two values per 32-bit word;
-* ``blocked``: pure NumPy over cache-sized blocks, so the check and the multiply share one trip
-  through memory;
-* ``naive``: ``isfinite(g).all()`` then ``g *= inv`` (two passes and a gradient-sized temporary).
-
-The path is ``set_kernel(name)`` if set, else ``$POLYAMP_NUMPY_KERNEL``, else ``compiled`` when
-numba imports (``blocked`` otherwise). A gradient of at least ``2 * PARALLEL_BYTES`` is cut into
-contiguous parts run on ``set_threads(n)`` / ``$POLYAMP_NUMPY_THREADS`` threads (default: the
-usable cpus), as torch's kernel runs on its intra-op threads. Importing this module imports
-only NumPy.
+Three interchangeable paths give bit-identical gradients and the same flag (docs/backends/numpy.md):
+``compiled`` (one numba loop per gradient, compiled lazily and cached on disk; float16 and bfloat16
+multiplied in float32 and rounded back to nearest-even, as torch does), ``blocked`` (NumPy over
+cache-sized blocks: one trip through memory) and ``naive`` (``isfinite`` then ``*=``). The path is
+``set_kernel(name)``, else ``$POLYAMP_NUMPY_KERNEL``, else ``compiled`` (``blocked`` without numba).
+A gradient of at least ``2 * PARALLEL_BYTES`` is cut across ``threads()`` threads, as torch's kernel
+runs on its intra-op threads. Importing this module imports only NumPy.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -30,18 +22,8 @@ import numpy as np
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
-__all__ = [
-    "ENV_VAR",
-    "KERNELS",
-    "THREADS_ENV_VAR",
-    "active_kernel",
-    "all_finite",
-    "compiled_available",
-    "set_kernel",
-    "set_threads",
-    "threads",
-    "unscale_and_check_",
-]
+__all__ = ["ENV_VAR", "KERNELS", "THREADS_ENV_VAR", "active_kernel", "all_finite", "compiled_available",
+           "set_kernel", "set_threads", "threads", "unscale_and_check_"]
 
 ENV_VAR = "POLYAMP_NUMPY_KERNEL"
 THREADS_ENV_VAR = "POLYAMP_NUMPY_THREADS"
@@ -64,16 +46,9 @@ _compile_tried = False
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None  # concurrent.futures is imported with the first pool
 _pool_key: tuple[int, int] = (0, 0)  # (pid, workers) the pool was made for: a forked child makes its own
-_names: dict[np.dtype, str] = {}
-_cpus: int | None = None
 
 # Exponent mask per dtype name: a value is inf/nan exactly when all its exponent bits are set.
-_EXP_MASK = {
-    "float16": 0x7C00,
-    "bfloat16": 0x7F80,
-    "float32": 0x7F800000,
-    "float64": 0x7FF0000000000000,
-}
+_EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, "float64": 0x7FF0000000000000}
 _F32_MASK, _F32_CARRY = np.uint32(0x7F800000), np.uint32(0x00800000)
 _F64_MASK, _F64_CARRY = np.uint64(0x7FF0000000000000), np.uint64(0x0010000000000000)
 _F16_MASK, _F16_CARRY = np.uint16(0x7C00), np.uint16(0x0400)
@@ -82,18 +57,12 @@ _BF16X2_MASK, _BF16X2_CARRY = np.uint32(0x7F807F80), np.uint32(0x00800080)
 _BF16X2_TOPS = np.uint32(0x80008000)
 _U32 = np.uint32
 # numba intrinsics the 16-bit kernels call (bit casts, float16 conversions): bound by _jit_kernels
-_as_f32: Any = None
-_as_u32: Any = None
-_f16_to_f32: Any = None
-_f32_to_f16: Any = None
+_as_f32 = _as_u32 = _f16_to_f32 = _f32_to_f16 = None
 
 
 # ----------------------------------------------------------------------------- kernel selection
 def set_kernel(name: str | None) -> None:
-    """Force a path (``compiled``/``blocked``/``naive``), or ``None`` to defer to the environment.
-
-    Process-wide; meant for tests and benchmarks that compare the paths.
-    """
+    """Force a path (``compiled``/``blocked``/``naive``) process-wide, or ``None``: the environment's."""
     global _forced
     if name is not None and name not in KERNELS:
         raise ValueError(f"unknown kernel {name!r}; expected one of {KERNELS}")
@@ -109,10 +78,8 @@ def _requested() -> str:
 
 
 def set_threads(n: int | None) -> None:
-    """Threads a large gradient is cut across (``1``: the calling thread only), or ``None`` for the default.
-
-    Process-wide, like ``set_kernel``; the default is ``$POLYAMP_NUMPY_THREADS``, else the usable cpus.
-    """
+    """Threads a large gradient is cut across (``1``: the calling thread only), process-wide, or ``None``
+    for the default: ``$POLYAMP_NUMPY_THREADS``, else the usable cpus."""
     global _forced_threads
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"set_threads(n) needs a whole number >= 1 or None, got n={n!r}")
@@ -133,46 +100,36 @@ def threads() -> int:
     return n
 
 
+@functools.cache
 def _usable_cpus() -> int:
     """The cpus this process may run on (its affinity mask where the OS has one), read once."""
-    global _cpus
-    if _cpus is None:
-        has_mask = hasattr(os, "sched_getaffinity")
-        _cpus = max(1, len(os.sched_getaffinity(0)) if has_mask else os.cpu_count() or 1)
-    return _cpus
+    has_mask = hasattr(os, "sched_getaffinity")
+    return max(1, len(os.sched_getaffinity(0)) if has_mask else os.cpu_count() or 1)
 
 
+@functools.cache
 def _name(dtype: np.dtype) -> str:
     """``dtype.name``, remembered: NumPy builds that string anew on every access (microseconds)."""
-    name = _names.get(dtype)
-    if name is None:
-        name = _names[dtype] = dtype.name
-    return name
+    return dtype.name
 
 
 def active_kernel() -> str:
-    """The path float32 gradients take now (``compiled`` falls back to ``blocked`` without numba).
-
-    May import numba (once) to find out.
-    """
+    """The path float32 gradients take now (``compiled`` falls back to ``blocked`` without numba); may
+    import numba (once) to find out."""
     name = _requested()
     return "blocked" if name == "compiled" and not compiled_available() else name
 
 
 def compiled_available() -> bool:
-    """Whether the numba path imports and compiles here (the reason is kept in ``compiled_error``).
-
-    The first call imports numba and compiles or loads the cached kernels (slow once, then free).
-    """
+    """Whether the numba path imports and compiles here (else the reason is in ``compiled_error``); the
+    first call compiles or loads the cached kernels (slow once, then free)."""
     return _load_compiled() is not None
 
 
 # ----------------------------------------------------------------------------- compiled path
 def _scale_check_f32(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
     """Multiply float32 ``g`` by ``inv`` in place (if ``scale``); True if any input was inf/nan.
-
-    (bits & mask) + carry sets bit 31 exactly for an all-ones exponent, so the OR vectorises.
-    """
+    (bits & mask) + carry sets bit 31 exactly for an all-ones exponent, so the OR vectorises."""
     bits = g.view(np.uint32)
     acc = np.uint32(0)
     for i in range(g.size):
@@ -195,9 +152,7 @@ def _scale_check_f64(g: np.ndarray, inv: np.float64, scale: bool) -> bool:
 
 def _scale_check_f16(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
     """Multiply float16 ``g`` (its uint16 bits) by ``inv`` in float32, round back; True if any was inf/nan.
-
-    As torch: widen (exact), multiply in float32, round to nearest-even once (F16C on x86).
-    """
+    As torch: widen (exact), multiply in float32, round to nearest-even once (F16C on x86)."""
     acc = np.uint16(0)
     for i in range(g.size):
         b = g[i]
@@ -238,10 +193,8 @@ def _scale_check_bf16(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
 
 
 def _numba_casts() -> tuple[Any, Any, Any, Any]:
-    """numba intrinsics: float32 <-> uint32 bit casts (both ways), float16 bits -> float32 -> float16 bits.
-
-    The float16 ones are LLVM's ``half`` conversions, so use them only where ``_native_half()``.
-    """
+    """numba intrinsics: float32 <-> uint32 bit casts (both ways), float16 bits -> float32 -> float16 bits
+    (LLVM's ``half`` conversions: only where ``_native_half()``)."""
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
@@ -262,10 +215,8 @@ def _numba_casts() -> tuple[Any, Any, Any, Any]:
 
 
 def _native_half() -> bool:
-    """Whether LLVM converts float16 in hardware for numba's target (x86 needs F16C; arm64 always can).
-
-    Elsewhere LLVM would call a runtime function numba does not link, which aborts the process.
-    """
+    """Whether LLVM converts float16 in hardware for numba's target (x86 needs F16C; arm64 always can);
+    elsewhere LLVM would call a runtime function numba does not link, which aborts the process."""
     import platform
 
     from numba.core import codegen, config
@@ -280,11 +231,8 @@ def _native_half() -> bool:
 
 
 def _jit_kernels(cache: bool) -> dict[str, Callable[..., bool]]:
-    """Compile the kernels for their one signature each (eagerly, so errors show), keyed by dtype name.
-
-    Seconds when compiling; with ``cache`` a later process loads them from ``__pycache__`` instead.
-    The float16 kernel exists only where ``_native_half()``; float16 takes the blocked path elsewhere.
-    """
+    """Compile the kernels for their one signature each (eagerly, so errors show), keyed by dtype name;
+    seconds, unless ``cache`` loads them from ``__pycache__``. float16 only where ``_native_half()``."""
     import numba
 
     global _as_f32, _as_u32, _f16_to_f32, _f32_to_f16
@@ -314,10 +262,8 @@ def _jit_kernels(cache: bool) -> dict[str, Callable[..., bool]]:
 
 
 def _load_compiled() -> dict[str, Callable[..., bool]] | None:
-    """Import numba and compile (or load from the disk cache) the kernels, once per process.
-
-    A cache that fails to load is bypassed; any other failure is kept in ``compiled_error``.
-    """
+    """Import numba and compile (or load from the disk cache) the kernels, once per process; a cache
+    that fails to load is bypassed, any other failure kept in ``compiled_error``."""
     global _compiled, _compile_tried, compiled_error
     if _compile_tried:
         return _compiled
@@ -344,11 +290,8 @@ def _limits(dtype: np.dtype) -> tuple[type, type, np.integer, np.integer]:
 
 
 def _blocked(x: np.ndarray, inv: np.float32, scale: bool) -> bool:
-    """Check then scale a flat gradient block by block; True if any input was inf/nan.
-
-    Per L2-sized block: two integer max-reductions over views (no scratch, no BLAS), then the
-    in-place multiply while the block is still in cache: DRAM sees one read and one write.
-    """
+    """Check then scale a flat gradient block by block; True if any input was inf/nan. Per L2-sized
+    block: two integer max-reductions over views, then the in-place multiply while it is in cache."""
     signed, unsigned, pos_lim, neg_lim = _limits(x.dtype)
     as_signed, as_unsigned = x.view(signed), x.view(unsigned)
     step = max(1, BLOCK_BYTES // x.dtype.itemsize)
@@ -376,13 +319,9 @@ def _naive(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
 
 
 def _flat(g: np.ndarray) -> np.ndarray | None:
-    """A flat 1-D view of contiguous (C or F), aligned, native-order ``g``, else ``None``."""
-    if not (g.flags.aligned and g.dtype.isnative):
-        return None
-    if g.flags.c_contiguous:
-        return g.reshape(-1)
-    if g.flags.f_contiguous:
-        return g.T.reshape(-1)
+    """A flat view, in memory order, of contiguous (C or F), aligned, native-order ``g``, else ``None``."""
+    if g.flags.aligned and g.dtype.isnative and (g.flags.c_contiguous or g.flags.f_contiguous):
+        return g.reshape(-1, order="A")
     return None
 
 
@@ -391,27 +330,19 @@ def _check_dtype(g: np.ndarray) -> None:
     if isinstance(g, np.matrix):
         raise TypeError("a gradient is a numpy.matrix; pass np.asarray(m), an ndarray view of its memory")
     if not isinstance(g, np.ndarray) or _name(g.dtype) not in _EXP_MASK:
-        raise TypeError(
-            f"gradients must be float16/bfloat16/float32/float64 ndarrays, got {getattr(g, 'dtype', type(g))}"
-        )
+        raise TypeError("gradients must be float16/bfloat16/float32/float64 ndarrays, "
+                        f"got {getattr(g, 'dtype', type(g))}")
 
 
 def _fast_path(x: np.ndarray, kernel: str) -> Callable[[np.ndarray, np.float32, bool], bool]:
     """The function for flat ``x`` on ``kernel``: the compiled one where it exists and ``x`` is writable."""
-    if kernel == "compiled" and x.flags.writeable:
-        kernels = _load_compiled()
-        fn = kernels.get(_name(x.dtype)) if kernels else None
-        if fn is not None:
-            return fn
-    return _blocked
+    kernels = _load_compiled() if kernel == "compiled" and x.flags.writeable else None
+    return kernels.get(_name(x.dtype), _blocked) if kernels else _blocked
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
-    """The shared pool of ``workers - 1`` threads (the caller runs one part itself).
-
-    Made anew after a fork (the parent's threads do not exist in the child) or a change of
-    ``threads()``; an old pool is left to the garbage collector, as another call may still use it.
-    """
+    """The shared pool of ``workers - 1`` threads (the caller runs one part itself); made anew after a
+    fork or a change of ``threads()``, the old one left to the garbage collector (a call may use it)."""
     global _pool, _pool_key
     key = (os.getpid(), workers)
     if _pool_key != key or _pool is None:
@@ -422,12 +353,6 @@ def _executor(workers: int) -> ThreadPoolExecutor:
                 _pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="polyamp-numpy")
                 _pool_key = key
     return _pool
-
-
-def _quiet(fn: Callable[..., bool], x: np.ndarray, inv: np.float32, scale: bool) -> bool:
-    """``fn(x, inv, scale)`` with NumPy's float warnings off (errstate is per thread)."""
-    with np.errstate(all="ignore"):
-        return bool(fn(x, inv, scale))
 
 
 def on_threads(run: Callable[[int], Any], parts: int, workers: int) -> list[Any]:
@@ -445,11 +370,8 @@ def on_threads(run: Callable[[int], Any], parts: int, workers: int) -> list[Any]
 
 
 def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str, workers: int) -> bool:
-    """Check (and scale, if ``scale``) one gradient on the chosen path; True if it held inf/nan.
-
-    A flat gradient of at least ``2 * PARALLEL_BYTES`` is cut into up to ``workers`` contiguous
-    parts (whole 64-byte lines) that run at once; the call returns when all have finished.
-    """
+    """Check (and scale, if ``scale``) one gradient on the chosen path; True if it held inf/nan. One of
+    at least ``2 * PARALLEL_BYTES`` runs in up to ``workers`` contiguous parts (whole 64-byte lines)."""
     x = _flat(g) if kernel != "naive" else None
     if x is None:
         return _naive(g, inv, scale)
@@ -459,7 +381,11 @@ def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str, workers: 
         return bool(fn(x, inv, scale))
     line = 64 // x.dtype.itemsize
     step = -(-x.size // parts // line) * line
-    part = lambda i: _quiet(fn, x[i * step:(i + 1) * step], inv, scale)  # noqa: E731
+
+    def part(i: int) -> bool:
+        with np.errstate(all="ignore"):  # per thread
+            return bool(fn(x[i * step:(i + 1) * step], inv, scale))
+
     return any(on_threads(part, -(-x.size // step), workers))
 
 
@@ -475,10 +401,8 @@ def check_writable(grads: Sequence[np.ndarray], scale: bool) -> None:
 
 
 def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found_inf: np.ndarray) -> None:
-    """Multiply gradients in place by ``inv_scale``; set ``found_inf`` to 1 if an input was inf/nan.
-
-    One pass per gradient; ``found_inf`` is never cleared; ``inv_scale == 1`` leaves values as is.
-    """
+    """Multiply gradients in place by ``inv_scale``; set ``found_inf`` to 1 (never cleared) if an input
+    was inf/nan. One pass per gradient; ``inv_scale == 1`` leaves values as is."""
     if np.size(inv_scale) != 1 or np.size(found_inf) != 1:
         raise ValueError("inv_scale and found_inf must hold exactly one element")
     inv = np.float32(np.asarray(inv_scale).reshape(())[()])
@@ -494,10 +418,8 @@ def unscale_and_check_(grads: Sequence[np.ndarray], inv_scale: np.ndarray, found
 
 
 def all_finite(arrays: Sequence[np.ndarray]) -> bool:
-    """True if no array holds inf or nan (non-float arrays are always finite).
-
-    One read pass per float array on the same paths as ``unscale_and_check_``, nothing written.
-    """
+    """True if no array holds inf or nan (non-float arrays are always finite): one read pass per float
+    array on the same paths as ``unscale_and_check_``, nothing written."""
     kernel, workers = _requested(), threads()
     one = np.float32(1.0)
     with np.errstate(all="ignore"):

@@ -1,10 +1,9 @@
 """NumPy sum of squares for a StepGuard's gradient norm: one float64-accumulating pass per gradient,
 or none of its own: fused into the unscale of float32 gradients (:func:`unscale_and_squares`).
 
-numba loops (four float64 accumulators, each value widened before it is squared) where numba
-imports and the compiled unscale kernel is in use, compiled once per process (cached on disk);
-elsewhere, and for 16-bit dtypes, the unfused passes (``_numpy_kernels`` then the array-API
-passes of ``polyamp.grads``). Importing it imports only NumPy.
+numba loops (four float64 accumulators) where numba imports and the compiled unscale kernel is in
+use; elsewhere, and for 16-bit dtypes, ``_numpy_kernels`` then ``polyamp.grads``' array-API passes.
+Importing it imports only NumPy.
 """
 
 from __future__ import annotations
@@ -14,7 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from . import _numpy_kernels as k
+
 _kernels: dict[str, Callable[[np.ndarray], float]] | None = None
+_fused: Callable[..., tuple[bool, float]] | None = None
 _tried = False
 
 
@@ -68,9 +70,6 @@ def _unscale_squares_f32(g: Any, inv: Any) -> tuple[bool, float]:  # compiled by
     return (acc >> _TOP) != 0, (s0 + s1) + (s2 + s3)
 
 
-_fused: Callable[..., tuple[bool, float]] | None = None
-
-
 def _load() -> dict[str, Callable[[np.ndarray], float]] | None:
     global _kernels, _tried, _fused
     if not _tried:
@@ -108,8 +107,6 @@ def sum_of_squares(arrays: Sequence[np.ndarray]) -> np.ndarray:
 def _fused_parts(x: np.ndarray, inv: np.float32) -> tuple[bool, float]:
     """The fused kernel on flat ``x``, cut into parts on ``_numpy_kernels``' threads as its unscale
     is (the parts' sums added in order)."""
-    from . import _numpy_kernels as k
-
     workers = k.threads()
     parts = min(workers, x.nbytes // k.PARALLEL_BYTES)
     if parts < 2:  # the usual gradient: no per-part calls on the step's path
@@ -121,17 +118,12 @@ def _fused_parts(x: np.ndarray, inv: np.float32) -> tuple[bool, float]:
 
 def fused_available() -> bool:
     """Whether the compiled fused kernel runs here (numba, and the compiled NumPy kernels requested)."""
-    from . import _numpy_kernels as k
-
-    return (_load() is not None and _fused is not None and k._requested() == "compiled"
-            and k.compiled_available())
+    return _load() is not None and k._requested() == "compiled" and k.compiled_available()
 
 
 def unscale_and_squares(grads: Sequence[np.ndarray], inv: np.float32, found_inf: np.ndarray) -> np.ndarray:
     """``_numpy_kernels.unscale_and_check_`` and :func:`sum_of_squares` of the results: fused for
     contiguous writable float32 gradients on the compiled path, else the two passes."""
-    from . import _numpy_kernels as k
-
     k.check_writable(grads, not inv == 1.0)
     fused = fused_available()
     total, bad, rest = 0.0, False, []

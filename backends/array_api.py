@@ -17,9 +17,7 @@ import numpy as np
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState, next_state
 
-
-def _xp(array: Any) -> Any:
-    return array_api_compat.array_namespace(array)
+_xp = array_api_compat.array_namespace  # an array's namespace
 
 
 @hookimpl
@@ -79,9 +77,7 @@ def cast(array: Any, dtype: str) -> Any:
     xp = _xp(array)
     target = getattr(xp, dtype, None)
     if target is None:
-        raise TypeError(
-            f"{xp.__name__} has no dtype {dtype!r}; cast to 'float32' or 'float16' instead"
-        )
+        raise TypeError(f"{xp.__name__} has no dtype {dtype!r}; cast to 'float32' or 'float16' instead")
     return xp.astype(array, target)
 
 
@@ -118,10 +114,8 @@ def is_host(array: Any) -> bool:
 
 @hookimpl
 def host_view(array: Any) -> Any:
-    if isinstance(array, np.ndarray):
-        return array
-    if isinstance(array, np.generic):
-        return np.asarray(array)
+    if isinstance(array, (np.ndarray, np.generic)):
+        return np.asanyarray(array)  # an ndarray as it is
     if not is_host(array):
         return None
     try:
@@ -193,8 +187,8 @@ def finite_flags(arrays: Sequence[Any]) -> list[bool]:
 
 @hookimpl
 def overflow_counts(array: Any) -> tuple[int, int, int, float]:
-    """Counted in chunks of ``REPORT_CHUNK`` values, so the temporaries stay a fixed size however
-    large the gradient (a big embedding's report must not run a nearly full GPU out of memory)."""
+    """Counted in chunks of ``REPORT_CHUNK`` values: fixed-size temporaries however large the gradient
+    (a big embedding's report must not run a nearly full GPU out of memory)."""
     xp = _xp(array)
     flat = xp.reshape(array, (-1,))
     size = flat.shape[0]

@@ -1,9 +1,7 @@
 """JAX backend: JAX's immutable arrays, for :mod:`polyamp.functional` (and ``polyamp info``).
 
-JAX arrays cannot be written in place, so the stateful ``LossScaler`` refuses this backend (its
-``backend_info`` says ``in_place: False``) and points to ``polyamp.functional``, whose pure
-functions trace under ``jax.jit``. ``owns_array`` looks in ``sys.modules``: loading this plugin
-never imports jax.
+The stateful ``LossScaler`` refuses it (``backend_info`` says ``in_place: False``); loading this
+plugin never imports jax (docs/backends/jax.md).
 """
 
 from __future__ import annotations
@@ -16,13 +14,6 @@ from polyamp import functional
 from polyamp._errors import ConfigError, ForeignArrayError, install_hint
 from polyamp._hookspecs import hookimpl
 from polyamp.policy import LossScaleState
-
-#: What the stateful scaler says when given JAX arrays (the backend refuses in-place work).
-IMMUTABLE = (
-    "JAX arrays are immutable, and polyamp.LossScaler unscales gradients in place. Fix: use "
-    "polyamp.functional (init, scale, unscale, update, where_finite: pure functions that trace "
-    "under jax.jit), or polyamp.optax.loss_scaled(optimizer) with optax"
-)
 
 
 @hookimpl
@@ -49,17 +40,13 @@ def full(value: Any, dtype: str, like: Any) -> Any:
 
 
 def _other_device(like: Any) -> Any:
-    """``like``'s device when it is one device other than the default, else None: an array put on
-    the default device explicitly would be committed there, which ``pmap`` and sharded ``jit``
-    refuse to move (the state follows the computation instead)."""
+    """``like``'s device when it is one device other than the default, else None: an array put on the
+    default device explicitly would be committed there, which ``pmap`` and sharded ``jit`` refuse to move."""
     import jax
 
-    if not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer):
+    if not isinstance(like, jax.Array) or isinstance(like, jax.core.Tracer) or len(like.devices()) != 1:
         return None
-    devices = like.devices()
-    if len(devices) != 1:
-        return None
-    (device,) = devices
+    (device,) = like.devices()
     return None if device == jax.devices()[0] else device
 
 
@@ -70,7 +57,10 @@ def scale_array(array: Any, scale: Any) -> Any:
 
 @hookimpl
 def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
-    raise ForeignArrayError(IMMUTABLE)
+    raise ForeignArrayError(
+        "JAX arrays are immutable, and polyamp.LossScaler unscales gradients in place. Fix: use "
+        "polyamp.functional (init, scale, unscale, update, where_finite: pure functions that trace "
+        "under jax.jit), or polyamp.optax.loss_scaled(optimizer) with optax")
 
 
 @hookimpl

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from polyamp.backends import _numpy_kernels
+from polyamp.backends import _numpy_kernels, _numpy_squares
 from polyamp.backends._scaling import scale_in_own_dtype
 
 from polyamp._dtypes import numpy_bfloat16
@@ -56,14 +56,12 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
 
 @hookimpl
 def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any:
-    from . import _numpy_squares
-
     return _numpy_squares.unscale_and_squares(grads, np.float32(1.0 / np.float64(scale)), found_inf)
 
 
 @hookimpl
 def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: Sequence[Any]) -> Any:
-    from . import _numpy_counts
+    from . import _numpy_counts  # at a meter's first sample step: it imports polyamp._precision_counts
 
     inv = np.float32(1.0 / np.float64(scale))
     return _numpy_counts.unscale_and_count(grads, inv, float(scale), found_inf, bounds)
@@ -71,8 +69,6 @@ def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: 
 
 @hookimpl
 def sum_of_squares(arrays: Sequence[Any]) -> Any:
-    from . import _numpy_squares
-
     return _numpy_squares.sum_of_squares(arrays)
 
 
@@ -84,9 +80,7 @@ def all_finite(arrays: Sequence[Any]) -> Any:
 @hookimpl
 def cast(array: Any, dtype: str) -> Any:
     if dtype not in ("float32", "float16", "float64", "bfloat16"):
-        raise ValueError(
-            f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}"
-        )
+        raise ValueError(f"dtype must be 'float32', 'float16' or 'bfloat16', got dtype={dtype!r}")
     return np.asarray(array).astype(numpy_bfloat16() if dtype == "bfloat16" else _DTYPES[dtype])
 
 

@@ -1,14 +1,12 @@
 """PyTorch backend: torch's own fused kernels, grouped per (device, dtype); torch imported lazily.
 
-``torch._amp_foreach_non_finite_check_and_unscale_`` unscales a whole group in one call and
-``torch._amp_update_scale_`` runs torch's rule on the device (``rule="torch"``, ``backoff_interval=1``),
-followed by an in-place clamp at ``SCALE_FLOOR`` (torch's own rule lets the scale reach 0); other
-configs run :func:`polyamp.policy.next_state` as tensor ops. Nothing here reads a
-device value back except :func:`read_flag` and :func:`to_host`.
+Nothing here reads a device value back except :func:`read_flag` and :func:`to_host`
+(docs/backends/torch.md).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -26,17 +24,16 @@ from polyamp.policy import LossScaleState, next_state
 _CASTS = ("float32", "float16", "bfloat16", "float64")
 
 
+_TORCH_MODULE: Any = None  # torch once imported: callers read it first, a global read per call
+
+
 def _torch() -> Any:
-    """torch, imported at the first call (never at plugin load), then a global read."""
+    """torch, imported at the first call (never at plugin load)."""
     global _TORCH_MODULE
-    if _TORCH_MODULE is None:
-        import torch
+    import torch
 
-        _TORCH_MODULE = torch
-    return _TORCH_MODULE
-
-
-_TORCH_MODULE: Any = None
+    _TORCH_MODULE = torch
+    return torch
 
 
 @hookimpl
@@ -44,11 +41,8 @@ def backend_info() -> dict[str, Any]:
     try:
         torch = _TORCH_MODULE or _torch()  # a global read after the first call
     except ImportError as exc:
-        return {
-            "available": False,
-            "reason": f"torch is not installed ({exc}). Fix: {install_hint('torch')}",
-            "version": None,
-        }
+        return {"available": False, "reason": f"torch is not installed ({exc}). Fix: {install_hint('torch')}",
+                "version": None}
     return {"available": True, "reason": "", "version": torch.__version__}
 
 
@@ -95,10 +89,9 @@ def _dense(grads: Sequence[Any]) -> list[Any]:
 def inverse_scale(scale: Any) -> Any:
     """float32(1 / float64(scale)), bit for bit what torch's GradScaler computes.
 
-    On CPU one float32 division gives the same bits (IEEE division is correctly rounded, and
-    rounding a float64 quotient to float32 is innocuous since 53 >= 2*24 + 2), saving two
-    kernels per step. Elsewhere it is torch's float64 path: FP32 division can be imprecise
-    under some compile options. MPS has no float64, so torch divides in float32 there too.
+    On CPU one float32 division gives the same bits (correctly rounded; 53 >= 2*24 + 2), two kernels
+    fewer per step; MPS has no float64, so torch divides in float32 there too. Elsewhere torch's
+    float64 path (float32 division can be imprecise under some compile options).
     """
     if scale.is_cpu or scale.is_mps:
         return scale.reciprocal()
@@ -135,9 +128,8 @@ def unscale_and_check(grads: Sequence[Any], scale: Any, found_inf: Any) -> None:
 
 @hookimpl
 def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any:
-    """Unscale and a StepGuard's sum of squares: float32 CPU gradients in ONE pass over each (the
-    NumPy backend's compiled kernel on their memory: the same float32 products as torch's kernel,
-    so the gradients end bitwise as :func:`unscale_and_check` leaves them); else the two passes."""
+    """Unscale and a StepGuard's sum of squares: float32 CPU gradients in ONE pass (the NumPy backend's
+    compiled kernel on their memory: torch's float32 products, bit for bit); else the two passes."""
     from . import _numpy_squares
 
     torch = _TORCH_MODULE or _torch()  # a global read after the first call
@@ -151,11 +143,9 @@ def unscale_and_squares(grads: Sequence[Any], scale: Any, found_inf: Any) -> Any
 
 @hookimpl
 def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: Sequence[Any]) -> Any:
-    """Unscale and a meter's precision counts: float32/float64/float16 CPU gradients in ONE pass over
-    each (the NumPy backend's compiled kernel on their memory, reached through DLPack: the same
-    products as torch's kernel; no value of a device is read); CUDA gradients through the cupy
-    backend's fused CUDA kernel where cupy runs (zero-copy views, on torch's current stream); else
-    torch's unscale, then the counts' array-API passes."""
+    """Unscale and a meter's precision counts: float32/float64/float16 CPU gradients in ONE pass (the
+    NumPy backend's compiled kernel through DLPack), CUDA ones by the cupy backend's fused kernel
+    where cupy runs; else torch's unscale, then the counts' array-API passes."""
     from . import _numpy_counts
 
     torch = _TORCH_MODULE or _torch()  # a global read after the first call
@@ -179,29 +169,28 @@ def unscale_and_count(grads: Sequence[Any], scale: Any, found_inf: Any, bounds: 
 def _on_cupy(grads: Sequence[Any], scale: Any, found_inf: Any) -> bool:
     """Whether the cupy backend's fused kernel takes these gradients: dense CUDA tensors of its
     dtypes on the flag's device, and cupy with a device and NVRTC here (asked once)."""
-    global _CUPY_RUNS
     device = found_inf.device
-    if device.type != "cuda" or scale.device != device or not grads or any(
-            g.device != device or g.is_sparse or str(g.dtype).rpartition(".")[2] not in _CUPY_DTYPES
-            for g in grads):
-        return False
-    if _CUPY_RUNS is None:
-        from . import cupy as plugin
-
-        try:
-            _CUPY_RUNS = bool(plugin.backend_info()["available"])
-        except Exception:  # noqa: BLE001 - a broken cupy install: torch's own passes
-            _CUPY_RUNS = False
-    return _CUPY_RUNS
+    return device.type == "cuda" and scale.device == device and bool(grads) and not any(
+        g.device != device or g.is_sparse or str(g.dtype).rpartition(".")[2] not in _CUPY_DTYPES
+        for g in grads) and _cupy_runs()
 
 
-_CUPY_RUNS: bool | None = None  # whether cupy runs here (asked at the first CUDA sample step)
 _CUPY_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
+@functools.cache
+def _cupy_runs() -> bool:
+    """Whether the cupy backend runs here (asked once, at the first CUDA sample step)."""
+    from . import cupy as plugin
+
+    try:
+        return bool(plugin.backend_info()["available"])
+    except Exception:  # noqa: BLE001 - a broken cupy install: torch's own passes
+        return False
+
+
 def _cupy_counts(torch: Any, grads: Sequence[Any], scale: Any, found_inf: Any, bounds: Sequence[Any]) -> Any:
-    """The cupy backend's fused kernel on torch's CUDA tensors, on torch's current stream: the counts
-    as torch tensors (zero-copy), no host read."""
+    """The cupy backend's fused kernel on torch's CUDA tensors and current stream; no host read."""
     import cupy
 
     from . import _cupy_launch
@@ -217,12 +206,10 @@ def _cpu_views(torch: Any, grads: Sequence[Any], found_inf: Any, dtypes: tuple[A
                view: Callable[[Any], Any]) -> list[Any] | None:
     """NumPy ``view``s of plain, contiguous CPU gradients of ``dtypes`` when ``kernels``' compiled fused
     kernel runs here, else None (other dtypes, devices, layouts or tensor subclasses: torch's passes)."""
-    if not grads or found_inf.device.type != "cpu" or not kernels.fused_available():
+    if not grads or found_inf.device.type != "cpu" or not kernels.fused_available() or any(
+            type(g) is not torch.Tensor or g.dtype not in dtypes or g.device.type != "cpu"
+            or g.layout != torch.strided or not g.is_contiguous() for g in grads):
         return None
-    for g in grads:
-        if (type(g) is not torch.Tensor or g.dtype not in dtypes or g.device.type != "cpu"
-                or g.layout != torch.strided or not g.is_contiguous()):
-            return None
     return [view(g.detach()) for g in grads]
 
 
@@ -233,14 +220,11 @@ _scratch = threading.local()  # per thread: (device, dtype) -> the scratch buffe
 
 @hookimpl
 def sum_of_squares(arrays: Sequence[Any]) -> Any:
-    """Each chunk of 2**20 values squared in its dtype (16-bit ones widened to float32) into a
-    reused buffer and summed there (torch's cascade sum), the chunks' sums added in float64: about
-    2**-24 relative (the squares' rounding), no allocation per step. A chunk whose float32 sum
-    passes float32's max gives inf (a norm of ~1.8e19 and more: a spike)."""
+    """Each chunk of 2**20 values squared in its dtype (16-bit ones in float32) into a reused buffer and
+    summed there, the chunks' sums added in float64: about 2**-24 relative, no allocation per step. A
+    chunk whose float32 sum passes float32's max gives inf (a norm of ~1.8e19 and more: a spike)."""
     torch = _TORCH_MODULE or _torch()  # a global read after the first call
-    buffers = getattr(_scratch, "buffers", None)  # this thread's: threads never share one
-    if buffers is None:
-        buffers = _scratch.buffers = {}
+    buffers = vars(_scratch).setdefault("buffers", {})  # this thread's: threads never share one
     parts = []
     for g in arrays:
         flat = g.detach().reshape(-1)
@@ -274,39 +258,27 @@ def all_finite(arrays: Sequence[Any]) -> Any:
 def cast(array: Any, dtype: str) -> Any:
     torch = _TORCH_MODULE or _torch()  # a global read after the first call
     if dtype not in _CASTS:
-        raise ValueError(
-            f"dtype must be one of {', '.join(map(repr, _CASTS))}, got dtype={dtype!r}"
-        )
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, _CASTS))}, got dtype={dtype!r}")
     return array.to(getattr(torch, dtype))
 
 
 def _torch_rule(config: Any) -> bool:
     """Whether torch's own fused update implements ``config`` exactly."""
-    return (
-        config.dynamic
-        and config.backoff_interval == 1
-        and config.min_scale is None
-        and config.max_scale is None
-        and config.rule == "torch" and config.product_dtype in (None, "float64")  # torch's own products
-    )
+    return (config.dynamic and config.backoff_interval == 1 and config.min_scale is None
+            and config.max_scale is None and config.rule == "torch"
+            and config.product_dtype in (None, "float64"))  # torch's own products
 
 
 @hookimpl
 def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
-    """torch's fused ``_amp_update_scale_`` for torch's rule, else the rule as tensor ops.
-
-    Either way the state tensors are updated in place on their device, with no host read. torch's
-    op compares ``==`` where the rule compares ``>=``: the same for every state within
-    :func:`polyamp.policy.tracker_limits`, where the engine keeps it (``fit_to_config`` after a
-    reconfigure); a tracker past the interval would never grow here until the next overflow.
-    """
+    """torch's fused ``_amp_update_scale_`` for torch's rule, else the rule as tensor ops; in place, no
+    host read. torch's ``==`` is the rule's ``>=`` within :func:`polyamp.policy.tracker_limits`, where
+    the engine keeps the state (a tracker past the interval would never grow here)."""
     scale, growth, backoff = state
     if _torch_rule(config):
         torch = _TORCH_MODULE or _torch()
-        torch._amp_update_scale_(
-            scale, growth, found_inf,
-            config.growth_factor, config.backoff_factor, config.growth_interval,
-        )
+        torch._amp_update_scale_(scale, growth, found_inf, config.growth_factor, config.backoff_factor,
+                                 config.growth_interval)
         # torch backs off below float32's smallest normal down to 0; stop at the floor instead.
         # A no-op for every scale torch keeps >= the floor, so trajectories stay bitwise torch's.
         torch.clamp_min_(scale, SCALE_FLOOR)  # the cheapest form: 0.8 us, not 1.1
@@ -315,10 +287,8 @@ def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
         return state
     import array_api_compat.torch as xp
 
-    new = next_state(LossScaleState(scale, growth, backoff), found_inf, config, xp)
-    scale.copy_(new.scale)
-    growth.copy_(new.growth_tracker)
-    backoff.copy_(new.backoff_tracker)
+    for old, new in zip(state, next_state(LossScaleState(scale, growth, backoff), found_inf, config, xp)):
+        old.copy_(new)
     return state
 
 
@@ -353,7 +323,7 @@ def host_view(array: Any) -> Any:
 def to_numpy(array: Any) -> Any:
     """A CPU tensor's memory as NumPy (no copy), else one device-to-host copy; bfloat16 as float32."""
     array = array.detach()
-    if array.dtype is _torch().bfloat16:
+    if array.dtype is (_TORCH_MODULE or _torch()).bfloat16:
         array = array.float()
     return array.cpu().numpy()
 
