@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from polyamp._precision_counts import FLOAT64_MAX
+from polyamp._precision_counts import _target_scale
 
 from . import _numpy_kernels as k
 
@@ -180,12 +180,6 @@ class _Plan:
         return np.asarray(found, _BITS[name][0])
 
 
-def _amax_scale(bound: Any, amax: float) -> float:
-    """The "amax" target's multiplier as :func:`polyamp._precision_counts._target_scale` makes it."""
-    s = bound.max_finite / (amax if amax > 0 else bound.max_finite)
-    return s if math.isfinite(s) else FLOAT64_MAX
-
-
 def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[bool, list[int], float, float]:
     """Unscale, check and count one flat, writable, contiguous gradient: (bad, its counts in the
     layout's order, amax, -amin)."""
@@ -214,7 +208,8 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
     amax, neg_amin = value(top, name), (-value(low, name) if low != inf else -math.inf)
     le = {j: out[2 + 3 * i:5 + 3 * i].tolist() for i, j in enumerate(plan.known)}
     if plan.amax:  # their scale needs the amax: a second, read-only pass
-        scales = {j: _amax_scale(plan.bounds[j], amax) for j in plan.amax}
+        scales = {j: float(_target_scale(np, plan.bounds[j], None, np.float64(amax), None))
+                  for j in plan.amax}  # as the unfused count makes them
         extra = np.zeros(2 + 3 * len(plan.amax), np.int64)
         _count_le(bits, mask, plan.limits(name, plan.amax, scales), extra)
         le.update({j: extra[2 + 3 * i:5 + 3 * i].tolist() for i, j in enumerate(plan.amax)})
@@ -228,9 +223,8 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
 
 def _flat(g: np.ndarray) -> np.ndarray | None:
     """A flat view the fused kernel takes: C-contiguous, aligned, native, writable, of a compiled dtype."""
-    if not (g.flags.c_contiguous and g.flags.aligned and g.flags.writeable and g.dtype.isnative):
-        return None
-    return g.reshape(-1) if _kernels is not None and k._name(g.dtype) in _kernels else None
+    takes = g.flags.c_contiguous and g.flags.aligned and g.flags.writeable and g.dtype.isnative
+    return g.reshape(-1) if takes and _kernels is not None and k._name(g.dtype) in _kernels else None
 
 
 def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float | None,
@@ -238,32 +232,29 @@ def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float
     """``_numpy_kernels.unscale_and_check_`` and ``_precision_counts.count`` of the results (``scale``:
     the loss scale as a float, for "loss" targets), fused per gradient where the kernel takes it.
     ``(counts int64, extremes float64)`` as the count lays them out."""
-    from polyamp import _precision_counts as precision
-
     k.check_writable(grads, not inv == 1.0)
     fused = fused_available() and inv == inv
     plan, workers = _Plan(bounds, scale), k.threads()
-    counts: list[int] = []
-    amaxes: list[float] = []
-    neg_amins: list[float] = []
-    bad = False
+    rows = []  # per gradient: (bad, counts, amax, -amin)
     for g in grads:
         flat = _flat(g) if fused else None
-        if flat is not None:
-            part_bad, row, amax, neg_amin = _one(flat, inv, plan, workers)
-        else:  # the unfused passes, on this gradient alone
-            flag = np.zeros((), np.float32)
-            k.unscale_and_check_([g], np.asarray(inv), flag)
-            import array_api_compat.numpy as xp
-            one = precision.count(xp, [g], scale if scale is not None else 1.0, bounds,
-                                  precision.Kinds(xp.float64, xp.int64, "cpu"))
-            part_bad, row = bool(flag), one.counts.tolist()
-            amax, neg_amin = float(one.extremes[0]), float(one.extremes[1])
-        bad |= part_bad
-        counts += row
-        amaxes.append(amax)
-        neg_amins.append(neg_amin)
-    if bad:
+        rows.append(_one(flat, inv, plan, workers) if flat is not None else _unfused(g, inv, scale, bounds))
+    if any(row[0] for row in rows):
         found_inf[...] = 1.0
-    return np.asarray(counts, np.int64), np.asarray(amaxes + neg_amins, np.float64)
+    counts = [c for row in rows for c in row[1]]
+    return np.asarray(counts, np.int64), np.asarray([r[2] for r in rows] + [r[3] for r in rows], np.float64)
+
+
+def _unfused(g: np.ndarray, inv: np.float32, scale: float | None,
+             bounds: Sequence[Any]) -> tuple[bool, list[int], float, float]:
+    """:func:`_one`'s result by the unfused passes on this gradient alone: unscale, then count."""
+    import array_api_compat.numpy as xp
+
+    from polyamp import _precision_counts as precision
+
+    flag = np.zeros((), np.float32)
+    k.unscale_and_check_([g], np.asarray(inv), flag)
+    one = precision.count(xp, [g], scale if scale is not None else 1.0, bounds,
+                          precision.Kinds(xp.float64, xp.int64, "cpu"))
+    return bool(flag), one.counts.tolist(), float(one.extremes[0]), float(one.extremes[1])
 

@@ -39,8 +39,7 @@ compiled_error: str | None = None
 _forced: str | None = None
 _forced_threads: int | None = None
 _compiled: dict[str, Callable[..., bool]] | None = None
-#: The compiled numba kernels themselves by dtype name (16-bit ones take uint16 views), for other
-#: compiled kernels to call block by block (``_numpy_counts``); filled with ``_compiled``.
+#: The numba kernels themselves by dtype name (16-bit ones take uint16 views), for ``_numpy_counts``.
 dispatchers: dict[str, Any] = {}
 _compile_tried = False
 _lock = threading.Lock()
@@ -49,13 +48,10 @@ _pool_key: tuple[int, int] = (0, 0)  # (pid, workers) the pool was made for: a f
 
 # Exponent mask per dtype name: a value is inf/nan exactly when all its exponent bits are set.
 _EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, "float64": 0x7FF0000000000000}
-_F32_MASK, _F32_CARRY = np.uint32(0x7F800000), np.uint32(0x00800000)
-_F64_MASK, _F64_CARRY = np.uint64(0x7FF0000000000000), np.uint64(0x0010000000000000)
 _F16_MASK, _F16_CARRY = np.uint16(0x7C00), np.uint16(0x0400)
-# bfloat16 two to a 32-bit word: each half's carry sets that half's top bit and stops there
-_BF16X2_MASK, _BF16X2_CARRY = np.uint32(0x7F807F80), np.uint32(0x00800080)
-_BF16X2_TOPS = np.uint32(0x80008000)
 _U32 = np.uint32
+# bfloat16 two to a 32-bit word: each half's carry sets that half's top bit and stops there
+_BF16X2_MASK, _BF16X2_CARRY, _BF16X2_TOPS = _U32(0x7F807F80), _U32(0x00800080), _U32(0x80008000)
 # numba intrinsics the 16-bit kernels call (bit casts, float16 conversions): bound by _jit_kernels
 _as_f32 = _as_u32 = _f16_to_f32 = _f32_to_f16 = None
 
@@ -127,27 +123,22 @@ def compiled_available() -> bool:
 
 
 # ----------------------------------------------------------------------------- compiled path
-def _scale_check_f32(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
-    """Multiply float32 ``g`` by ``inv`` in place (if ``scale``); True if any input was inf/nan.
-    (bits & mask) + carry sets bit 31 exactly for an all-ones exponent, so the OR vectorises."""
-    bits = g.view(np.uint32)
-    acc = np.uint32(0)
-    for i in range(g.size):
-        acc = np.uint32(acc | ((bits[i] & _F32_MASK) + _F32_CARRY))
-        if scale:
-            g[i] = g[i] * inv
-    return (acc >> np.uint32(31)) != 0
+def _scale_check(uint: Any, mask: int, carry: int, top: int) -> Callable[..., bool]:
+    """The float32 (or float64) kernel ``(g, inv, scale)``: multiply ``g`` by ``inv`` in place (if
+    ``scale``); True if any input was inf/nan. ``uint`` holds ``g``'s bits; (bits & mask) + carry sets
+    bit ``top`` exactly for an all-ones exponent, so the OR vectorises."""
+    mask, carry, top = uint(mask), uint(carry), uint(top)
 
+    def kernel(g: np.ndarray, inv: Any, scale: bool) -> bool:
+        bits = g.view(uint)
+        acc = uint(0)
+        for i in range(g.size):
+            acc = uint(acc | ((bits[i] & mask) + carry))
+            if scale:
+                g[i] = g[i] * inv
+        return (acc >> top) != 0
 
-def _scale_check_f64(g: np.ndarray, inv: np.float64, scale: bool) -> bool:
-    """The float32 kernel on 64-bit words."""
-    bits = g.view(np.uint64)
-    acc = np.uint64(0)
-    for i in range(g.size):
-        acc = np.uint64(acc | ((bits[i] & _F64_MASK) + _F64_CARRY))
-        if scale:
-            g[i] = g[i] * inv
-    return (acc >> np.uint64(63)) != 0
+    return kernel
 
 
 def _scale_check_f16(g: np.ndarray, inv: np.float32, scale: bool) -> bool:
@@ -242,8 +233,8 @@ def _jit_kernels(cache: bool) -> dict[str, Callable[..., bool]]:
     def jit(sig: str, fn: Callable[..., bool]) -> Callable[..., bool]:
         return numba.njit(sig, cache=cache, nogil=True)(fn)
 
-    k32 = jit("b1(f4[::1], f4, b1)", _scale_check_f32)
-    k64 = jit("b1(f8[::1], f8, b1)", _scale_check_f64)
+    k32 = jit("b1(f4[::1], f4, b1)", _scale_check(np.uint32, 0x7F800000, 0x00800000, 31))
+    k64 = jit("b1(f8[::1], f8, b1)", _scale_check(np.uint64, 0x7FF0000000000000, 0x0010000000000000, 63))
     kbf16 = jit("b1(u2[::1], f4, b1)", _scale_check_bf16)
     kernels: dict[str, Callable[..., bool]] = {
         "float32": k32,
@@ -299,10 +290,8 @@ def _blocked(x: np.ndarray, inv: np.float32, scale: bool) -> bool:
     for start in range(0, x.size, step):
         stop = start + step
         if not bad:
-            bad = bool(
-                np.maximum.reduce(as_signed[start:stop]) >= pos_lim
-                or np.maximum.reduce(as_unsigned[start:stop]) >= neg_lim
-            )
+            bad = bool(np.maximum.reduce(as_signed[start:stop]) >= pos_lim
+                       or np.maximum.reduce(as_unsigned[start:stop]) >= neg_lim)
         if scale:
             block = x[start:stop]
             np.multiply(block, inv, out=block)
@@ -323,15 +312,6 @@ def _flat(g: np.ndarray) -> np.ndarray | None:
     if g.flags.aligned and g.dtype.isnative and (g.flags.c_contiguous or g.flags.f_contiguous):
         return g.reshape(-1, order="A")
     return None
-
-
-def _check_dtype(g: np.ndarray) -> None:
-    """Raise TypeError unless ``g`` is a float16/bfloat16/float32/float64 ndarray (np.matrix stays 2-D)."""
-    if isinstance(g, np.matrix):
-        raise TypeError("a gradient is a numpy.matrix; pass np.asarray(m), an ndarray view of its memory")
-    if not isinstance(g, np.ndarray) or _name(g.dtype) not in _EXP_MASK:
-        raise TypeError("gradients must be float16/bfloat16/float32/float64 ndarrays, "
-                        f"got {getattr(g, 'dtype', type(g))}")
 
 
 def _fast_path(x: np.ndarray, kernel: str) -> Callable[[np.ndarray, np.float32, bool], bool]:
@@ -392,7 +372,11 @@ def _process(g: np.ndarray, inv: np.float32, scale: bool, kernel: str, workers: 
 def check_writable(grads: Sequence[np.ndarray], scale: bool) -> None:
     """Refuse, before any gradient changes, one of a wrong type or dtype, or a read-only one to scale."""
     for i, g in enumerate(grads):
-        _check_dtype(g)
+        if isinstance(g, np.matrix):  # it stays 2-D
+            raise TypeError("a gradient is a numpy.matrix; pass np.asarray(m), an ndarray view of its memory")
+        if not isinstance(g, np.ndarray) or _name(g.dtype) not in _EXP_MASK:
+            raise TypeError("gradients must be float16/bfloat16/float32/float64 ndarrays, "
+                            f"got {getattr(g, 'dtype', type(g))}")
         if scale and not g.flags.writeable:
             raise ValueError(
                 f"grads[{i}] is a read-only array (numpy.ndarray, shape {g.shape}, dtype {g.dtype}, flags."

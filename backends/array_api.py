@@ -94,8 +94,7 @@ def read_flag(found_inf: Any) -> bool:
 
 @hookimpl
 def to_host(array: Any) -> float | int:
-    xp = _xp(array)
-    return int(array) if xp.isdtype(array.dtype, "integral") else float(array)
+    return int(array) if _xp(array).isdtype(array.dtype, "integral") else float(array)
 
 
 # -- what the core needs beside the kernels: the defaults of the optional hooks ------------
@@ -208,9 +207,8 @@ REPORT_CHUNK = 1 << 20
 
 def _chunk_counts(xp: Any, part: Any) -> Any:
     """(nan, +inf, -inf, largest finite abs) of one chunk, as a float64 vector on its device."""
-    f64 = xp.float64
     nan = xp.count_nonzero(xp.isnan(part))
     posinf = xp.count_nonzero(part == math.inf)
     neginf = xp.count_nonzero(part == -math.inf)
     big = xp.max(xp.where(xp.isfinite(part), xp.abs(part), xp.zeros((), dtype=part.dtype)))
-    return xp.stack([xp.astype(v, f64) for v in (nan, posinf, neginf, big)])
+    return xp.stack([xp.astype(v, xp.float64) for v in (nan, posinf, neginf, big)])

@@ -22,8 +22,6 @@ from polyamp.config import SCALE_FLOOR
 from polyamp.policy import LossScaleState, next_state
 
 _CASTS = ("float32", "float16", "bfloat16", "float64")
-
-
 _TORCH_MODULE: Any = None  # torch once imported: callers read it first, a global read per call
 
 
@@ -87,12 +85,9 @@ def _dense(grads: Sequence[Any]) -> list[Any]:
 
 
 def inverse_scale(scale: Any) -> Any:
-    """float32(1 / float64(scale)), bit for bit what torch's GradScaler computes.
-
-    On CPU one float32 division gives the same bits (correctly rounded; 53 >= 2*24 + 2), two kernels
-    fewer per step; MPS has no float64, so torch divides in float32 there too. Elsewhere torch's
-    float64 path (float32 division can be imprecise under some compile options).
-    """
+    """float32(1 / float64(scale)), bit for bit what torch's GradScaler computes: on CPU (and MPS, as
+    torch) one float32 division gives the same bits (correctly rounded; 53 >= 2*24 + 2), two kernels
+    fewer per step; elsewhere float64, as float32 division can be imprecise under some compile options."""
     if scale.is_cpu or scale.is_mps:
         return scale.reciprocal()
     return scale.double().reciprocal_().float()
