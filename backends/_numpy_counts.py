@@ -34,9 +34,6 @@ _BITS = {
     "float16": (np.int16, 0x7FFF, 0x7C00, 0x7BFF),
     "bfloat16": (np.int16, 0x7FFF, 0x7F80, 0x7F7F),
 }
-_kernels: dict[str, Callable[..., bool]] | None = None
-_count_le: Callable[..., None] | None = None
-_tried = False
 
 
 def value(bits: int, name: str) -> float:
@@ -128,24 +125,20 @@ def _fused_source(check: Any, counts: Any) -> Callable[..., bool]:
     return fused
 
 
-def _load() -> dict[str, Callable[..., bool]] | None:
-    """The fused kernels by dtype name (compiled once per process), or None without numba."""
-    global _kernels, _count_le, _tried
-    if _tried:
-        return _kernels
-    _tried = True
+@functools.cache
+def _load() -> tuple[dict[str, Callable[..., bool]], Callable[..., None]] | None:
+    """The fused kernels by dtype name and the compiled :func:`_le`, once per process; None without numba."""
     if k._load_compiled() is None:
         return None
     try:
         import numba
 
-        _count_le = numba.njit(nogil=True, cache=True)(_le)
         counts = numba.njit(nogil=True, cache=True)(_counts)
-        _kernels = {name: numba.njit(nogil=True)(_fused_source(check, counts))
-                    for name, check in k.dispatchers.items()}
+        fused = {name: numba.njit(nogil=True)(_fused_source(check, counts))
+                 for name, check in k.dispatchers.items()}
+        return fused, numba.njit(nogil=True, cache=True)(_le)
     except Exception:  # noqa: BLE001 - numba cannot compile here: the unfused passes
-        _kernels = None
-    return _kernels
+        return None
 
 
 def fused_available() -> bool:
@@ -189,7 +182,8 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
     data = g.view(np.uint16) if name in ("float16", "bfloat16") else g
     scalar = np.float64(inv) if name == "float64" else inv
     limits = plan.of_known(name)
-    fused = _kernels[name]
+    kernels, count_le = _load()
+    fused = kernels[name]
     mask, infinity = kind(absmask), kind(inf)
     parts = min(workers, g.nbytes // k.PARALLEL_BYTES)
     step = max(1, g.size if parts < 2 else -(-g.size // parts // 64) * 64)
@@ -211,7 +205,7 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
         scales = {j: float(_target_scale(np, plan.bounds[j], None, np.float64(amax), None))
                   for j in plan.amax}  # as the unfused count makes them
         extra = np.zeros(2 + 3 * len(plan.amax), np.int64)
-        _count_le(bits, mask, plan.limits(name, plan.amax, scales), extra)
+        count_le(bits, mask, plan.limits(name, plan.amax, scales), extra)
         le.update({j: extra[2 + 3 * i:5 + 3 * i].tolist() for i, j in enumerate(plan.amax)})
     numel, zeros, nonfinite = g.size, int(out[0]), int(out[1])
     row = [numel, zeros, nonfinite]
@@ -224,7 +218,7 @@ def _one(g: np.ndarray, inv: np.float32, plan: _Plan, workers: int) -> tuple[boo
 def _flat(g: np.ndarray) -> np.ndarray | None:
     """A flat view the fused kernel takes: C-contiguous, aligned, native, writable, of a compiled dtype."""
     takes = g.flags.c_contiguous and g.flags.aligned and g.flags.writeable and g.dtype.isnative
-    return g.reshape(-1) if takes and _kernels is not None and k._name(g.dtype) in _kernels else None
+    return g.reshape(-1) if takes and k._name(g.dtype) in _load()[0] else None
 
 
 def unscale_and_count(grads: Sequence[np.ndarray], inv: np.float32, scale: float | None,

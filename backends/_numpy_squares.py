@@ -8,16 +8,13 @@ Importing it imports only NumPy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import _numpy_kernels as k
-
-_kernels: dict[str, Callable[[np.ndarray], float]] | None = None
-_fused: Callable[..., tuple[bool, float]] | None = None
-_tried = False
 
 
 def _squares(a: Any) -> float:  # compiled by numba for float32 and float64 (see _load)
@@ -70,29 +67,27 @@ def _unscale_squares_f32(g: Any, inv: Any) -> tuple[bool, float]:  # compiled by
     return (acc >> _TOP) != 0, (s0 + s1) + (s2 + s3)
 
 
-def _load() -> dict[str, Callable[[np.ndarray], float]] | None:
-    global _kernels, _tried, _fused
-    if not _tried:
-        _tried = True
-        try:
-            import numba
+@functools.cache
+def _load() -> tuple[dict[str, Callable[[np.ndarray], float]], Callable[..., tuple[bool, float]]] | None:
+    """The sums of squares by dtype name and the fused float32 kernel, compiled once per process, or None."""
+    try:
+        import numba
 
-            _kernels = {name: numba.njit(f"float64({name}[::1])", cache=True, nogil=True,
-                                         fastmath={"reassoc"})(_squares) for name in ("float32", "float64")}
-            _fused = numba.njit("Tuple((boolean, float64))(float32[::1], float32)", cache=True, nogil=True,
+        sums = {name: numba.njit(f"float64({name}[::1])", cache=True, nogil=True,
+                                 fastmath={"reassoc"})(_squares) for name in ("float32", "float64")}
+        return sums, numba.njit("Tuple((boolean, float64))(float32[::1], float32)", cache=True, nogil=True,
                                 fastmath={"reassoc"})(_unscale_squares_f32)  # the sums vectorise
-        except Exception:  # noqa: BLE001 - no numba, or it cannot compile here: the generic passes
-            _kernels = None
-    return _kernels
+    except Exception:  # noqa: BLE001 - no numba, or it cannot compile here: the generic passes
+        return None
 
 
 def sum_of_squares(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """The sum of squares of every value, a 0-d float64 array; no copy of float32/float64 gradients."""
-    kernels = _load()
+    sums, _ = _load() or ({}, None)  # no numba: the generic passes
     total = 0.0
     rest = []
     for g in arrays:
-        kernel = None if kernels is None or not g.flags.c_contiguous else kernels.get(g.dtype.name)
+        kernel = sums.get(g.dtype.name) if g.flags.c_contiguous else None
         if kernel is None:
             rest.append(g)
         elif g.size:
@@ -104,15 +99,15 @@ def sum_of_squares(arrays: Sequence[np.ndarray]) -> np.ndarray:
     return np.asarray(total, np.float64)
 
 
-def _fused_parts(x: np.ndarray, inv: np.float32) -> tuple[bool, float]:
-    """The fused kernel on flat ``x``, cut into parts on ``_numpy_kernels``' threads as its unscale
+def _fused_parts(fused: Any, x: np.ndarray, inv: np.float32) -> tuple[bool, float]:
+    """The ``fused`` kernel on flat ``x``, cut into parts on ``_numpy_kernels``' threads as its unscale
     is (the parts' sums added in order)."""
     workers = k.threads()
     parts = min(workers, x.nbytes // k.PARALLEL_BYTES)
     if parts < 2:  # the usual gradient: no per-part calls on the step's path
-        return _fused(x, inv)
+        return fused(x, inv)
     step = -(-x.size // parts // 16) * 16
-    results = k.on_threads(lambda i: _fused(x[i * step:(i + 1) * step], inv), -(-x.size // step), workers)
+    results = k.on_threads(lambda i: fused(x[i * step:(i + 1) * step], inv), -(-x.size // step), workers)
     return any(bad for bad, _ in results), sum(total for _, total in results)
 
 
@@ -125,11 +120,11 @@ def unscale_and_squares(grads: Sequence[np.ndarray], inv: np.float32, found_inf:
     """``_numpy_kernels.unscale_and_check_`` and :func:`sum_of_squares` of the results: fused for
     contiguous writable float32 gradients on the compiled path, else the two passes."""
     k.check_writable(grads, not inv == 1.0)
-    fused = fused_available()
+    loaded = _load() if fused_available() else None
     total, bad, rest = 0.0, False, []
     for g in grads:
-        if fused and g.dtype == np.float32 and g.flags.c_contiguous and g.flags.writeable and g.size:
-            part_bad, part = _fused_parts(g.reshape(-1), inv)
+        if loaded and g.dtype == np.float32 and g.flags.c_contiguous and g.flags.writeable and g.size:
+            part_bad, part = _fused_parts(loaded[1], g.reshape(-1), inv)
             bad, total = bad or part_bad, total + part
         else:
             rest.append(g)
