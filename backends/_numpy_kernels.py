@@ -52,7 +52,7 @@ _F16_MASK, _F16_CARRY = np.uint16(0x7C00), np.uint16(0x0400)
 _U32 = np.uint32
 # bfloat16 two to a 32-bit word: each half's carry sets that half's top bit and stops there
 _BF16X2_MASK, _BF16X2_CARRY, _BF16X2_TOPS = _U32(0x7F807F80), _U32(0x00800080), _U32(0x80008000)
-# numba intrinsics the 16-bit kernels call (bit casts, float16 conversions): bound by _jit_kernels
+# numba intrinsics the 16-bit kernels call (bit casts, float16 conversions), bound by _jit_kernels
 _as_f32 = _as_u32 = _f16_to_f32 = _f32_to_f16 = None
 
 
@@ -227,7 +227,6 @@ def _jit_kernels(cache: bool) -> dict[str, Callable[..., bool]]:
     import numba
 
     global _as_f32, _as_u32, _f16_to_f32, _f32_to_f16
-    # the kernels find them as module globals when numba compiles them
     _as_f32, _as_u32, _f16_to_f32, _f32_to_f16 = _numba_casts()
 
     def jit(sig: str, fn: Callable[..., bool]) -> Callable[..., bool]:

@@ -13,7 +13,5 @@ def scale_in_own_dtype(array: Any, scale: Any, name: str, multiply_f32: Callable
         return array * scale
     if name.startswith("float") or name == "bfloat16":
         return multiply_f32(array, scale).astype(array.dtype)
-    raise TypeError(
-        f"scale() needs a floating-point array, got dtype={name}; "
-        "scale the loss, which is floating point"
-    )
+    raise TypeError(f"scale() needs a floating-point array, got dtype={name}; "
+                    "scale the loss, which is floating point")

@@ -274,8 +274,7 @@ def update_scale(state: Any, found_inf: Any, config: Any) -> Any:
         torch = _TORCH_MODULE or _torch()
         torch._amp_update_scale_(scale, growth, found_inf, config.growth_factor, config.backoff_factor,
                                  config.growth_interval)
-        # torch backs off below float32's smallest normal down to 0; stop at the floor instead.
-        # A no-op for every scale torch keeps >= the floor, so trajectories stay bitwise torch's.
+        # torch backs off down to 0; stop at the floor (a no-op for every scale torch keeps: bitwise torch's)
         torch.clamp_min_(scale, SCALE_FLOOR)  # the cheapest form: 0.8 us, not 1.1
         return state
     if not config.dynamic:
