@@ -121,7 +121,7 @@ class TorchReducer(Reducer):
     def _prepare(self, array: Any) -> Any:
         self.group  # noqa: B018 - refuse before anything is issued when the group is gone
         cached = self._views.get(id(array))
-        if cached is not None and cached[0] is array:  # a reused message buffer, checked when first seen
+        if cached is not None and cached[0] is array and array.flags.writeable:  # a reused message buffer
             return cached[1]
         torch = self._torch
         tensor = array if isinstance(array, torch.Tensor) else self._as_tensor(array)

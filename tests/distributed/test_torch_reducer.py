@@ -51,7 +51,8 @@ def sums_and_counts(rank: int, size: int) -> dict:
     before = red.collectives
     refused = []
     strided = np.ones(3, np.float32)[::2]  # refused twice: a refused array's view is not kept
-    for bad in (torch.ones(6)[::2], [1.0, 2.0], strided, strided, readonly):
+    zeros.flags.writeable = False  # reduced above (its view kept), read-only now: refused, not written
+    for bad in (torch.ones(6)[::2], [1.0, 2.0], strided, strided, readonly, zeros):
         try:
             red.allreduce_sum_(bad)
         except ForeignArrayError as exc:
@@ -89,10 +90,11 @@ def test_sums_maxima_and_counts_on_gloo(run_gloo, size):
         np.testing.assert_array_equal(out["max"], [size - 1, 0])
         assert out["int_sum"] == size * (size - 1) // 2
         np.testing.assert_array_equal(out["dlpack"], exact.astype(np.float32))
-        assert len(out["refused"]) == 5 and out["count_after_refusals"] == 0
+        assert len(out["refused"]) == 6 and out["count_after_refusals"] == 0
         assert "torch:gloo" in out["refused"][0] and "non-contiguous" in out["refused"][0]
         assert "builtins.list" in out["refused"][1] and out["refused"][2] == out["refused"][3]
         assert "non-contiguous" in out["refused"][2] and "read-only NumPy array" in out["refused"][4]
+        assert out["refused"][5] == out["refused"][4]
         assert out["after_barrier"] == size
         assert out["returns_its_argument"]
         assert out["count_total"] == 9  # 7 all-reduces, a barrier, 1 after it; refusals issue none
