@@ -80,7 +80,7 @@ def load_torch_state(engine: LossScaler, state: Mapping[str, Any]) -> dict[int, 
         full = _engine_state(engine, state)
     except StateDictError as exc:
         raise StateDictError(
-            f"GradScaler.load_state_dict: {exc}. Fix: load a state dict written by "
+            f"GradScaler.load_state_dict: {str(exc).rstrip('.')}. Fix: load a state dict written by "
             "GradScaler.state_dict(), or correct that value; the scaler is unchanged."
         ) from None
     engine.load_state_dict(full)

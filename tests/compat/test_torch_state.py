@@ -247,6 +247,9 @@ def test_an_interval_past_int64_is_refused_where_torch_fails_at_the_first_update
     scaler = GradScaler("cpu")
     with pytest.raises(polyamp.ConfigError, match="growth_interval=10000"):
         scaler.set_growth_interval(10**30)
+    with pytest.raises(polyamp.StateDictError) as info:  # the config's message, then the load's fix
+        scaler.load_state_dict({**scaler.state_dict(), "growth_interval": 10**30})
+    assert "growth_interval=10000" in str(info.value) and ".." not in str(info.value)
     assert scaler.get_growth_interval() == 2000
 
 
