@@ -18,7 +18,7 @@ from polyamp._errors import ConfigError, StateDictError
 from polyamp.config import LossScaleConfig, check_scale, short_repr
 from polyamp.engine import LossScaler
 
-from ._torch_state import TORCH_KEYS
+from ._torch_state import TORCH_KEYS, torch_format
 
 PADDLE_KEYS = (
     "scale", "incr_ratio", "decr_ratio", "incr_every_n_steps", "decr_every_n_nan_or_inf",
@@ -92,16 +92,10 @@ def build_config(make: Any, rename: dict[str, str] | None = None, **fields: Any)
 def to_paddle_state(engine: LossScaler) -> dict[str, Any]:
     """The engine's state in paddle's GradScaler format (a device sync)."""
     config, host = engine.config, engine.host_state()
-    state: dict[str, Any] = {
-        "scale": np.array([host.scale], dtype=np.float32),
-        "incr_ratio": config.growth_factor,
-        "decr_ratio": config.backoff_factor,
-        "incr_every_n_steps": config.growth_interval,
-        "decr_every_n_nan_or_inf": config.backoff_interval,
-        "incr_count": host.growth_tracker,
-        "decr_count": host.backoff_tracker,
-        "use_dynamic_loss_scaling": config.dynamic,
-    }
+    values = (np.array([host.scale], dtype=np.float32), config.growth_factor, config.backoff_factor,
+              config.growth_interval, config.backoff_interval, host.growth_tracker, host.backoff_tracker,
+              config.dynamic)
+    state: dict[str, Any] = dict(zip(PADDLE_KEYS, values))
     state.update({k: getattr(config, k) for k in _EXTRAS if getattr(config, k) is not None})
     if engine.guard is not None:  # polyamp's: the StepGuard's histories and streak
         state["guard"] = engine.guard_history.to_dict()
@@ -225,14 +219,6 @@ def to_torch_state_dict(state: dict[str, Any]) -> dict[str, Any]:
             "scales dynamically). Fix: load it into polyamp.compat.paddle.GradScaler, or set "
             "state_dict['use_dynamic_loss_scaling'] = True to convert it as a dynamic scaler."
         )
-    torch_state: dict[str, Any] = {
-        "scale": scale,
-        "growth_factor": float(config.growth_factor),
-        "backoff_factor": float(config.backoff_factor),
-        "growth_interval": config.growth_interval,
-        "_growth_tracker": incr,
-    }
-    if config.backoff_interval != 1 or decr:
-        torch_state.update(backoff_interval=config.backoff_interval, _backoff_tracker=decr)
-    torch_state.update({k: getattr(config, k) for k in _EXTRAS if getattr(config, k) is not None})
+    torch_state = torch_format(config, scale, incr, decr)
+    torch_state.update(growth_factor=float(config.growth_factor), backoff_factor=float(config.backoff_factor))
     return torch_state

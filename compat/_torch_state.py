@@ -38,23 +38,24 @@ def to_torch_state(engine: LossScaler, histories: Mapping[int, GuardHistory], me
     loads; ``metered``: ``"steps"`` (the meter's phase) written too."""
     config = engine.config
     host = fit_to_config(engine.host_state(), config)
-    state: dict[str, Any] = {
-        "scale": host.scale,
-        "growth_factor": config.growth_factor,
-        "backoff_factor": config.backoff_factor,
-        "growth_interval": config.growth_interval,
-        "_growth_tracker": host.growth_tracker,
-    }
-    if config.backoff_interval != 1 or host.backoff_tracker:
-        state["backoff_interval"] = config.backoff_interval
-        state["_backoff_tracker"] = host.backoff_tracker
-    state.update({k: v for k in ("min_scale", "max_scale") if (v := getattr(config, k)) is not None})
+    state = torch_format(config, host.scale, host.growth_tracker, host.backoff_tracker)
     state.update({k: v for k, default in RULE_KEYS.items() if (v := getattr(config, k)) != default})
     if engine.guard is not None:  # polyamp's: each optimizer's StepGuard history, in step order
         groups = range(max(histories, default=-1) + 1)
         state["guard"] = [histories.get(g, GuardHistory()).to_dict() for g in groups]
     if metered:  # polyamp's: the steps taken, so a resumed meter samples where it would have
         state["steps"] = engine.steps
+    return state
+
+
+def torch_format(config: LossScaleConfig, scale: float, growth_tracker: int, backoff_tracker: int
+                 ) -> dict[str, Any]:
+    """torch's five keys, and polyamp's for a backoff interval or count and scale bounds where set."""
+    values = (scale, config.growth_factor, config.backoff_factor, config.growth_interval, growth_tracker)
+    state: dict[str, Any] = dict(zip(TORCH_KEYS, values))
+    if config.backoff_interval != 1 or backoff_tracker:
+        state.update(backoff_interval=config.backoff_interval, _backoff_tracker=backoff_tracker)
+    state.update({k: v for k in ("min_scale", "max_scale") if (v := getattr(config, k)) is not None})
     return state
 
 
