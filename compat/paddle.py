@@ -9,7 +9,7 @@ differences from paddle. Importing this module imports no framework.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 from polyamp import _guard_values as guard_values
@@ -422,16 +422,13 @@ class DisabledGradScaler(DisabledAmpScaler, GradScaler):
         return None
 
 
-_MADE: dict[type, type] = {AmpScaler: DisabledAmpScaler, GradScaler: DisabledGradScaler}
-
-
+@cache
 def disabled_type(cls: type) -> type:
     """The no-op type for ``cls(enable=False)``: DisabledAmpScaler or DisabledGradScaler, or for a
     user's subclass one made once, with the no-op methods first and still an instance of ``cls``."""
     if not getattr(cls, "_enable", True):
         return cls
-    if cls not in _MADE:
-        base = DisabledGradScaler if issubclass(cls, GradScaler) else DisabledAmpScaler
-        _MADE[cls] = type(f"Disabled{cls.__name__}", (base, cls), {"__module__": cls.__module__,
-                                                                    "_public_class": cls})
-    return _MADE[cls]
+    base = DisabledGradScaler if issubclass(cls, GradScaler) else DisabledAmpScaler
+    if cls is base._public_class:
+        return base
+    return type(f"Disabled{cls.__name__}", (base, cls), {"__module__": cls.__module__, "_public_class": cls})
