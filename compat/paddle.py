@@ -389,7 +389,7 @@ class DisabledAmpScaler(AmpScaler):
         return apply_optimizer(optimizer, args, kwargs)
 
     def _unscale(self, optimizer: Any) -> None:
-        return None
+        """Nothing to undo."""
 
     def is_use_dynamic_loss_scaling(self) -> bool:
         """Always False, as paddle's disabled scaler."""
@@ -401,7 +401,6 @@ class DisabledAmpScaler(AmpScaler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Ignored, as paddle's disabled scaler does."""
-        return None
 
 
 class DisabledGradScaler(DisabledAmpScaler, GradScaler):
@@ -415,11 +414,9 @@ class DisabledGradScaler(DisabledAmpScaler, GradScaler):
 
     def update(self) -> None:
         """Nothing to update."""
-        return None
 
     def unscale_(self, optimizer: Any) -> None:
         """Nothing to undo."""
-        return None
 
 
 @cache

@@ -381,8 +381,7 @@ class GradScaler:
         optimizer.found_inf = found
         retval = optimizer.step(*args, **kwargs)
         record.stage = STEPPED
-        del optimizer.grad_scale
-        del optimizer.found_inf
+        del optimizer.grad_scale, optimizer.found_inf
         self._last_skipped = found
         self._unread.append(found)
         if len(self._unread) > 1024:  # bounds the memory held; a rare batch of syncs
