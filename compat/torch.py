@@ -88,7 +88,7 @@ _GIVE_LOSS = "scale the loss (a tensor holding one value) with scaler.scale(loss
 def combined(per_device: dict[Any, Any]) -> Any:
     """torch's ``found_inf_per_device`` summed into one flag; None when empty (no gradients)."""
     flags = list(per_device.values())
-    return None if not flags else flags[0] if len(flags) == 1 else sum(flags[1:], flags[0])
+    return sum(flags[1:], flags[0]) if flags else None
 
 
 @functools.lru_cache(maxsize=64)
