@@ -173,29 +173,23 @@ class Verdict(NamedTuple):
     loss_spike: bool | None = None  # loss_zscore's rule on the loss, judged on an overflow step too
 
 
+def verdict_field(name: str, doc: str) -> Any:
+    """A read-only property: the embedded ``verdict``'s field ``name``, None without a verdict."""
+    def read(self: Any) -> Any:
+        return None if self.verdict is None else getattr(self.verdict, name)
+
+    return property(read, doc=doc)
+
+
 class VerdictFields:
     """The guard's values of a report, read from the :class:`Verdict` it embeds as ``verdict``."""
 
-    @property
-    def loss(self) -> float | None:
-        """The agreed loss the guard judged (None when not seen)."""
-        return None if self.verdict is None else self.verdict.loss  # type: ignore[attr-defined]
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The agreed gradient norm the guard judged (None when not seen)."""
-        return None if self.verdict is None else self.verdict.grad_norm  # type: ignore[attr-defined]
-
-    @property
-    def zscores(self) -> dict[str, float] | None:
-        """Quantity -> z-score judged (None before ``min_history``)."""
-        return None if self.verdict is None else self.verdict.zscores  # type: ignore[attr-defined]
-
-    @property
-    def loss_spike(self) -> bool | None:
-        """Whether the loss was a spike by ``loss_zscore``'s rule, also on an overflow step (True: a
-        bad batch, False: a scale grown too far); None when not judged."""
-        return None if self.verdict is None else self.verdict.loss_spike  # type: ignore[attr-defined]
+    loss = verdict_field("loss", "The agreed loss the guard judged (None when not seen).")
+    grad_norm = verdict_field("grad_norm", "The agreed gradient norm the guard judged (None when not seen).")
+    zscores = verdict_field("zscores", "Quantity -> z-score judged (None before ``min_history``).")
+    loss_spike = verdict_field("loss_spike", "Whether the loss was a spike by ``loss_zscore``'s rule, also "
+                               "on an overflow step (True: a bad batch, False: a scale grown too far); None "
+                               "when not judged.")
 
 
 def why(verdict: Verdict | None, skipped: bool | None) -> str | None:

@@ -16,7 +16,7 @@ from ._dtypes import short_name
 from ._inputs import FLOATING
 from ._registry import backend_of
 from .config import short_repr
-from .guard import Verdict, VerdictFields
+from .guard import Verdict, VerdictFields, verdict_field
 
 __all__ = ["OverflowReport", "TensorOverflow", "explain_overflow", "floor_note", "log_summary"]
 
@@ -60,10 +60,7 @@ class OverflowReport(VerdictFields):
     def __bool__(self) -> bool:
         return self.found
 
-    @property
-    def reason(self) -> str | None:
-        """The guard's reason for the skip (None: skipped without a guard)."""
-        return None if self.verdict is None else self.verdict.reason
+    reason = verdict_field("reason", "The guard's reason for the skip (None: skipped without a guard).")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable data (shapes as lists; the verdict's fields flat)."""
