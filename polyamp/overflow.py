@@ -15,7 +15,7 @@ from typing import Any
 from ._dtypes import short_name
 from ._inputs import FLOATING
 from ._registry import backend_of
-from .config import short_repr
+from .config import fits_float, short_repr
 from .guard import Verdict, VerdictFields, verdict_field
 
 __all__ = ["OverflowReport", "TensorOverflow", "explain_overflow", "floor_note", "log_summary"]
@@ -119,14 +119,11 @@ def _checked_loss(loss: Any) -> None:
                         "computed on a real device, or leave loss= out.")
     if loss is None or hasattr(loss, "shape"):
         return
-    if isinstance(loss, int) and not isinstance(loss, bool):
-        try:
-            float(loss)
-        except OverflowError:
-            raise ValueError("loss must be a number float64 can hold or a 1-element "
-                             f"array, got an int of {len(str(abs(loss)))} digits. "
-                             "Fix: pass the loss as the float your model computed.") from None
-    elif _real(loss) is None:
+    if isinstance(loss, int) and not fits_float(loss):
+        raise ValueError("loss must be a number float64 can hold or a 1-element "
+                         f"array, got an int of {len(str(abs(loss)))} digits. "
+                         "Fix: pass the loss as the float your model computed.")
+    if _real(loss) is None:
         raise TypeError(f"loss must be a number or a 1-element array, got loss={short_repr(loss)} "
                         f"({type(loss).__name__}). Fix: pass the loss value, e.g. loss=loss.item().")
 
