@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from ._digest import content_digest
 from ._errors import ConfigError, StateDictError, StepGuardError
-from .config import _plain, fits_float, short_repr
+from .config import _plain, is_real, short_repr
 
 logger = logging.getLogger("polyamp")
 
@@ -102,8 +102,7 @@ class StepGuard:
 def _positive(name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not fits_float(value) or not (
-            math.isfinite(value) and value > 0):
+    if not (is_real(value) and math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be None or a finite number > 0, got {name}={short_repr(value)}. "
                           f"Fix: pass e.g. {name}=6.0, or None to turn this rule off.")
     return float(value)
@@ -142,7 +141,7 @@ class GuardHistory(NamedTuple):
         values = {}
         for key in QUANTITIES:
             got = data.get(key, [])
-            if not isinstance(got, list) or not all(_finite_number(v) for v in got):
+            if not isinstance(got, list) or not all(is_real(v) and math.isfinite(v) for v in got):
                 raise StateDictError(f"{where}[{key!r}] must be a list of finite numbers, got "
                                      f"{short_repr(got)}. Fix: load a state_dict written by state_dict().")
             values[key] = tuple(float(v) for v in got)
@@ -157,10 +156,6 @@ class GuardHistory(NamedTuple):
     def fitted(self, window: int) -> GuardHistory:
         """The histories cut to the last ``window`` values (a guard with a smaller window loaded them)."""
         return self._replace(loss=self.loss[-window:], grad_norm=self.grad_norm[-window:])
-
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Verdict(NamedTuple):
