@@ -5,6 +5,7 @@ gives what the layout lacks; a setting the layout holds must equal it. Counters 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -70,10 +71,8 @@ def _number(state: Mapping[str, Any], key: str, where: str) -> float | int:
     """``state[key]`` as a Python number (a 1-element tensor or NumPy value by ``.item()``)."""
     value = state[key]
     if not isinstance(value, (bool, int, float)) and callable(getattr(value, "item", None)):
-        try:  # Megatron's scale: a float32 tensor of shape [1]
-            value = value.item()
-        except (ValueError, RuntimeError):
-            pass  # more than one value: refused below
+        with contextlib.suppress(ValueError, RuntimeError):  # more than one value: refused below
+            value = value.item()  # Megatron's scale: a float32 tensor of shape [1]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise StateDictError(f"{where}[{key!r}] must be a number, got {key}={short_repr(value)}. Fix: "
                              "load the dict that library's scaler wrote, unchanged.")

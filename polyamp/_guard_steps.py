@@ -76,16 +76,13 @@ class GuardSteps:
         for report in reports:
             guard.act(self.guard, report)
 
-    def judged(self, group: int, verdict: guard.Verdict) -> int:
-        """How many values the history that judged ``verdict`` holds (for its words)."""
-        history = self.history_of(group)
-        return len(history.loss if verdict.reason == "loss_spike" else history.grad_norm)
-
     def describer(self, group: int, verdict: guard.Verdict) -> Callable[[bool, Any, Any], str]:
         """The log line of a guard-skipped step (worded now: the history moves on first)."""
         why = self.diagnosis(group, verdict)
         return lambda skipped, before, after: f"{why}: step skipped, loss scale kept at {before.scale:g}"
 
     def diagnosis(self, group: int, verdict: guard.Verdict) -> str:
-        """Why the guard skipped, in one line (for a report)."""
-        return guard.diagnosis(verdict, self.guard, self.judged(group, verdict))
+        """Why the guard skipped, in one line (for a report), with the size of the history that judged it."""
+        history = self.history_of(group)
+        held = len(history.loss if verdict.reason == "loss_spike" else history.grad_norm)
+        return guard.diagnosis(verdict, self.guard, held)

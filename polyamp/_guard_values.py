@@ -119,10 +119,9 @@ MOST = len(SLOTS)
 def read(backend: Backend, flag: Any, sent: Any) -> tuple[bool, list[float]]:
     """The skip flag and the guard values in ONE host read (one small array packed on the device)."""
     if isinstance(flag, bool):
-        host = np.asarray(backend.to_numpy(sent), np.float64).reshape(-1)
-        return flag, [float(v) for v in host]
-    host = np.asarray(backend.to_numpy(backend.pack([flag, sent], sent)), np.float64).reshape(-1)
-    return bool(host[0] != 0), [float(v) for v in host[1:]]
+        return flag, np.asarray(backend.to_numpy(sent), np.float64).reshape(-1).tolist()
+    host = np.asarray(backend.to_numpy(backend.pack([flag, sent], sent)), np.float64).reshape(-1).tolist()
+    return host[0] != 0, host[1:]
 
 
 def joined(extra: Any, sent: Any) -> tuple[Any, int]:

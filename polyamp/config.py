@@ -166,10 +166,15 @@ _EXAMPLES = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 200
 
 
 def _check_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not fits_float(value):
+    if not is_real(value):
         example = _EXAMPLES.get(name, 2.0)
         raise ConfigError(f"{name} must be a real number, got {name}={short_repr(value)}. "
                           f"Fix: pass a float (within float64's range), e.g. {name}={example!r}")
+
+
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is an int or float (not a bool) that ``float()`` takes."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and fits_float(value)
 
 
 def fits_float(value: Any) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from ._digest import content_digest
 from ._errors import ConfigError, StateDictError, StepGuardError
-from .config import _plain, fits_float, short_repr
+from .config import _plain, is_real, short_repr
 
 logger = logging.getLogger("polyamp")
 
@@ -102,8 +102,7 @@ class StepGuard:
 def _positive(name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not fits_float(value) or not (
-            math.isfinite(value) and value > 0):
+    if not (is_real(value) and math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be None or a finite number > 0, got {name}={short_repr(value)}. "
                           f"Fix: pass e.g. {name}=6.0, or None to turn this rule off.")
     return float(value)
@@ -142,7 +141,7 @@ class GuardHistory(NamedTuple):
         values = {}
         for key in QUANTITIES:
             got = data.get(key, [])
-            if not isinstance(got, list) or not all(_finite_number(v) for v in got):
+            if not isinstance(got, list) or not all(is_real(v) and math.isfinite(v) for v in got):
                 raise StateDictError(f"{where}[{key!r}] must be a list of finite numbers, got "
                                      f"{short_repr(got)}. Fix: load a state_dict written by state_dict().")
             values[key] = tuple(float(v) for v in got)
@@ -159,10 +158,6 @@ class GuardHistory(NamedTuple):
         return self._replace(loss=self.loss[-window:], grad_norm=self.grad_norm[-window:])
 
 
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 class Verdict(NamedTuple):
     """One step's decision: ``reason`` (None: applied), the agreed values, the z-scores judged."""
 
@@ -173,29 +168,23 @@ class Verdict(NamedTuple):
     loss_spike: bool | None = None  # loss_zscore's rule on the loss, judged on an overflow step too
 
 
+def verdict_field(name: str, doc: str) -> Any:
+    """A read-only property: the embedded ``verdict``'s field ``name``, None without a verdict."""
+    def read(self: Any) -> Any:
+        return None if self.verdict is None else getattr(self.verdict, name)
+
+    return property(read, doc=doc)
+
+
 class VerdictFields:
     """The guard's values of a report, read from the :class:`Verdict` it embeds as ``verdict``."""
 
-    @property
-    def loss(self) -> float | None:
-        """The agreed loss the guard judged (None when not seen)."""
-        return None if self.verdict is None else self.verdict.loss  # type: ignore[attr-defined]
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The agreed gradient norm the guard judged (None when not seen)."""
-        return None if self.verdict is None else self.verdict.grad_norm  # type: ignore[attr-defined]
-
-    @property
-    def zscores(self) -> dict[str, float] | None:
-        """Quantity -> z-score judged (None before ``min_history``)."""
-        return None if self.verdict is None else self.verdict.zscores  # type: ignore[attr-defined]
-
-    @property
-    def loss_spike(self) -> bool | None:
-        """Whether the loss was a spike by ``loss_zscore``'s rule, also on an overflow step (True: a
-        bad batch, False: a scale grown too far); None when not judged."""
-        return None if self.verdict is None else self.verdict.loss_spike  # type: ignore[attr-defined]
+    loss = verdict_field("loss", "The agreed loss the guard judged (None when not seen).")
+    grad_norm = verdict_field("grad_norm", "The agreed gradient norm the guard judged (None when not seen).")
+    zscores = verdict_field("zscores", "Quantity -> z-score judged (None before ``min_history``).")
+    loss_spike = verdict_field("loss_spike", "Whether the loss was a spike by ``loss_zscore``'s rule, also "
+                               "on an overflow step (True: a bad batch, False: a scale grown too far); None "
+                               "when not judged.")
 
 
 def why(verdict: Verdict | None, skipped: bool | None) -> str | None:

@@ -15,8 +15,8 @@ from typing import Any
 from ._dtypes import short_name
 from ._inputs import FLOATING
 from ._registry import backend_of
-from .config import short_repr
-from .guard import Verdict, VerdictFields
+from .config import fits_float, short_repr
+from .guard import Verdict, VerdictFields, verdict_field
 
 __all__ = ["OverflowReport", "TensorOverflow", "explain_overflow", "floor_note", "log_summary"]
 
@@ -60,10 +60,7 @@ class OverflowReport(VerdictFields):
     def __bool__(self) -> bool:
         return self.found
 
-    @property
-    def reason(self) -> str | None:
-        """The guard's reason for the skip (None: skipped without a guard)."""
-        return None if self.verdict is None else self.verdict.reason
+    reason = verdict_field("reason", "The guard's reason for the skip (None: skipped without a guard).")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable data (shapes as lists; the verdict's fields flat)."""
@@ -122,14 +119,11 @@ def _checked_loss(loss: Any) -> None:
                         "computed on a real device, or leave loss= out.")
     if loss is None or hasattr(loss, "shape"):
         return
-    if isinstance(loss, int) and not isinstance(loss, bool):
-        try:
-            float(loss)
-        except OverflowError:
-            raise ValueError("loss must be a number float64 can hold or a 1-element "
-                             f"array, got an int of {len(str(abs(loss)))} digits. "
-                             "Fix: pass the loss as the float your model computed.") from None
-    elif _real(loss) is None:
+    if isinstance(loss, int) and not fits_float(loss):
+        raise ValueError("loss must be a number float64 can hold or a 1-element "
+                         f"array, got an int of {len(str(abs(loss)))} digits. "
+                         "Fix: pass the loss as the float your model computed.")
+    if _real(loss) is None:
         raise TypeError(f"loss must be a number or a 1-element array, got loss={short_repr(loss)} "
                         f"({type(loss).__name__}). Fix: pass the loss value, e.g. loss=loss.item().")
 

@@ -33,7 +33,7 @@ from .adapters import iter_params
 from .config import FIXED_ONE, LossScaleConfig
 from .engine import LossScaler, make_iteration
 from .grads import GradBuffer, _check_max_norm
-from .guard import StepGuard, Verdict, check_guard, why
+from .guard import StepGuard, Verdict, check_guard, verdict_field, why
 from .noop import NoOpLossScaler
 from .overflow import OverflowReport, build_report, check_diagnose
 from .parameter import Parameter
@@ -89,10 +89,8 @@ class StepMetrics:
         """None when applied, else why (``"overflow"``, or polyamp.StepGuard's reasons)."""
         return why(self.verdict, self.skipped)
 
-    @property
-    def loss_spike(self) -> bool | None:
-        """Whether the guard found the loss a spike, also on an overflow step (None: not judged)."""
-        return None if self.verdict is None else self.verdict.loss_spike
+    loss_spike = verdict_field("loss_spike", "Whether the guard found the loss a spike, also on an overflow "
+                               "step (None: not judged).")
 
 
 class MixedPrecisionTrainer:

@@ -368,9 +368,10 @@ def test_state_dict_round_trip_and_older_checkpoints():
     smaller = LossScaler(guard=StepGuard(max_grad_norm=1.0, grad_norm_zscore=3.0, window=2, min_history=2))
     smaller.load_state_dict(sd)
     assert smaller.guard_history.grad_norm == scaler.guard_history.grad_norm[-2:]
-    bad = {**sd, "guard": {**sd["guard"], "grad_norm": [1.0, "x"]}}
-    with pytest.raises(polyamp.StateDictError, match=r"state_dict\['guard'\]\['grad_norm'\]"):
-        again.load_state_dict(bad)
+    for wrong in ("x", 10**400):  # an int float64 cannot hold: the StateDictError too, not an OverflowError
+        bad = {**sd, "guard": {**sd["guard"], "grad_norm": [1.0, wrong]}}
+        with pytest.raises(polyamp.StateDictError, match=r"state_dict\['guard'\]\['grad_norm'\]"):
+            again.load_state_dict(bad)
     assert again.guard_history == scaler.guard_history  # a failed load changes nothing
 
 
