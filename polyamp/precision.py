@@ -18,7 +18,7 @@ from ._errors import ConfigError
 from ._precision_counts import Layout, Measured
 from ._precision_report import PrecisionReport, TargetCounts, TensorPrecision
 from ._precision_targets import FORMATS, NAMED_SCALES, Bounds, FloatFormat, Target
-from .config import _plain, fits_float, short_repr
+from .config import _plain, fits_float, is_real, short_repr
 
 __all__ = ["FloatFormat", "Measured", "PrecisionMeter", "PrecisionReport", "Target", "TargetCounts",
            "TensorPrecision"]
@@ -88,8 +88,7 @@ def _check_scale(scale: Any) -> None:
                               f"{tuple(scale.shape)}. Fix: pass the loss scale, e.g. scaler.get_scale().")
         return
     value = _plain(scale, integral=False)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not fits_float(value) or not (
-            math.isfinite(value) and value > 0):
+    if not (is_real(value) and math.isfinite(value) and value > 0):
         raise ConfigError(f"scale must be the loss scale, a finite number > 0, for the meter's 'loss' "
                           f"targets, got scale={short_repr(scale)}. Fix: pass the scale the gradients "
                           "were scaled by (e.g. scaler.get_scale()), or only targets with a number.")
